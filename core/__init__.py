@@ -1,0 +1,19 @@
+"""vtoken.core: the pure-Python vToken runtime (standard library only).
+
+Token tables, a block pool, two relocation planners, the reclamation manager,
+eviction policies, executable invariants and metrics. Every other part of
+vtoken (spec, fuzz, integration) drives this code.
+"""
+
+from .block_pool import BlockAllocator, BlockPool, Purpose, blocks_needed
+from .compact import choose_sources, plan_compaction
+from .copy_engine import CopyEngine, CopyHandle, CopyStatus
+from .densify import plan_densify
+from .errors import *  # noqa: F401,F403  (the error hierarchy is part of the API)
+from .inmemory import InMemoryCopyEngine, TagStore
+from .metrics import MemoryMetrics, measure
+from .plan import NoPlan, NoPlanReason, Plan, PlanKind
+from .reclamation import Ordering, PlanRecord, PlanState, ReclaimConfig, ReclamationManager
+from .runtime import AdmissionClosedError, ReadPath, StepInputs, StepRequest, VTokenRuntime
+from .scores import TokenScores
+from .token_table import NO_SLOT, Move, RequestSnapshot, TokenTable

@@ -1,0 +1,177 @@
+"""The block allocator contract and its in-memory implementation.
+
+vtoken never owns GPU memory; it borrows blocks from the serving engine's
+allocator through ``BlockAllocator``. ``BlockPool`` is the reference
+implementation used by tests, the simulator and the fuzzer; the vLLM adapter
+implements the same protocol over vLLM's ``BlockPool``.
+
+Invariants (docs/spec.md, P1-P3):
+  P1  a block is free iff its ref count is 0, and every free block is in the
+      free queue exactly once;
+  P2  ``num_free == len(free queue)`` and ``num_free + allocated == num_blocks``;
+  P3  admission allocations never leave fewer than ``headroom`` free blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from collections import Counter, deque
+from typing import Iterable, Protocol, Sequence
+
+from .errors import (
+    BlockOutOfRangeError,
+    ConfigError,
+    DoubleFreeError,
+    HeadroomReservedError,
+    InvariantViolation,
+    PoolExhaustedError,
+)
+
+
+class Purpose(enum.Enum):
+    """Why blocks are allocated; decides whether the evacuation headroom may be used."""
+
+    ADMISSION = "admission"  # any growth of a request's KV: new requests and appends
+    EVACUATION = "evacuation"  # destination blocks of a relocation plan
+
+
+class BlockAllocator(Protocol):
+    """What the core needs from a block allocator. Small on purpose: the vLLM adapter implements it."""
+
+    block_size: int
+    num_blocks: int
+    headroom: int
+
+    @property
+    def num_free(self) -> int: ...
+
+    def can_allocate(self, n: int, purpose: Purpose) -> bool: ...
+
+    def allocate(self, n: int, purpose: Purpose) -> list[int]: ...
+
+    def free(self, block_ids: Iterable[int]) -> None: ...
+
+    def share(self, block_id: int) -> None: ...
+
+    def ref_count(self, block_id: int) -> int: ...
+
+
+class BlockPool:
+    """A fixed pool of ``num_blocks`` blocks of ``block_size`` tokens with ref counts.
+
+    ``headroom`` blocks are carved out of the same pool for evacuation: admission
+    allocations must leave at least that many blocks free, evacuation
+    allocations may take them. Blocks are handed out in FIFO order of release,
+    which keeps every run deterministic.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, headroom: int = 0) -> None:
+        if num_blocks <= 0:
+            raise ConfigError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {block_size}")
+        if not 0 <= headroom < num_blocks:
+            raise ConfigError(f"headroom must be in [0, num_blocks={num_blocks}), got {headroom}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.headroom = headroom
+        self._ref = array("I", bytes(4 * num_blocks))
+        self._free: deque[int] = deque(range(num_blocks))
+
+    # ---- queries -------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_allocated(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        self._check_range(block_id)
+        return self._ref[block_id]
+
+    def is_allocated(self, block_id: int) -> bool:
+        return self.ref_count(block_id) > 0
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, in the order blocks will be handed out."""
+        return list(self._free)
+
+    def can_allocate(self, n: int, purpose: Purpose) -> bool:
+        reserve = self.headroom if purpose is Purpose.ADMISSION else 0
+        return 0 <= n <= len(self._free) - reserve
+
+    # ---- mutations -----------------------------------------------------------
+    def allocate(self, n: int, purpose: Purpose) -> list[int]:
+        """Take ``n`` free blocks, each with ref count 1."""
+        if n < 0:
+            raise PoolExhaustedError(f"cannot allocate a negative number of blocks ({n})")
+        if not self.can_allocate(n, purpose):
+            if purpose is Purpose.ADMISSION and n <= len(self._free):
+                raise HeadroomReservedError(
+                    f"admission of {n} blocks would leave {len(self._free) - n} free, "
+                    f"below the evacuation headroom of {self.headroom}"
+                )
+            raise PoolExhaustedError(f"{purpose.value} needs {n} blocks, {len(self._free)} free")
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            assert self._ref[b] == 0, f"block {b} in the free queue with ref count {self._ref[b]}"
+            self._ref[b] = 1
+        return blocks
+
+    def share(self, block_id: int) -> None:
+        """Add a reference to an allocated block (a request reusing a cached prefix block)."""
+        self._check_range(block_id)
+        if self._ref[block_id] == 0:
+            raise DoubleFreeError(f"cannot share block {block_id}: it is free")
+        self._ref[block_id] += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference per listed id; a block whose count reaches 0 joins the free queue.
+
+        The whole batch is validated first, so a rejected call frees nothing.
+        """
+        ids = list(block_ids)
+        drops = Counter(ids)
+        for b, k in drops.items():
+            self._check_range(b)
+            if self._ref[b] < k:
+                raise DoubleFreeError(
+                    f"block {b} freed {k} time(s) but holds {self._ref[b]} reference(s)"
+                )
+        for b in ids:
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free.append(b)
+
+    # ---- helpers -------------------------------------------------------------
+    def _check_range(self, block_id: int) -> None:
+        if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
+            raise BlockOutOfRangeError(f"block {block_id!r} outside the pool [0, {self.num_blocks})")
+
+    def snapshot(self) -> tuple:
+        """The full state, for tests that check a rejected call changed nothing."""
+        return (tuple(self._ref), tuple(self._free))
+
+    def check(self) -> None:
+        """P1 and P2; raises InvariantViolation naming the block at fault."""
+        seen: set[int] = set()
+        for b in self._free:
+            if b in seen:
+                raise InvariantViolation("P1", f"block {b} is in the free queue twice")
+            seen.add(b)
+            if self._ref[b] != 0:
+                raise InvariantViolation("P1", f"block {b} is free but has ref count {self._ref[b]}")
+        for b in range(self.num_blocks):
+            if self._ref[b] == 0 and b not in seen:
+                raise InvariantViolation("P1", f"block {b} has ref count 0 but is not in the free queue")
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """ceil(num_tokens / block_size): the ideal packed footprint of ``num_tokens``."""
+    return -(-num_tokens // block_size)
+
+
+__all__: Sequence[str] = ["Purpose", "BlockAllocator", "BlockPool", "blocks_needed"]

@@ -1,0 +1,60 @@
+"""The ``CopyEngine`` protocol: how the core asks a device to move K/V entries.
+
+The core decides what moves; an engine moves it. Engines: ``InMemoryCopyEngine``
+(core/inmemory.py, tags instead of tensors, with test controls for late,
+reordered and failed copies), and the torch CPU/CUDA engines of the device
+layer (integration/).
+
+A copy's life: ``submit`` -> PENDING. Then either
+  * it finishes: DONE (every destination holds its source's value), or
+  * it fails: FAILED (it will write nothing more; destinations hold garbage), or
+  * ``order_before_compute`` makes every later compute step and every later
+    copy wait for it (a GPU-side wait_event): ORDERED, and later DONE.
+FAILED, DONE and ORDERED are *settled*: the copy can no longer race with
+anything issued after this point, so the manager may commit (DONE/ORDERED),
+abort (FAILED), and free the blocks it reads or writes.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol, Sequence
+
+from .token_table import Move
+
+
+class CopyStatus(enum.Enum):
+    PENDING = "pending"
+    ORDERED = "ordered"  # not known complete, but all later work is ordered after it
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def settled(self) -> bool:
+        return self is not CopyStatus.PENDING
+
+
+CopyHandle = int
+
+
+class CopyEngine(Protocol):
+    def submit(self, moves: Sequence[Move]) -> CopyHandle:
+        """Start copying every move's K/V (all layers) from source to destination slot.
+
+        Out-of-place: every source is read before any destination is written.
+        """
+        ...
+
+    def poll(self, handle: CopyHandle) -> CopyStatus: ...
+
+    def order_before_compute(self, handle: CopyHandle) -> CopyStatus:
+        """Make later compute and copies wait for this copy, without blocking the host."""
+        ...
+
+    def wait(self, handle: CopyHandle) -> CopyStatus:
+        """Block the host until the copy is DONE or FAILED (the force-sync ablation)."""
+        ...
+
+    def release(self, handle: CopyHandle) -> None:
+        """Forget a settled handle."""
+        ...

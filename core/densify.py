@@ -1,0 +1,42 @@
+"""The ``densify`` planner, for attention kernels that read a dense prefix.
+
+vLLM's stock kernels read keys at positions [0, seq_len) through the block
+table. After eviction, densify moves the live tokens found at positions
+>= n_live into the holes below n_live, so that live tokens occupy exactly
+[0, n_live); the trailing blocks this empties are released and the append
+cursor becomes n_live. Moves never chain: every destination is a hole below
+n_live, every source a position at or above it.
+"""
+
+from __future__ import annotations
+
+from .plan import NoPlan, NoPlanReason, Plan, PlanKind
+from .token_table import Move, RequestSnapshot
+
+
+def plan_densify(snap: RequestSnapshot) -> Plan | NoPlan:
+    S = snap.block_size
+    n = snap.num_live
+    index = {b: i for i, b in enumerate(snap.blocks)}
+    occupied: set[int] = set()
+    movers: list[tuple[int, int]] = []  # (token_id, slot), logical order
+    for t, s in snap.live_slots():
+        pos = index[s // S] * S + s % S
+        occupied.add(pos)
+        if pos >= n:
+            movers.append((t, s))
+    holes = [p for p in range(n) if p not in occupied]
+    assert len(holes) == len(movers), "every live token above n_live has a hole below it"
+    keep = -(-n // S)
+    written = -(-snap.write_pos // S)
+    src_blocks = tuple(snap.blocks[keep:written])
+    if not movers and snap.write_pos == n:
+        return NoPlan(NoPlanReason.ALREADY_DENSE, f"request {snap.req_id!r}")
+    touched = {snap.blocks[p // S] for p in holes} | {s // S for _, s in movers} | set(src_blocks)
+    shared = sorted(touched & snap.shared_blocks)
+    if shared:
+        return NoPlan(NoPlanReason.SHARED_BLOCK, f"request {snap.req_id!r}: blocks {shared}")
+    moves = tuple(
+        Move(t, s // S, s % S, snap.blocks[p // S], p % S) for (t, s), p in zip(movers, holes)
+    )
+    return Plan(PlanKind.DENSIFY, snap.req_id, snap.version, moves, src_blocks, (), n)

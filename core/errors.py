@@ -1,0 +1,75 @@
+"""One exception hierarchy for every rejected call.
+
+Every public operation of the core validates its arguments before it changes
+anything, so catching a ``VTokenError`` means the state is exactly what it was
+before the call. Each class names one kind of mistake; the message names the
+request, token, block or slot at fault.
+"""
+
+
+class VTokenError(Exception):
+    """Root of every error the core raises on bad input or an impossible request."""
+
+
+class UnknownRequestError(VTokenError):
+    """The request id is not registered (never added, finished, or preempted)."""
+
+
+class DuplicateRequestError(VTokenError):
+    """A request id was registered twice."""
+
+
+class TokenOutOfRangeError(VTokenError):
+    """A token id is negative or not yet synced for this request."""
+
+
+class TokenAlreadyEvictedError(VTokenError):
+    """The token was evicted before (double eviction), or a move names a dead token."""
+
+
+class BlockOutOfRangeError(VTokenError):
+    """A block id lies outside the pool."""
+
+
+class BlockNotOwnedError(VTokenError):
+    """A block is not in the request's block list, or already is when it must not be."""
+
+
+class BlockListTooShortError(VTokenError):
+    """The request's blocks cannot hold its tokens (sync_new_tokens)."""
+
+
+class MoveSourceMismatchError(VTokenError):
+    """A move's source (block, offset) is not where the table says the token lives (stale move)."""
+
+
+class DestinationError(VTokenError):
+    """A move's destination is out of range, already claimed, or claimed twice in one batch."""
+
+
+class DoubleFreeError(VTokenError):
+    """A block that is not allocated was freed or shared."""
+
+
+class PoolExhaustedError(VTokenError):
+    """Not enough free blocks for the allocation."""
+
+
+class HeadroomReservedError(PoolExhaustedError):
+    """An admission allocation would dip into the evacuation headroom."""
+
+
+class PlanConflictError(VTokenError):
+    """A plan overlaps an in-flight plan on the same request, or its snapshot is stale (I4)."""
+
+
+class ConfigError(VTokenError):
+    """A configuration value is out of its allowed range."""
+
+
+class InvariantViolation(AssertionError):
+    """An executable invariant (I1-I7) does not hold. Never raised for bad input: it means a bug."""
+
+    def __init__(self, invariant: str, message: str) -> None:
+        super().__init__(f"{invariant}: {message}")
+        self.invariant = invariant

@@ -1,0 +1,153 @@
+"""In-memory devices: a KV store of content tags and a copy engine with test controls.
+
+Real K/V tensors are replaced by one integer tag per slot. A model "writes" a
+token by storing its tag; copies really move tags. If any layer of the core
+loses, duplicates or misdirects a token, the tags read through a request's
+attention slots stop matching its live tokens (I1), which is how the tests,
+the simulator and the fuzzer catch it.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Sequence
+
+from .copy_engine import CopyHandle, CopyStatus
+from .errors import VTokenError
+from .token_table import Move
+
+EMPTY_TAG = 0  # a slot never written
+
+
+class TagStore:
+    """One tag per physical slot of the pool."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.tags = array("q", bytes(8 * num_blocks * block_size))
+
+    def write(self, slot: int, tag: int) -> None:
+        self.tags[slot] = tag
+
+    def read(self, slot: int) -> int:
+        return self.tags[slot]
+
+
+class _Copy:
+    __slots__ = ("moves", "status", "released")
+
+    def __init__(self, moves: tuple[Move, ...]) -> None:
+        self.moves = moves
+        self.status = CopyStatus.PENDING
+        self.released = False
+
+
+class InMemoryCopyEngine:
+    """A copy engine over a ``TagStore``.
+
+    With ``auto_complete`` (the default) a copy is DONE as soon as it is
+    submitted. Without it, copies stay PENDING until the test or fuzzer calls
+    ``complete`` or ``fail`` in any order; ordered copies complete at the next
+    ``before_compute``, as a GPU stream waiting on an event would.
+    """
+
+    def __init__(self, store: TagStore, auto_complete: bool = True) -> None:
+        self.store = store
+        self.auto_complete = auto_complete
+        self._copies: dict[CopyHandle, _Copy] = {}
+        self._next = 1
+        self.events = {"submitted": 0, "completed": 0, "failed": 0, "waited": 0}
+
+    # ---- CopyEngine --------------------------------------------------------------
+    def submit(self, moves: Sequence[Move]) -> CopyHandle:
+        h = self._next
+        self._next += 1
+        self._copies[h] = _Copy(tuple(Move(*m) for m in moves))
+        self.events["submitted"] += 1
+        if self.auto_complete:
+            self._execute(h)
+        return h
+
+    def poll(self, handle: CopyHandle) -> CopyStatus:
+        return self._get(handle).status
+
+    def order_before_compute(self, handle: CopyHandle) -> CopyStatus:
+        c = self._get(handle)
+        if c.status is CopyStatus.PENDING:
+            c.status = CopyStatus.ORDERED
+        return c.status
+
+    def wait(self, handle: CopyHandle) -> CopyStatus:
+        c = self._get(handle)
+        self.events["waited"] += 1
+        if c.status in (CopyStatus.PENDING, CopyStatus.ORDERED):
+            self._execute(handle)
+        return c.status
+
+    def release(self, handle: CopyHandle) -> None:
+        c = self._get(handle)
+        if not c.status.settled:
+            raise VTokenError(f"copy {handle} is still pending; only settled copies can be released")
+        if c.status is CopyStatus.ORDERED:
+            c.released = True  # it still runs before the next compute; forget it then
+        else:
+            del self._copies[handle]
+
+    # ---- the simulated compute stream ---------------------------------------------
+    def before_compute(self) -> None:
+        """A compute step is about to read KV: ordered copies finish first (wait_event)."""
+        for h in sorted(self._copies):
+            if self._copies[h].status is CopyStatus.ORDERED:
+                self._execute(h)
+
+    # ---- test controls -------------------------------------------------------------
+    def pending(self) -> list[CopyHandle]:
+        """Handles that may still write, in submission order."""
+        return [h for h in sorted(self._copies) if self._copies[h].status in (CopyStatus.PENDING, CopyStatus.ORDERED)]
+
+    def moves_of(self, handle: CopyHandle) -> tuple[Move, ...]:
+        return self._get(handle).moves
+
+    def complete(self, handle: CopyHandle) -> None:
+        c = self._get(handle)
+        if c.status not in (CopyStatus.PENDING, CopyStatus.ORDERED):
+            raise VTokenError(f"copy {handle} is {c.status.value}; only pending copies can complete")
+        self._execute(handle)
+
+    def fail(self, handle: CopyHandle, written: int = 0) -> None:
+        """Fail a pending copy after it wrote its first ``written`` destinations."""
+        c = self._get(handle)
+        if c.status is not CopyStatus.PENDING:
+            raise VTokenError(f"copy {handle} is {c.status.value}; only an unordered pending copy can fail")
+        self._drain_ordered_before(handle)
+        self._write(c.moves[:written])
+        c.status = CopyStatus.FAILED
+        self.events["failed"] += 1
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _execute(self, handle: CopyHandle) -> None:
+        self._drain_ordered_before(handle)
+        c = self._copies[handle]
+        self._write(c.moves)
+        c.status = CopyStatus.DONE
+        self.events["completed"] += 1
+        if c.released:
+            del self._copies[handle]
+
+    def _drain_ordered_before(self, handle: CopyHandle) -> None:
+        """Later work runs after every earlier ordered copy (stream order of the event)."""
+        for h in sorted(self._copies):
+            if h < handle and self._copies[h].status is CopyStatus.ORDERED:
+                self._execute(h)
+
+    def _write(self, moves: Sequence[Move]) -> None:
+        S = self.store.block_size
+        values = [self.store.read(m.src_block * S + m.src_offset) for m in moves]  # read all first
+        for m, v in zip(moves, values):
+            self.store.write(m.dst_block * S + m.dst_offset, v)
+
+    def _get(self, handle: CopyHandle) -> _Copy:
+        try:
+            return self._copies[handle]
+        except KeyError:
+            raise VTokenError(f"unknown copy handle {handle!r}") from None

@@ -1,0 +1,73 @@
+"""Pool-wide physical occupancy: how many requests hold a live token in each slot.
+
+Per-request bitmasks say which slots *one* request uses; a shared-prefix block
+is used by several. Eq. 1's n_b counts a slot as occupied when any request
+still needs it, so occupancy is kept here, once for the whole pool, and updated
+in O(1) by every claim and release. This makes the global waste ratio F an
+O(1) read (Stage 1 of the reclamation backend).
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from .errors import InvariantViolation
+
+_MAX_HOLDERS = 2**16 - 1
+
+
+class SlotOccupancy:
+    """Holder counts per slot, distinct occupied slots per block, and their total."""
+
+    __slots__ = ("block_size", "_holders", "_block_live", "live_slots")
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self._holders = array("H", bytes(2 * num_blocks * block_size))
+        self._block_live = array("I", bytes(4 * num_blocks))
+        self.live_slots = 0  # sum over blocks of n_b
+
+    def claim(self, slot: int) -> None:
+        h = self._holders[slot]
+        assert h < _MAX_HOLDERS, f"slot {slot} has {h} holders, the counter's limit"
+        self._holders[slot] = h + 1
+        if h == 0:
+            self._block_live[slot // self.block_size] += 1
+            self.live_slots += 1
+
+    def release(self, slot: int) -> None:
+        h = self._holders[slot]
+        assert h > 0, f"slot {slot} released but no request holds it"
+        self._holders[slot] = h - 1
+        if h == 1:
+            self._block_live[slot // self.block_size] -= 1
+            self.live_slots -= 1
+
+    def holders(self, slot: int) -> int:
+        return self._holders[slot]
+
+    def block_live(self, block_id: int) -> int:
+        """n_b of Eq. 1: distinct occupied slots of the block."""
+        return self._block_live[block_id]
+
+    def state(self) -> tuple[bytes, bytes, int]:
+        return (self._holders.tobytes(), self._block_live.tobytes(), self.live_slots)
+
+    def check_against(self, expected_holders: dict[int, int]) -> None:
+        """Compare with holder counts recomputed from the request tables (I2, occupancy part)."""
+        S = self.block_size
+        per_block: dict[int, int] = {}
+        for slot, h in enumerate(self._holders):
+            want = expected_holders.get(slot, 0)
+            if h != want:
+                raise InvariantViolation(
+                    "I2", f"slot {slot} (block {slot // S}, offset {slot % S}) has {h} holder(s) recorded, "
+                    f"{want} in the token tables"
+                )
+            if h:
+                per_block[slot // S] = per_block.get(slot // S, 0) + 1
+        for b, n in enumerate(self._block_live):
+            if n != per_block.get(b, 0):
+                raise InvariantViolation("I2", f"block {b} records {n} live slots, tables give {per_block.get(b, 0)}")
+        if self.live_slots != sum(per_block.values()):
+            raise InvariantViolation("I2", f"live slot total {self.live_slots} != {sum(per_block.values())}")

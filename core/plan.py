@@ -1,0 +1,83 @@
+"""What a relocation planner produces: a ``Plan``, or a typed ``NoPlan`` saying why not.
+
+A plan is computed from one ``RequestSnapshot`` and is only committed if the
+request's layout is still the one it was computed from (I4). It is pure data;
+the reclamation manager owns its lifecycle (PLANNED -> COPYING -> COMMITTED or
+ABORTED).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .token_table import Move
+
+
+class PlanKind(enum.Enum):
+    COMPACT = "compact"  # pack low-utilization blocks into fresh ones (gather read path)
+    DENSIFY = "densify"  # fill holes so live tokens occupy positions [0, n_live) (dense read path)
+
+
+class NoPlanReason(enum.Enum):
+    NO_CANDIDATES = "no eligible source blocks"
+    NO_STRICT_DECREASE = "packing would not free more blocks than it uses"
+    NOT_ENOUGH_HEADROOM = "not enough free blocks for the destinations"
+    ALREADY_DENSE = "live tokens already occupy [0, n_live)"
+    SHARED_BLOCK = "a shared-prefix block would be written, read or freed"
+
+
+@dataclass(frozen=True)
+class NoPlan:
+    reason: NoPlanReason
+    detail: str = ""
+
+    def __bool__(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A set of moves for one request, plus the blocks it takes and releases.
+
+    Attributes:
+        kind: which planner made it.
+        req_id: the request.
+        version: ``(layout_version, total_len)`` of the snapshot it was planned from.
+        moves: token relocations; destinations are distinct, sources are live slots.
+        src_blocks: blocks the request gives up at commit (empty of its live tokens by then).
+        dst_blocks: fresh blocks the plan fills (compact only); held by the plan until commit.
+        dense_write_pos: for densify, the append cursor after commit (= n_live).
+    """
+
+    kind: PlanKind
+    req_id: object
+    version: tuple[int, int]
+    moves: tuple[Move, ...]
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...] = ()
+    dense_write_pos: int | None = None
+
+    def __bool__(self) -> bool:
+        return True
+
+    @property
+    def blocks_saved(self) -> int:
+        return len(self.src_blocks) - len(self.dst_blocks)
+
+    def final_layout(self, blocks: list[int], write_pos: int, block_size: int) -> tuple[list[int], int]:
+        """The block list and append cursor after commit, given the request's current ones.
+
+        Compact: destinations take the place of the first source; all sources lie
+        before the cursor block, so the cursor shifts by whole blocks, and blocks
+        appended since planning are kept. Densify: trailing emptied blocks go and
+        the cursor is n_live.
+        """
+        gone = set(self.src_blocks)
+        if self.kind is PlanKind.DENSIFY:
+            assert self.dense_write_pos is not None
+            return [b for b in blocks if b not in gone], self.dense_write_pos
+        at = min(blocks.index(b) for b in self.src_blocks)
+        kept = [b for b in blocks if b not in gone]  # no source precedes ``at``
+        new = kept[:at] + list(self.dst_blocks) + kept[at:]
+        return new, write_pos + (len(self.dst_blocks) - len(self.src_blocks)) * block_size

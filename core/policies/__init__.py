@@ -1,0 +1,23 @@
+"""Eviction policies. Each is one file with only its selection logic (Algorithm 1, line 2)."""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .base import EvictionPolicy, RequestView
+from .h2o import H2O
+from .random_policy import RandomPolicy
+from .scissorhands import Scissorhands
+from .streaming_llm import StreamingLLM
+
+POLICIES = {"h2o": H2O, "streaming_llm": StreamingLLM, "scissorhands": Scissorhands, "random": RandomPolicy}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ConfigError(f"policy must be one of {sorted(POLICIES)}, got {name!r}") from None
+
+
+__all__ = ["EvictionPolicy", "RequestView", "H2O", "StreamingLLM", "Scissorhands", "RandomPolicy",
+           "POLICIES", "make_policy"]

@@ -1,0 +1,22 @@
+"""H2O: keep the heavy hitters (highest accumulated attention) and a recent window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import RequestView
+
+
+@dataclass(frozen=True)
+class H2O:
+    recent_fraction: float = 0.5  # share of the budget kept as the recent window (H2O's default split)
+    name: str = "h2o"
+
+    def select_victims(self, view: RequestView) -> list[int]:
+        if not view.excess:
+            return []
+        recent = max(1, int(view.budget * self.recent_fraction))
+        pool = view.candidates(keep_recent=recent)
+        # lowest accumulated attention first; older first among equals
+        pool.sort(key=lambda t: (view.accumulated(t), t))
+        return pool[: view.excess]

@@ -1,0 +1,21 @@
+"""StreamingLLM: keep the first few tokens (attention sinks) and a recent window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import RequestView
+
+
+@dataclass(frozen=True)
+class StreamingLLM:
+    sinks: int = 4
+    name: str = "streaming_llm"
+
+    def select_victims(self, view: RequestView) -> list[int]:
+        if not view.excess:
+            return []
+        sinks = set(view.live[: min(self.sinks, view.budget)])
+        window = max(1, view.budget - len(sinks))
+        middle = [t for t in view.candidates(keep_recent=window) if t not in sinks]
+        return middle[: view.excess]  # the oldest non-sink tokens leave first

@@ -1,0 +1,397 @@
+"""The token table: logical token -> physical (block, offset), per request.
+
+This is the paper's central structure (seed §3.2). Eviction policies talk to
+it in logical token ids; it owns the mapping to physical slots
+(``slot = block_id * block_size + offset``, Eq. 2) and keeps per-block live
+counts so the reclamation backend never scans to find waste.
+
+Storage is compact on purpose (≤ 16 bytes of metadata per token, see
+tests/bench_table_memory.py): one ``array('i')`` of slots per request, where a
+dead token holds ``NO_SLOT``; one bitmask per block of the offsets this request
+holds live tokens in; and a pool-wide ``SlotOccupancy``.
+
+Physical *position* p of a request means ``blocks[p // S] * S + p % S``: the
+request's block list read as one long row, as vLLM's block table is. New tokens
+are written sequentially at the append cursor ``write_pos``; relocation moves
+tokens only to positions before it.
+
+Invariants this module maintains (docs/spec.md):
+  I2  a live token has exactly one slot; no slot is claimed twice by one
+      request; a dead token claims nothing;
+  T1  ``num_live`` equals the number of live tokens, and each block's bitmask
+      has exactly the offsets of this request's live tokens in that block;
+  T2  no claimed slot lies at or after the append cursor.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import Iterable, NamedTuple, Sequence
+
+from .errors import (
+    BlockListTooShortError,
+    BlockNotOwnedError,
+    BlockOutOfRangeError,
+    ConfigError,
+    DestinationError,
+    DuplicateRequestError,
+    MoveSourceMismatchError,
+    TokenAlreadyEvictedError,
+    TokenOutOfRangeError,
+    UnknownRequestError,
+)
+from .occupancy import SlotOccupancy
+
+NO_SLOT = -1
+_MAX_SLOTS = 2**31 - 1  # slots are stored as C ints
+
+
+class Move(NamedTuple):
+    """One token relocation, exactly the paper's tuple."""
+
+    token_id: int
+    src_block: int
+    src_offset: int
+    dst_block: int
+    dst_offset: int
+
+
+class RequestTokens:
+    """One request's entries. Mutated only through ``TokenTable``, which validates first."""
+
+    __slots__ = ("slots", "blocks", "masks", "write_pos", "num_live", "layout_version", "last_sync_start")
+
+    def __init__(self) -> None:
+        self.slots = array("i")  # logical token id -> slot, NO_SLOT when dead
+        self.blocks: list[int] = []  # block list; position p lives in blocks[p // S]
+        self.masks: dict[int, int] = {}  # block -> bitmask of offsets held by live tokens
+        self.write_pos = 0  # the append cursor (a position)
+        self.num_live = 0
+        self.layout_version = 0  # bumped by every relocation or block-list rewrite
+        self.last_sync_start = 0  # first token id of the latest sync_new_tokens
+
+    @property
+    def total_len(self) -> int:
+        return len(self.slots)
+
+
+@dataclass(frozen=True)
+class RequestSnapshot:
+    """A consistent, immutable copy of one request's layout, the only input of the planners (I4)."""
+
+    req_id: object
+    block_size: int
+    blocks: tuple[int, ...]
+    masks: tuple[int, ...]  # parallel to ``blocks``
+    slots: bytes  # the slot array's raw bytes; decoded lazily by ``live_slots``
+    write_pos: int
+    num_live: int
+    total_len: int
+    layout_version: int
+    shared_blocks: frozenset[int]  # blocks with ref count > 1 at snapshot time
+
+    def live_slots(self) -> list[tuple[int, int]]:
+        """(token_id, slot) for every live token, in logical order."""
+        slots = array("i")
+        slots.frombytes(self.slots)
+        return [(t, s) for t, s in enumerate(slots) if s != NO_SLOT]
+
+    def live_count(self, index: int) -> int:
+        return self.masks[index].bit_count()
+
+    @property
+    def version(self) -> tuple[int, int]:
+        return (self.layout_version, self.total_len)
+
+
+class TokenTable:
+    """All requests' token tables, plus the pool-wide slot occupancy they share.
+
+    The three mutations are the paper's: ``sync_new_tokens``, ``evict_token``,
+    ``apply_moves``. Block-list rewrites (``set_layout``) and request
+    registration are used only by the runtime and the reclamation manager.
+    Every mutation validates everything before changing anything.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ConfigError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        if num_blocks * block_size > _MAX_SLOTS:
+            raise ConfigError(f"{num_blocks} blocks x {block_size} slots exceeds {_MAX_SLOTS} slots")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.occupancy = SlotOccupancy(num_blocks, block_size)
+        self._requests: dict[object, RequestTokens] = {}
+
+    # ---- registration ------------------------------------------------------------
+    def add_request(self, req_id: object) -> None:
+        if req_id in self._requests:
+            raise DuplicateRequestError(f"request {req_id!r} is already registered")
+        self._requests[req_id] = RequestTokens()
+
+    def remove_request(self, req_id: object) -> list[int]:
+        """Forget a request (finish or preemption); returns its block list for the caller to free."""
+        r = self._get(req_id)
+        for s in r.slots:
+            if s != NO_SLOT:
+                self.occupancy.release(s)
+        del self._requests[req_id]
+        return list(r.blocks)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._requests
+
+    def request_ids(self) -> list[object]:
+        return list(self._requests)
+
+    # ---- the three mutations ------------------------------------------------------
+    def sync_new_tokens(self, req_id: object, block_ids: Sequence[int], total_len: int) -> list[int]:
+        """Register tokens up to ``total_len`` and append ``block_ids`` to the block list.
+
+        New tokens get consecutive logical ids and consecutive positions from the
+        append cursor. Returns their write slots.
+        """
+        r = self._get(req_id)
+        S = self.block_size
+        if not isinstance(total_len, int) or total_len < r.total_len:
+            raise TokenOutOfRangeError(
+                f"request {req_id!r}: total_len {total_len!r} is below the synced length {r.total_len}"
+            )
+        new_ids = list(block_ids)
+        seen: set[int] = set()
+        for b in new_ids:
+            self._check_block(b)
+            if b in seen or b in r.masks:
+                raise BlockNotOwnedError(f"request {req_id!r}: block {b} is already in its block list")
+            seen.add(b)
+        n_new = total_len - r.total_len
+        capacity = (len(r.blocks) + len(new_ids)) * S
+        if r.write_pos + n_new > capacity:
+            raise BlockListTooShortError(
+                f"request {req_id!r}: {n_new} new tokens from position {r.write_pos} need "
+                f"{r.write_pos + n_new} slots, its {len(r.blocks) + len(new_ids)} blocks hold {capacity}"
+            )
+        # -- validated; mutate --
+        for b in new_ids:
+            r.blocks.append(b)
+            r.masks[b] = 0
+        r.last_sync_start = r.total_len
+        out = []
+        for p in range(r.write_pos, r.write_pos + n_new):
+            b, o = r.blocks[p // S], p % S
+            slot = b * S + o
+            r.masks[b] |= 1 << o
+            self.occupancy.claim(slot)
+            r.slots.append(slot)
+            out.append(slot)
+        r.write_pos += n_new
+        r.num_live += n_new
+        return out
+
+    def evict_token(self, req_id: object, token_id: int) -> None:
+        """Mark a token dead. Metadata only: nothing moves, nothing is freed."""
+        r = self._get(req_id)
+        slot = self._live_slot(req_id, r, token_id)
+        b, o = divmod(slot, self.block_size)
+        r.masks[b] &= ~(1 << o)
+        self.occupancy.release(slot)
+        r.slots[token_id] = NO_SLOT
+        r.num_live -= 1
+
+    def apply_moves(self, req_id: object, moves: Iterable[Move]) -> None:
+        """Atomically relocate live tokens whose K/V has been copied (I2).
+
+        All sources are vacated and all destinations claimed together, so a
+        batch may move a token into a slot another move of the batch vacates.
+        A destination must be in the request's block list, before the append
+        cursor, and unclaimed by any request once the batch's sources are vacated.
+        """
+        r = self._get(req_id)
+        S = self.block_size
+        batch = [Move(*m) for m in moves]
+        index = {b: i for i, b in enumerate(r.blocks)}
+        tokens: set[int] = set()
+        vacated: set[int] = set()
+        for m in batch:
+            slot = self._live_slot(req_id, r, m.token_id)
+            if m.token_id in tokens:
+                raise MoveSourceMismatchError(f"request {req_id!r}: token {m.token_id} moved twice in one batch")
+            tokens.add(m.token_id)
+            if (m.src_block, m.src_offset) != divmod(slot, S):
+                raise MoveSourceMismatchError(
+                    f"request {req_id!r}: move of token {m.token_id} names source "
+                    f"({m.src_block}, {m.src_offset}) but the table has slot {slot} "
+                    f"= ({slot // S}, {slot % S})"
+                )
+            vacated.add(slot)
+        claimed: set[int] = set()
+        for m in batch:
+            if not (isinstance(m.dst_block, int) and 0 <= m.dst_block < self.num_blocks
+                    and isinstance(m.dst_offset, int) and 0 <= m.dst_offset < S):
+                raise DestinationError(
+                    f"request {req_id!r}: token {m.token_id} destination ({m.dst_block}, {m.dst_offset}) "
+                    f"is outside the pool ({self.num_blocks} blocks of {S})"
+                )
+            if m.dst_block not in index:
+                raise BlockNotOwnedError(
+                    f"request {req_id!r}: token {m.token_id} destination block {m.dst_block} is not in its block list"
+                )
+            dst = m.dst_block * S + m.dst_offset
+            if index[m.dst_block] * S + m.dst_offset >= r.write_pos:
+                raise DestinationError(
+                    f"request {req_id!r}: token {m.token_id} destination slot {dst} is at or after "
+                    f"the append cursor (position {r.write_pos}); appends would overwrite it"
+                )
+            if dst in claimed:
+                raise DestinationError(f"request {req_id!r}: slot {dst} is the destination of two moves")
+            holders = self.occupancy.holders(dst) - (1 if dst in vacated else 0)
+            if holders:
+                raise DestinationError(
+                    f"request {req_id!r}: token {m.token_id} destination slot {dst} "
+                    f"({m.dst_block}, {m.dst_offset}) is occupied by a live token"
+                )
+            claimed.add(dst)
+        # -- validated; mutate atomically --
+        for m in batch:
+            slot = r.slots[m.token_id]
+            r.masks[slot // S] &= ~(1 << (slot % S))
+            self.occupancy.release(slot)
+        for m in batch:
+            r.masks[m.dst_block] |= 1 << m.dst_offset
+            self.occupancy.claim(m.dst_block * S + m.dst_offset)
+            r.slots[m.token_id] = m.dst_block * S + m.dst_offset
+        r.layout_version += 1
+
+    # ---- block-list rewrites (reclamation only) -------------------------------------
+    def set_layout(self, req_id: object, blocks: Sequence[int], write_pos: int) -> None:
+        """Replace the block list and append cursor (attach destinations, drop emptied sources).
+
+        Every block holding a live token of the request must stay; no live token
+        may end up at or after the new cursor (T2).
+        """
+        r = self._get(req_id)
+        S = self.block_size
+        new = list(blocks)
+        if len(set(new)) != len(new):
+            raise BlockNotOwnedError(f"request {req_id!r}: new block list {new} repeats a block")
+        for b in new:
+            self._check_block(b)
+        if not isinstance(write_pos, int) or not 0 <= write_pos <= len(new) * S:
+            raise BlockListTooShortError(
+                f"request {req_id!r}: cursor {write_pos!r} outside its {len(new)} blocks of {S}"
+            )
+        keep = set(new)
+        for b, mask in r.masks.items():
+            if mask and b not in keep:
+                raise BlockNotOwnedError(
+                    f"request {req_id!r}: block {b} still holds {mask.bit_count()} live token(s) "
+                    f"and cannot leave its block list"
+                )
+        for i, b in enumerate(new):
+            first_free = max(0, write_pos - i * S)  # offsets of block i at or after the cursor
+            if r.masks.get(b, 0) >> first_free:
+                raise DestinationError(
+                    f"request {req_id!r}: block {b} holds live tokens at or after cursor {write_pos}"
+                )
+        # -- validated; mutate --
+        r.masks = {b: r.masks.get(b, 0) for b in new}
+        r.blocks = new
+        r.write_pos = write_pos
+        r.layout_version += 1
+
+    # ---- views ----------------------------------------------------------------------
+    def num_live(self, req_id: object) -> int:
+        return self._get(req_id).num_live
+
+    def total_len(self, req_id: object) -> int:
+        return self._get(req_id).total_len
+
+    def write_pos(self, req_id: object) -> int:
+        return self._get(req_id).write_pos
+
+    def layout_version(self, req_id: object) -> int:
+        return self._get(req_id).layout_version
+
+    def block_ids(self, req_id: object) -> list[int]:
+        return list(self._get(req_id).blocks)
+
+    def is_live(self, req_id: object, token_id: int) -> bool:
+        r = self._get(req_id)
+        self._check_token(req_id, r, token_id)
+        return r.slots[token_id] != NO_SLOT
+
+    def slot_of(self, req_id: object, token_id: int) -> int:
+        """The token's slot, or NO_SLOT if it was evicted."""
+        r = self._get(req_id)
+        self._check_token(req_id, r, token_id)
+        return r.slots[token_id]
+
+    def live_token_ids(self, req_id: object) -> list[int]:
+        """Live logical token ids, ascending."""
+        return [t for t, s in enumerate(self._get(req_id).slots) if s != NO_SLOT]
+
+    def attention_slots(self, req_id: object) -> list[int]:
+        """Eq. 2: the slots of live tokens, in logical order. What the gather read path reads."""
+        return [s for s in self._get(req_id).slots if s != NO_SLOT]
+
+    def write_slots(self, req_id: object) -> list[int]:
+        """Slots of the tokens added by the latest sync (NO_SLOT for any evicted since)."""
+        r = self._get(req_id)
+        return r.slots[r.last_sync_start:].tolist()
+
+    def block_live_counts(self, req_id: object) -> dict[int, int]:
+        """Live tokens of this request per block of its block list (incrementally maintained)."""
+        return {b: m.bit_count() for b, m in self._get(req_id).masks.items()}
+
+    def snapshot(self, req_id: object, shared_blocks: Iterable[int] = ()) -> RequestSnapshot:
+        r = self._get(req_id)
+        shared = frozenset(b for b in shared_blocks if b in r.masks)
+        return RequestSnapshot(
+            req_id=req_id,
+            block_size=self.block_size,
+            blocks=tuple(r.blocks),
+            masks=tuple(r.masks[b] for b in r.blocks),
+            slots=r.slots.tobytes(),
+            write_pos=r.write_pos,
+            num_live=r.num_live,
+            total_len=r.total_len,
+            layout_version=r.layout_version,
+            shared_blocks=shared,
+        )
+
+    def state(self) -> tuple:
+        """Every field of every request, for tests proving a rejected call changed nothing."""
+        return (
+            tuple(
+                (k, r.slots.tobytes(), tuple(r.blocks), tuple(sorted(r.masks.items())), r.write_pos,
+                 r.num_live, r.layout_version, r.last_sync_start)
+                for k, r in self._requests.items()
+            ),
+            self.occupancy.state(),
+        )
+
+    # ---- helpers --------------------------------------------------------------------
+    def _get(self, req_id: object) -> RequestTokens:
+        try:
+            return self._requests[req_id]
+        except (KeyError, TypeError):
+            raise UnknownRequestError(f"unknown request {req_id!r}") from None
+
+    def _check_block(self, b: int) -> None:
+        if not isinstance(b, int) or not 0 <= b < self.num_blocks:
+            raise BlockOutOfRangeError(f"block {b!r} outside the pool [0, {self.num_blocks})")
+
+    @staticmethod
+    def _check_token(req_id: object, r: RequestTokens, token_id: int) -> None:
+        if not isinstance(token_id, int) or not 0 <= token_id < r.total_len:
+            raise TokenOutOfRangeError(
+                f"request {req_id!r}: token {token_id!r} outside its synced tokens [0, {r.total_len})"
+            )
+
+    def _live_slot(self, req_id: object, r: RequestTokens, token_id: int) -> int:
+        self._check_token(req_id, r, token_id)
+        slot = r.slots[token_id]
+        if slot == NO_SLOT:
+            raise TokenAlreadyEvictedError(f"request {req_id!r}: token {token_id} is already evicted")
+        return slot

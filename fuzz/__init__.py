@@ -1,0 +1,1 @@
+"""vtoken.fuzz: Hypothesis state machines and the `vtoken fuzz` campaign runner. Filled by the fuzzer issue."""
