@@ -101,7 +101,8 @@ class BlockPool:
 
     def can_allocate(self, n: int, purpose: Purpose) -> bool:
         reserve = self.headroom if purpose is Purpose.ADMISSION else 0
-        return 0 <= n <= len(self._free) - reserve
+        # taking nothing never dips into the headroom, even while evacuation has borrowed it
+        return n == 0 or 0 <= n <= len(self._free) - reserve
 
     # ---- mutations -----------------------------------------------------------
     def allocate(self, n: int, purpose: Purpose) -> list[int]:

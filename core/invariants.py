@@ -224,7 +224,7 @@ def check_i7_dense_prefix(sys) -> None:
         index = {b: i for i, b in enumerate(blocks)}
         positions = sorted(index[s // S] * S + s % S for s in table.attention_slots(r))
         if positions != list(range(len(positions))) or table.write_pos(r) != len(positions):
-            hole = next((p for i, p in enumerate(positions) if p != i), len(positions))
+            hole = next((i for i, p in enumerate(positions) if p != i), len(positions))
             raise InvariantViolation(
                 "I7", f"request {r!r}: {len(positions)} live tokens are not dense; first gap at position "
                 f"{hole}, cursor {table.write_pos(r)}"

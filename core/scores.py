@@ -46,11 +46,12 @@ class TokenScores:
             raise ConfigError(f"request {req_id!r}: {len(token_ids)} tokens but {len(weights)} weights")
         if not token_ids:
             return
+        for t in token_ids:  # validate the whole row before changing anything
+            if not 0 <= t < len(acc):
+                raise TokenOutOfRangeError(f"request {req_id!r}: score for unknown token {t}")
         mean = 1.0 / len(token_ids)
         d = self.decay
         for t, w in zip(token_ids, weights):
-            if not 0 <= t < len(acc):
-                raise TokenOutOfRangeError(f"request {req_id!r}: score for unknown token {t}")
             acc[t] += w
             per[t] = per[t] * d + (1.0 if w >= mean else 0.0)
 

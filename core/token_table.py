@@ -57,6 +57,17 @@ class Move(NamedTuple):
     dst_offset: int
 
 
+def _as_move(req_id: object, m: object) -> Move:
+    """Shape only; each field's type and range is checked where it is used."""
+    try:
+        return Move(*m)  # type: ignore[misc]
+    except TypeError:
+        raise MoveSourceMismatchError(
+            f"request {req_id!r}: malformed move {m!r}; expected "
+            f"(token_id, src_block, src_offset, dst_block, dst_offset)"
+        ) from None
+
+
 class RequestTokens:
     """One request's entries. Mutated only through ``TokenTable``, which validates first."""
 
@@ -209,7 +220,7 @@ class TokenTable:
         """
         r = self._get(req_id)
         S = self.block_size
-        batch = [Move(*m) for m in moves]
+        batch = [_as_move(req_id, m) for m in moves]
         index = {b: i for i, b in enumerate(r.blocks)}
         tokens: set[int] = set()
         vacated: set[int] = set()

@@ -1,0 +1,524 @@
+"""The reclamation manager: plan lifecycle PLANNED -> COPYING -> COMMITTED | ABORTED, with concrete layouts.
+
+The standard scene (``wasteful()``): a pool of 6 blocks of 4 slots with a headroom of 2.
+Request "a" holds 14 tokens in blocks [0, 1, 2, 3] (slots 0..13, cursor 14), then
+tokens 1-6, 10 and 11 are evicted, leaving live tokens 0 | 7 | 8 9 | 12 13:
+
+    block 0: [0 . . .]   block 1: [. . . 7]   block 2: [8 9 . .]   block 3: [12 13 | cursor]
+
+The compact planner packs blocks 0, 1, 2 (4 live tokens) into one fresh block (4),
+taken from the headroom; after commit the request holds [4, 3] with cursor 6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from vtoken.core.block_pool import BlockPool, Purpose, blocks_needed
+from vtoken.core.copy_engine import CopyStatus
+from vtoken.core.errors import ConfigError, PlanConflictError, PoolExhaustedError, VTokenError
+from vtoken.core.inmemory import EMPTY_TAG, InMemoryCopyEngine, TagStore
+from vtoken.core.invariants import check_all
+from vtoken.core.plan import NoPlan, NoPlanReason, PlanKind
+from vtoken.core.reclamation import (
+    Ordering,
+    PlanRecord,
+    PlanState,
+    ReclaimConfig,
+    ReclamationManager,
+)
+from vtoken.core.runtime import VTokenRuntime
+from vtoken.core.token_table import NO_SLOT, Move, TokenTable
+
+REQ_BASE = {"a": 1000, "b": 2000}
+EVICT = [1, 2, 3, 4, 5, 6, 10, 11]
+LIVE = [0, 7, 8, 9, 12, 13]
+COMPACT_MOVES = (Move(0, 0, 0, 4, 0), Move(7, 1, 3, 4, 1), Move(8, 2, 0, 4, 2), Move(9, 2, 1, 4, 3))
+STALE = "layout changed since the snapshot (I4)"
+LEFT = "request left while its plan was in flight"
+
+
+def tag(req, t: int) -> int:
+    return REQ_BASE[req] + t + 1
+
+
+class System:
+    """Pool, table, tag store, engine and manager wired by hand (what the runtime does, minus policy)."""
+
+    def __init__(self, num_blocks=6, block_size=4, headroom=2, config=None, auto_complete=False):
+        self.pool = BlockPool(num_blocks, block_size, headroom)
+        self.table = TokenTable(num_blocks, block_size)
+        self.store = TagStore(num_blocks, block_size)
+        self.engine = InMemoryCopyEngine(self.store, auto_complete=auto_complete)
+        self.manager = ReclamationManager(self.pool, self.table, self.engine, config or ReclaimConfig())
+
+    def append(self, req, n: int) -> list[int]:
+        """Grow a request by n tokens (admission allocation) and write their content tags."""
+        if req not in self.table:
+            self.table.add_request(req)
+        S = self.pool.block_size
+        grow = blocks_needed(self.table.write_pos(req) + n, S) - len(self.table.block_ids(req))
+        blocks = self.pool.allocate(max(0, grow), Purpose.ADMISSION)
+        start = self.table.total_len(req)
+        slots = self.table.sync_new_tokens(req, blocks, start + n)
+        for t, s in zip(range(start, start + n), slots):
+            self.store.write(s, tag(req, t))
+        return slots
+
+    def remove(self, req) -> None:
+        blocks = self.table.remove_request(req)
+        self.manager.on_request_removed(req, blocks)
+
+    def check(self) -> int:
+        return check_all(self, tag)
+
+
+def wasteful(**cfg) -> System:
+    sys_kwargs = {k: cfg.pop(k) for k in ("num_blocks", "headroom") if k in cfg}
+    s = System(config=ReclaimConfig(**cfg), **sys_kwargs)
+    assert s.append("a", 14) == list(range(14))
+    for t in EVICT:
+        s.table.evict_token("a", t)
+    assert s.table.live_token_ids("a") == LIVE
+    assert s.table.block_ids("a") == [0, 1, 2, 3]
+    return s
+
+
+def launched(**cfg) -> tuple[System, PlanRecord]:
+    s = wasteful(**cfg)
+    rec = s.manager.plan_request("a")
+    s.manager.launch()
+    return s, rec
+
+
+# ---- Stage 3: a plan is made -------------------------------------------------------------
+def test_plan_is_planned_and_its_destination_comes_from_the_headroom():
+    s = wasteful()
+    assert s.pool.free_block_ids() == [4, 5]
+    # the two free blocks are the headroom: admission may not take one, evacuation may
+    assert not s.pool.can_allocate(1, Purpose.ADMISSION)
+    assert s.pool.can_allocate(1, Purpose.EVACUATION)
+    rec = s.manager.plan_request("a")
+    assert isinstance(rec, PlanRecord)
+    assert rec.state is PlanState.PLANNED and rec.handle is None and rec.held == ()
+    p = rec.plan
+    assert p.kind is PlanKind.COMPACT and p.req_id == "a"
+    assert p.version == (0, 14)
+    assert p.src_blocks == (0, 1, 2)
+    assert p.dst_blocks == (4,)
+    assert p.moves == COMPACT_MOVES
+    assert p.blocks_saved == 2
+    assert s.pool.free_block_ids() == [5]  # below the headroom of 2: borrowed
+    assert s.pool.ref_count(4) == 1
+    # while it is borrowed, growth that needs no block still goes ahead; growth that needs one waits
+    assert s.pool.can_allocate(0, Purpose.ADMISSION) and s.pool.allocate(0, Purpose.ADMISSION) == []
+    assert not s.pool.can_allocate(1, Purpose.ADMISSION)
+    assert s.manager.in_flight("a") is rec
+    assert s.manager.stats.plans_made == 1
+    assert not s.manager.admission_open()
+    # planning changes no layout and submits nothing
+    assert s.table.block_ids("a") == [0, 1, 2, 3] and s.table.write_pos("a") == 14
+    assert s.table.attention_slots("a") == LIVE
+    assert s.engine.events["submitted"] == 0
+    assert s.check() == 7
+
+
+def test_launch_copies_and_settle_commits_only_when_done():
+    s, rec = launched()
+    assert rec.state is PlanState.COPYING
+    h = rec.handle
+    assert h is not None and s.engine.poll(h) is CopyStatus.PENDING
+    assert s.engine.moves_of(h) == COMPACT_MOVES
+    assert s.manager.pending_copies() == [rec]
+    assert s.manager.settle() == []  # still pending: nothing changes
+    assert rec.state is PlanState.COPYING
+    assert s.table.attention_slots("a") == LIVE and s.table.block_ids("a") == [0, 1, 2, 3]
+    assert s.pool.free_block_ids() == [5]
+    s.check()
+
+    s.engine.complete(h)
+    assert [s.store.read(x) for x in (16, 17, 18, 19)] == [tag("a", t) for t in (0, 7, 8, 9)]
+    assert s.manager.settle() == [rec]
+    assert rec.state is PlanState.COMMITTED
+    assert s.table.block_ids("a") == [4, 3]
+    assert s.table.write_pos("a") == 6
+    assert s.table.attention_slots("a") == [16, 17, 18, 19, 12, 13]
+    assert s.table.live_token_ids("a") == LIVE
+    assert s.table.block_live_counts("a") == {4: 4, 3: 2}
+    assert s.pool.free_block_ids() == [5, 0, 1, 2]  # sources back to the pool, in order
+    assert [s.pool.ref_count(b) for b in range(6)] == [0, 0, 0, 1, 1, 0]
+    st = s.manager.stats
+    assert (st.plans_made, st.plans_committed, st.moves_committed, st.moves_dropped, st.blocks_released) == (
+        1, 1, 4, 0, 2)
+    assert sum(st.plans_aborted.values()) == 0
+    assert s.manager.in_flight("a") is None and s.manager.pending_copies() == []
+    assert s.manager.admission_open()
+    with pytest.raises(VTokenError, match="unknown copy handle"):
+        s.engine.poll(h)  # the handle was released at commit
+    s.check()
+    # appends continue right after the packed prefix, in the kept cursor block
+    assert s.append("a", 1) == [14]
+    assert s.table.block_ids("a") == [4, 3]
+    s.check()
+
+
+def test_event_ordering_commits_while_ordered_and_data_lands_before_compute():
+    s, rec = launched(ordering=Ordering.EVENT)
+    h = rec.handle
+    assert s.engine.poll(h) is CopyStatus.ORDERED
+    assert s.manager.settle() == [rec]
+    assert rec.state is PlanState.COMMITTED
+    assert s.table.attention_slots("a") == [16, 17, 18, 19, 12, 13]
+    assert s.pool.free_block_ids() == [5, 0, 1, 2]
+    # the copy has not run yet: destinations are still empty on the device
+    assert [s.store.read(x) for x in (16, 17, 18, 19)] == [EMPTY_TAG] * 4
+    assert s.engine.pending() == [h]
+    s.check()  # I1 sees the ordered copy as the next forward would
+    s.engine.before_compute()
+    assert [s.store.read(x) for x in (16, 17, 18, 19)] == [tag("a", t) for t in (0, 7, 8, 9)]
+    assert s.engine.pending() == []
+    assert s.engine.events["completed"] == 1
+    s.check()
+
+
+def test_force_sync_waits_for_the_copy_at_launch():
+    s, rec = launched(ordering=Ordering.FORCE_SYNC)
+    assert s.engine.events["waited"] == 1
+    assert s.engine.poll(rec.handle) is CopyStatus.DONE
+    assert [s.store.read(x) for x in (16, 17, 18, 19)] == [tag("a", t) for t in (0, 7, 8, 9)]
+    assert s.manager.settle() == [rec]
+    assert rec.state is PlanState.COMMITTED
+    assert s.table.attention_slots("a") == [16, 17, 18, 19, 12, 13]
+    s.check()
+
+
+@pytest.mark.parametrize("written", [0, 2])
+def test_failed_copy_aborts_and_keeps_the_old_locations(written):
+    s, rec = launched()
+    h = rec.handle
+    assert s.manager.settle() == []
+    assert 4 not in s.pool.free_block_ids() and s.pool.ref_count(4) == 1
+    s.engine.fail(h, written=written)
+    assert s.engine.poll(h) is CopyStatus.FAILED
+    expect = [tag("a", t) for t in (0, 7)][:written] + [EMPTY_TAG] * (4 - written)
+    assert [s.store.read(x) for x in (16, 17, 18, 19)] == expect
+    # the engine has settled, the manager has not yet: the destination is still held
+    assert s.pool.free_block_ids() == [5]
+    assert s.manager.settle() == [rec]
+    assert rec.state is PlanState.ABORTED and rec.abort_reason == "copy failed"
+    assert s.manager.stats.plans_aborted == {"copy failed": 1}
+    assert s.manager.stats.plans_committed == 0
+    assert s.table.block_ids("a") == [0, 1, 2, 3]
+    assert s.table.write_pos("a") == 14
+    assert s.table.attention_slots("a") == LIVE
+    assert s.pool.free_block_ids() == [5, 4]
+    assert s.manager.in_flight("a") is None and s.manager.admission_open()
+    s.check()
+    # a new plan may be made after the abort; it takes the next free block
+    again = s.manager.plan_request("a")
+    assert again.plan.dst_blocks == (5,) and again.plan.src_blocks == (0, 1, 2)
+
+
+# ---- requests that leave while their copy runs ----------------------------------------------
+class Scripted:
+    """Evicts exactly the scripted (request, step) victims."""
+
+    name = "scripted"
+
+    def __init__(self, victims):
+        self.victims = victims
+
+    def select_victims(self, view):
+        return list(self.victims.get((view.req_id, view.step), []))
+
+
+def runtime_mid_copy() -> tuple[VTokenRuntime, InMemoryCopyEngine, PlanRecord]:
+    """The standard scene driven through the runtime: its end_step plans and launches the copy."""
+    pool = BlockPool(6, 4, 2)
+    engine = InMemoryCopyEngine(TagStore(6, 4), auto_complete=False)
+    rt = VTokenRuntime(pool, engine, Scripted({("a", 0): EVICT}), budget=0.4, reclaim=ReclaimConfig())
+    rt.admit("a")
+    rt.begin_step({"a": 14})
+    assert rt.end_step() == {"a": EVICT}
+    rec = rt.manager.in_flight("a")
+    assert rec is not None and rec.state is PlanState.COPYING
+    assert rec.plan.moves == COMPACT_MOVES and rec.plan.dst_blocks == (4,)
+    assert engine.poll(rec.handle) is CopyStatus.PENDING
+    return rt, engine, rec
+
+
+@pytest.mark.parametrize("leave", ["finish", "preempt"])
+@pytest.mark.parametrize("outcome", ["complete", "fail"])
+def test_request_leaving_mid_copy_holds_the_copied_blocks_until_it_settles(leave, outcome):
+    rt, engine, rec = runtime_mid_copy()
+    pool = rt.pool
+    if leave == "finish":
+        rt.finish("a")
+    else:
+        assert rt.preempt("a") == 14
+    assert "a" not in rt.running()
+    # block 3 is untouched by the copy and goes back now; 0, 1, 2 (read) and 4 (written) are held
+    assert pool.free_block_ids() == [5, 3]
+    assert rec.state is PlanState.ABORTED and rec.abort_reason == LEFT
+    assert rec.held == (0, 1, 2, 4)
+    assert rt.manager.orphans == [rec] and rt.manager.in_flight("a") is None
+    assert [pool.ref_count(b) for b in (0, 1, 2, 4)] == [1, 1, 1, 1]
+    assert rt.manager.stats.plans_aborted == {LEFT: 1}
+    assert rt.manager.pending_copies() == [rec]
+    check_all(rt)
+    # the allocator cannot hand out a held block: only 5 and 3 are available
+    got = pool.allocate(2, Purpose.EVACUATION)
+    assert got == [5, 3]
+    with pytest.raises(PoolExhaustedError):
+        pool.allocate(1, Purpose.EVACUATION)
+    pool.free(got)
+    assert rt.manager.settle() == []  # still pending: still held
+    assert pool.free_block_ids() == [5, 3]
+
+    if outcome == "complete":
+        engine.complete(rec.handle)
+    else:
+        engine.fail(rec.handle, written=1)
+    rt.manager.settle()
+    assert rt.manager.orphans == []
+    assert pool.free_block_ids() == [5, 3, 0, 1, 2, 4]
+    assert pool.num_free == 6 and all(pool.ref_count(b) == 0 for b in range(6))
+    assert engine.pending() == []
+    check_all(rt)
+
+
+def test_request_leaving_after_its_copy_finished_frees_everything_at_once():
+    s, rec = launched()
+    s.engine.complete(rec.handle)  # done, but not yet committed by settle
+    s.remove("a")
+    assert s.manager.orphans == []
+    assert rec.state is PlanState.ABORTED
+    assert s.pool.free_block_ids() == [5, 0, 1, 2, 3, 4]
+    with pytest.raises(VTokenError, match="unknown copy handle"):
+        s.engine.poll(rec.handle)
+    s.check()
+
+
+def test_request_leaving_with_a_plan_not_yet_launched_frees_everything():
+    s = wasteful()
+    rec = s.manager.plan_request("a")
+    s.remove("a")
+    assert rec.state is PlanState.ABORTED and s.manager.orphans == []
+    assert s.pool.free_block_ids() == [5, 0, 1, 2, 3, 4]
+    s.manager.launch()
+    assert s.engine.events["submitted"] == 0  # nothing left to launch
+    s.check()
+
+
+# ---- eviction and appends while a copy is in flight ---------------------------------------
+def test_token_evicted_mid_copy_stays_dead_and_its_destination_stays_unclaimed():
+    s, rec = launched()
+    s.table.evict_token("a", 8)
+    s.engine.complete(rec.handle)
+    assert s.manager.settle() == [rec]
+    assert rec.state is PlanState.COMMITTED
+    assert s.manager.stats.moves_dropped == 1
+    assert s.manager.stats.moves_committed == 3
+    assert not s.table.is_live("a", 8) and s.table.slot_of("a", 8) == NO_SLOT
+    assert s.table.live_token_ids("a") == [0, 7, 9, 12, 13]
+    assert s.table.attention_slots("a") == [16, 17, 19, 12, 13]
+    assert s.table.occupancy.holders(18) == 0  # token 8's destination (4, 2)
+    assert s.table.occupancy.block_live(4) == 3
+    assert s.table.block_ids("a") == [4, 3] and s.table.write_pos("a") == 6
+    assert s.table.num_live("a") == 5
+    s.check()
+
+
+def densify_scene() -> tuple[System, PlanRecord]:
+    s = wasteful(planner=PlanKind.DENSIFY)
+    rec = s.manager.plan_request("a")
+    p = rec.plan
+    assert p.kind is PlanKind.DENSIFY
+    assert p.moves == (Move(7, 1, 3, 0, 1), Move(8, 2, 0, 0, 2), Move(9, 2, 1, 0, 3),
+                       Move(12, 3, 0, 1, 0), Move(13, 3, 1, 1, 1))
+    assert p.src_blocks == (2, 3) and p.dst_blocks == () and p.dense_write_pos == 6
+    assert s.pool.free_block_ids() == [4, 5]  # densify allocates nothing
+    s.manager.launch()
+    return s, rec
+
+
+def test_densify_commit_packs_live_tokens_into_the_prefix():
+    s, rec = densify_scene()
+    s.engine.complete(rec.handle)
+    assert s.manager.settle() == [rec]
+    assert rec.state is PlanState.COMMITTED
+    assert s.table.block_ids("a") == [0, 1] and s.table.write_pos("a") == 6
+    assert s.table.attention_slots("a") == [0, 1, 2, 3, 4, 5]
+    assert s.pool.free_block_ids() == [4, 5, 2, 3]
+    assert s.manager.stats.blocks_released == 2
+    s.check()
+
+
+def test_densify_plan_is_aborted_as_stale_when_tokens_were_appended():
+    s, rec = densify_scene()
+    assert s.append("a", 1) == [14]  # token 14 lands in block 3, which the plan would free
+    s.engine.complete(rec.handle)
+    assert s.manager.settle() == [rec]
+    assert rec.state is PlanState.ABORTED and rec.abort_reason == STALE
+    assert s.manager.stats.plans_aborted == {STALE: 1}
+    assert s.manager.stats.plans_committed == 0
+    assert s.table.block_ids("a") == [0, 1, 2, 3] and s.table.write_pos("a") == 15
+    assert s.table.attention_slots("a") == [0, 7, 8, 9, 12, 13, 14]
+    assert s.pool.free_block_ids() == [4, 5]
+    s.check()
+
+
+def test_compact_plan_survives_appends_in_the_cursor_block():
+    s, rec = launched()
+    assert s.append("a", 2) == [14, 15]
+    s.engine.complete(rec.handle)
+    assert s.manager.settle() == [rec]
+    assert rec.state is PlanState.COMMITTED
+    assert s.table.block_ids("a") == [4, 3]
+    assert s.table.write_pos("a") == 8
+    assert s.table.attention_slots("a") == [16, 17, 18, 19, 12, 13, 14, 15]
+    assert s.pool.free_block_ids() == [5, 0, 1, 2]
+    s.check()
+
+
+# ---- I4: one plan per request --------------------------------------------------------------
+def test_second_plan_for_a_request_is_a_conflict_and_changes_nothing():
+    s, rec = launched()
+    before = (s.pool.snapshot(), s.table.state(), s.manager.stats.plans_made)
+    with pytest.raises(PlanConflictError, match="'a' already has a plan in flight"):
+        s.manager.plan_request("a")
+    assert (s.pool.snapshot(), s.table.state(), s.manager.stats.plans_made) == before
+    assert s.manager.plan_round(["a"]) == []  # rounds skip requests with a plan in flight
+    assert s.manager.stats.rounds == 1 and s.manager.in_flight("a") is rec
+    s.engine.complete(rec.handle)
+    s.manager.settle()
+    # after commit the request may be planned again; block 4 is full, so there is nothing to do
+    again = s.manager.plan_request("a")
+    assert isinstance(again, NoPlan) and again.reason is NoPlanReason.NO_CANDIDATES
+    assert s.manager.stats.no_plan[NoPlanReason.NO_CANDIDATES] == 1
+
+
+def test_no_free_block_for_the_destination_gives_no_plan_and_allocates_nothing():
+    s = System(num_blocks=4, headroom=0)
+    s.append("a", 14)
+    for t in EVICT:
+        s.table.evict_token("a", t)
+    assert s.pool.num_free == 0
+    got = s.manager.plan_request("a")
+    assert isinstance(got, NoPlan) and got.reason is NoPlanReason.NOT_ENOUGH_HEADROOM
+    assert s.manager.inflight == {} and s.manager.stats.plans_made == 0
+    assert s.manager.stats.no_plan == {NoPlanReason.NOT_ENOUGH_HEADROOM: 1}
+
+
+def two_requests(max_plans_per_round: int) -> System:
+    s = System(num_blocks=12, headroom=2, config=ReclaimConfig(max_plans_per_round=max_plans_per_round))
+    s.append("a", 14)  # blocks 0-3
+    s.append("b", 14)  # blocks 4-7
+    for t in EVICT + [12]:
+        s.table.evict_token("a", t)  # a: 5 live in 4 blocks -> excess 2
+    for t in EVICT + [12, 13, 0]:
+        s.table.evict_token("b", t)  # b: 3 live in 4 blocks -> excess 3
+    return s
+
+
+def test_plan_round_plans_the_most_wasteful_request_first():
+    s = two_requests(max_plans_per_round=1)
+    made = s.manager.plan_round(["a", "b"])
+    assert [r.plan.req_id for r in made] == ["b"]
+    assert made[0].plan.src_blocks == (4, 5, 6) and made[0].plan.dst_blocks == (8,)
+    assert s.manager.stats.rounds == 1 and list(s.manager.inflight) == ["b"]
+    s.check()
+
+
+def test_plan_round_plans_every_wasteful_request_up_to_the_limit():
+    s = two_requests(max_plans_per_round=16)
+    made = s.manager.plan_round(["a", "b"])
+    assert [(r.plan.req_id, r.plan.src_blocks, r.plan.dst_blocks) for r in made] == [
+        ("b", (4, 5, 6), (8,)), ("a", (0, 1, 2), (9,))]
+    assert s.manager.stats.plans_made == 2
+    s.check()
+
+
+# ---- Stage 1 and 2: trigger and backpressure ---------------------------------------------------
+def test_waste_ratio_values():
+    s = System()
+    assert s.manager.waste_ratio() == 0.0  # nothing allocated
+    s.append("a", 14)
+    assert s.manager.waste_ratio() == 1 - 14 / 16 == 0.125
+    for t in EVICT:
+        s.table.evict_token("a", t)
+    assert s.manager.waste_ratio() == 0.625  # 6 live slots in 4 blocks of 4
+    s.manager.plan_request("a")  # the in-flight destination counts as allocated, empty
+    assert s.manager.waste_ratio() == pytest.approx(1 - 6 / 20)
+
+
+@pytest.mark.parametrize("theta_f, expect", [(0.0, True), (0.6, True), (0.62, True), (0.625, False), (0.9, False)])
+def test_should_reclaim_compares_waste_ratio_strictly_with_theta(theta_f, expect):
+    s = wasteful(theta_f=theta_f)  # F = 0.625
+    assert s.manager.should_reclaim(0) is expect
+
+
+def test_should_reclaim_runs_every_kth_iteration():
+    s = wasteful(check_every=3)
+    assert [s.manager.should_reclaim(i) for i in range(7)] == [True, False, False, True, False, False, True]
+
+
+@pytest.mark.parametrize("low_watermark, expect", [(None, True), (0, False), (1, False), (2, True), (5, True)])
+def test_should_reclaim_waits_for_the_low_watermark(low_watermark, expect):
+    s = wasteful(low_watermark=low_watermark)  # 2 free blocks
+    assert s.pool.num_free == 2
+    assert s.manager.should_reclaim(0) is expect
+
+
+def test_should_reclaim_is_false_for_a_packed_pool():
+    s = System()
+    s.append("a", 14)  # F = 0.125 < theta_f 0.25
+    assert not s.manager.should_reclaim(0)
+
+
+def test_admission_reopens_when_the_borrowed_headroom_is_returned():
+    s, rec = launched()
+    assert not s.manager.admission_open()  # 1 free < headroom 2, plan in flight
+    s.engine.complete(rec.handle)
+    s.manager.settle()
+    assert s.pool.num_free == 4 and s.manager.admission_open()
+
+
+def test_admission_stays_open_while_a_plan_leaves_the_headroom_intact():
+    s, rec = launched(num_blocks=8)  # 4 free before planning, 3 after: headroom 2 untouched
+    assert s.manager.inflight and s.pool.num_free == 3
+    assert s.manager.admission_open()
+
+
+def test_admission_is_open_below_headroom_without_a_plan():
+    # Backpressure is about borrowed headroom; with nothing in flight there is nothing to wait for.
+    s = System()
+    s.pool.allocate(5, Purpose.EVACUATION)
+    assert s.pool.num_free == 1 < s.pool.headroom
+    assert s.manager.admission_open()
+
+
+# ---- configuration ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, key", [
+    ({"theta_f": 1.0}, "theta_f"),
+    ({"theta_f": -0.1}, "theta_f"),
+    ({"low_watermark": -1}, "low_watermark"),
+    ({"check_every": 0}, "check_every"),
+    ({"max_sources": 0}, "max_sources"),
+    ({"max_plans_per_round": 0}, "max_plans_per_round"),
+    ({"planner": "compact"}, "planner"),
+    ({"ordering": "event"}, "ordering"),
+])
+def test_reclaim_config_rejects_out_of_range_values_naming_the_key(kwargs, key):
+    with pytest.raises(ConfigError) as err:
+        ReclaimConfig(**kwargs)
+    assert str(err.value).startswith(key), str(err.value)
+
+
+def test_reclaim_config_defaults_are_valid():
+    c = ReclaimConfig()
+    assert (c.planner, c.theta_f, c.low_watermark, c.check_every, c.max_sources, c.ordering) == (
+        PlanKind.COMPACT, 0.25, None, 1, 8, Ordering.POLL)
+    ReclaimConfig(theta_f=0.0, low_watermark=0, check_every=1, max_sources=1, max_plans_per_round=1)
