@@ -65,19 +65,22 @@ class Plan:
     def blocks_saved(self) -> int:
         return len(self.src_blocks) - len(self.dst_blocks)
 
-    def final_layout(self, blocks: list[int], write_pos: int, block_size: int) -> tuple[list[int], int]:
+    def final_layout(self, blocks: list[int], write_pos: int, block_size: int,
+                     dst_blocks: tuple[int, ...] | None = None) -> tuple[list[int], int]:
         """The block list and append cursor after commit, given the request's current ones.
 
-        Compact: destinations take the place of the first source; all sources lie
-        before the cursor block, so the cursor shifts by whole blocks, and blocks
-        appended since planning are kept. Densify: trailing emptied blocks go and
-        the cursor is n_live.
+        Compact: destinations (``dst_blocks``, default all of the plan's; commit
+        passes only those still receiving a token) take the place of the first
+        source; all sources lie before the cursor block, so the cursor shifts by
+        whole blocks, and blocks appended since planning are kept. Densify:
+        trailing emptied blocks go and the cursor is n_live.
         """
+        dsts = self.dst_blocks if dst_blocks is None else dst_blocks
         gone = set(self.src_blocks)
         if self.kind is PlanKind.DENSIFY:
             assert self.dense_write_pos is not None
             return [b for b in blocks if b not in gone], self.dense_write_pos
         at = min(blocks.index(b) for b in self.src_blocks)
         kept = [b for b in blocks if b not in gone]  # no source precedes ``at``
-        new = kept[:at] + list(self.dst_blocks) + kept[at:]
-        return new, write_pos + (len(self.dst_blocks) - len(self.src_blocks)) * block_size
+        new = kept[:at] + list(dsts) + kept[at:]
+        return new, write_pos + (len(dsts) - len(self.src_blocks)) * block_size

@@ -247,22 +247,25 @@ class ReclamationManager:
         if stale:
             self._abort(rec, "layout changed since the snapshot (I4)")
             return
-        moves = [m for m in plan.moves if t.is_live(req, m.token_id)]
+        moves = [m for m in plan.moves if t.is_live(req, m.token_id)]  # evicted in flight: stay dead
         self.stats.moves_dropped += len(plan.moves) - len(moves)
+        receiving = {m.dst_block for m in moves}
+        dsts = tuple(b for b in plan.dst_blocks if b in receiving)
+        unused = [b for b in plan.dst_blocks if b not in receiving]
         blocks, write_pos = t.block_ids(req), t.write_pos(req)
-        final_blocks, final_pos = plan.final_layout(blocks, write_pos, S)
-        if plan.dst_blocks:  # attach the destinations before the cursor, then move into them
-            at = final_blocks.index(plan.dst_blocks[0])
-            t.set_layout(req, blocks[:at] + list(plan.dst_blocks) + blocks[at:], write_pos + len(plan.dst_blocks) * S)
+        final_blocks, final_pos = plan.final_layout(blocks, write_pos, S, dsts)
+        if dsts:  # attach the destinations before the cursor, then move into them
+            at = final_blocks.index(dsts[0])
+            t.set_layout(req, blocks[:at] + list(dsts) + blocks[at:], write_pos + len(dsts) * S)
         t.apply_moves(req, moves)
         t.set_layout(req, final_blocks, final_pos)
         self._release_handle(rec)
-        self.pool.free(plan.src_blocks)
+        self.pool.free(list(plan.src_blocks) + unused)
         rec.state = PlanState.COMMITTED
         del self.inflight[req]
         self.stats.plans_committed += 1
         self.stats.moves_committed += len(moves)
-        self.stats.blocks_released += plan.blocks_saved
+        self.stats.blocks_released += len(plan.src_blocks) - len(dsts)
 
     def _abort(self, rec: PlanRecord, reason: str) -> None:
         assert self._status(rec).settled, "a destination is freed only when no copy can write it (I6)"

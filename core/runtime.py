@@ -188,25 +188,44 @@ class VTokenRuntime:
         return self._last
 
     def end_step(self, attention: Mapping[object, Sequence[float]] | None = None) -> dict[object, list[int]]:
-        """Record attention, evict, plan and launch reclamation. Returns each request's victims."""
+        """Select victims and evict, record this step's attention, plan and launch reclamation.
+
+        As in Algorithm 1, victims are chosen from the scores of earlier steps;
+        this step's attention row is recorded afterwards. Everything is
+        validated first: a bad attention row or a policy returning invalid
+        victims raises and changes nothing (the step can be ended again).
+        Returns each request's victims.
+        """
         if self._last is None:
             raise VTokenError("end_step without begin_step")
-        step, self._last = self._last, None
+        step = self._last
+        rows = {}
         for r, weights in (attention or {}).items():
-            if r in self.table and r in step.requests:
-                self.scores.record(r, step.requests[r].read_tokens, weights)
-        evicted: dict[object, list[int]] = {}
+            if r not in self.table:
+                continue  # finished during the step
+            if r not in step.requests or len(weights) != len(step.requests[r].read_tokens):
+                raise VTokenError(
+                    f"request {r!r}: attention row of {len(weights)} weights for "
+                    f"{len(step.requests[r].read_tokens) if r in step.requests else 'no'} read tokens"
+                )
+            rows[r] = weights
+        victims: dict[object, list[int]] = {}
         if self.policy is not None:
             for r in self.table.request_ids():
-                victims = self._select(r)
-                for t in victims:
-                    self.table.evict_token(r, t)
-                if victims:
-                    evicted[r] = victims
-        self._reclaim(evicted)
+                chosen = self._select(r)
+                if chosen:
+                    victims[r] = chosen
+        # -- validated; mutate --
+        for r, weights in rows.items():
+            self.scores.record(r, step.requests[r].read_tokens, weights)
+        for r, chosen in victims.items():
+            for t in chosen:
+                self.table.evict_token(r, t)
+        self._reclaim()
         self.manager.launch()
+        self._last = None
         self.iteration += 1
-        return evicted
+        return victims
 
     # ---- helpers ----------------------------------------------------------------------
     def _select(self, r: object) -> list[int]:
@@ -220,7 +239,8 @@ class VTokenRuntime:
             seed=self.seed, step=self.iteration, protected=self._protected(r),
         )
         victims = list(self.policy.select_victims(view))
-        bad = [t for t in victims if t in view.protected or not (0 <= t < total) or not self.table.is_live(r, t)]
+        bad = [t for t in victims if not isinstance(t, int) or t in view.protected
+               or not 0 <= t < total or not self.table.is_live(r, t)]
         if bad or len(set(victims)) != len(victims) or len(victims) > view.excess:
             raise VTokenError(
                 f"policy {self.policy.name!r} returned invalid victims for request {r!r}: "
@@ -238,7 +258,7 @@ class VTokenRuntime:
             return frozenset()
         return frozenset(t for t in self.table.live_token_ids(r) if self.table.slot_of(r, t) // S in shared)
 
-    def _reclaim(self, evicted: Mapping[object, list[int]]) -> None:
+    def _reclaim(self) -> None:
         if self.reclaim is None:
             return
         if self.read_path is ReadPath.DENSE:

@@ -177,6 +177,7 @@ class Simulator:
             spec = self.pending.pop(0)
             self.waiting.append((spec.req_id, spec.prompt_len))
             self.generated[spec.req_id] = 0
+        rt.manager.settle()  # blocks released by finished copies count before anyone is preempted
         appends = {r: 1 for r in self.running}
         self._fit(appends)
         while self.waiting and len(self.running) < self.cfg.max_running and rt.manager.admission_open():

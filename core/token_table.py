@@ -221,6 +221,8 @@ class TokenTable:
         r = self._get(req_id)
         S = self.block_size
         batch = [_as_move(req_id, m) for m in moves]
+        if not batch:
+            return  # nothing moves, so the layout (and any plan's snapshot of it) stays valid
         index = {b: i for i, b in enumerate(r.blocks)}
         tokens: set[int] = set()
         vacated: set[int] = set()
@@ -229,7 +231,7 @@ class TokenTable:
             if m.token_id in tokens:
                 raise MoveSourceMismatchError(f"request {req_id!r}: token {m.token_id} moved twice in one batch")
             tokens.add(m.token_id)
-            if (m.src_block, m.src_offset) != divmod(slot, S):
+            if type(m.src_block) is not int or type(m.src_offset) is not int or (m.src_block, m.src_offset) != divmod(slot, S):
                 raise MoveSourceMismatchError(
                     f"request {req_id!r}: move of token {m.token_id} names source "
                     f"({m.src_block}, {m.src_offset}) but the table has slot {slot} "

@@ -75,6 +75,13 @@ def test_streaming_llm_keeps_sinks_and_the_recent_window():
     assert StreamingLLM().select_victims(v) == [4, 5, 6, 7, 8, 9]
 
 
+@pytest.mark.parametrize("budget, kept", [(1, [11]), (3, [0, 1, 11]), (4, [0, 1, 2, 11]), (5, [0, 1, 2, 3, 11])])
+def test_streaming_llm_with_a_budget_at_most_the_sinks_keeps_exactly_the_budget(budget, kept):
+    v = view(range(12), budget=budget)
+    victims = StreamingLLM().select_victims(v)
+    assert sorted(set(range(12)) - set(victims)) == kept  # the newest token always stays
+
+
 def test_streaming_llm_with_two_sinks():
     v = view(range(12), budget=5)
     assert StreamingLLM(sinks=2).select_victims(v) == [2, 3, 4, 5, 6, 7, 8]  # keeps 0, 1 | 9, 10, 11

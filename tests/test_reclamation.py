@@ -313,6 +313,20 @@ def test_request_leaving_with_a_plan_not_yet_launched_frees_everything():
 
 
 # ---- eviction and appends while a copy is in flight ---------------------------------------
+def test_destination_whose_tokens_all_died_in_flight_goes_back_to_the_pool():
+    s, rec = launched()
+    assert rec.plan.dst_blocks == (4,) and {m.token_id for m in rec.plan.moves} == {0, 7, 8, 9}
+    for t in (0, 7, 8, 9):
+        s.table.evict_token("a", t)
+    s.engine.complete(rec.handle)
+    assert s.manager.settle() == [rec] and rec.state is PlanState.COMMITTED
+    assert s.table.block_ids("a") == [3] and s.table.write_pos("a") == 2
+    assert s.table.attention_slots("a") == [12, 13]
+    assert sorted(s.pool.free_block_ids()) == [0, 1, 2, 4, 5]
+    assert s.manager.stats.moves_dropped == 4 and s.manager.stats.blocks_released == 3
+    s.check()
+
+
 def test_token_evicted_mid_copy_stays_dead_and_its_destination_stays_unclaimed():
     s, rec = launched()
     s.table.evict_token("a", 8)

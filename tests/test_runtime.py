@@ -228,6 +228,39 @@ def test_policy_returning_invalid_victims_is_named_and_nothing_is_evicted(victim
     assert msg.startswith("policy 'bad-policy' returned invalid victims for request 'a'"), msg
     assert what in msg
     assert rt.table.state() == state
+    assert rt.iteration == 1
+    policy.victims[("a", 1)] = [0]  # the policy is fixed: the same step can be ended again
+    assert rt.end_step() == {"a": [0]} and rt.iteration == 2
+
+
+def test_attention_row_of_the_wrong_length_is_rejected_and_changes_nothing():
+    policy = Scripted({("a", 0): [1]})
+    rt, engine = make(num_blocks=4, headroom=0, policy=policy, budget=0.5)
+    rt.admit("a")
+    forward(rt, engine, rt.begin_step({"a": 5}))
+    state = rt.table.state()
+    with pytest.raises(VTokenError, match=r"request 'a': attention row of 3 weights for 5 read tokens"):
+        rt.end_step({"a": [0.2, 0.3, 0.5]})
+    assert rt.table.state() == state and rt.scores.accumulated("a", 0) == 0.0 and rt.iteration == 0
+    assert rt.end_step({"a": [0.2] * 5}) == {"a": [1]}
+    assert rt.scores.accumulated("a", 0) == pytest.approx(0.2)
+
+
+def test_victims_are_chosen_from_earlier_steps_scores():
+    """Algorithm 1 line 2 runs before this step's decode: the current row is recorded after selection."""
+    policy = Scripted()
+    rt, engine = make(num_blocks=4, headroom=0, policy=policy, budget=1.0)
+    rt.admit("a")
+    forward(rt, engine, rt.begin_step({"a": 2}))
+    rt.end_step({"a": [0.9, 0.1]})
+    assert policy.views[0].accumulated(0) == pytest.approx(0.9)  # the view reads live scores...
+    assert rt.scores.accumulated("a", 0) == pytest.approx(0.9)
+    forward(rt, engine, rt.begin_step({"a": 1}))
+    seen = []
+    policy.delegate = type("Peek", (), {"select_victims": lambda self, v: seen.append(v.accumulated(0)) or []})()
+    rt.end_step({"a": [0.5, 0.25, 0.25]})
+    assert seen == [pytest.approx(0.9)]  # ...but at selection time step 1's row was not yet in them
+    assert rt.scores.accumulated("a", 0) == pytest.approx(1.4)
 
 
 def test_begin_step_that_does_not_fit_raises_and_changes_nothing():

@@ -708,3 +708,23 @@ def test_fig3_removing_a_keeps_bs_shared_slots_occupied(fig3):
     assert t.occupancy.block_live(0) == 4
     assert t.occupancy.block_live(1) == 0
     assert t.occupancy.live_slots == 6
+
+
+def test_a_float_source_offset_is_a_mismatch_even_if_equal_in_value():
+    t = TokenTable(4, 4)
+    t.add_request("a")
+    t.sync_new_tokens("a", [0, 1], 6)
+    t.evict_token("a", 0)
+    state = t.state()
+    with pytest.raises(MoveSourceMismatchError, match=r"request 'a': move of token 1 names source \(0, 1.0\)"):
+        t.apply_moves("a", [(1, 0, 1.0, 0, 0)])
+    assert t.state() == state
+
+
+def test_an_empty_batch_of_moves_changes_nothing_not_even_the_layout_version():
+    t = TokenTable(4, 4)
+    t.add_request("a")
+    t.sync_new_tokens("a", [0], 3)
+    state = t.state()
+    t.apply_moves("a", [])
+    assert t.state() == state and t.layout_version("a") == 0

@@ -15,7 +15,7 @@ class StreamingLLM:
     def select_victims(self, view: RequestView) -> list[int]:
         if not view.excess:
             return []
-        sinks = set(view.live[: min(self.sinks, view.budget)])
-        window = max(1, view.budget - len(sinks))
+        sinks = set(view.live[: min(self.sinks, view.budget - 1)])  # the budget keeps >= 1 recent token
+        window = view.budget - len(sinks)
         middle = [t for t in view.candidates(keep_recent=window) if t not in sinks]
         return middle[: view.excess]  # the oldest non-sink tokens leave first
