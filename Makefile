@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: fuzz test demo bench-table clean
+.PHONY: fuzz self-test test demo bench-table clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV) || { $(PYTHON) -m pip install --quiet --user virtualenv && $(PYTHON) -m virtualenv $(VENV); }
@@ -12,9 +12,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# Until the fuzzer lands (issue: fuzz/), the main job runs the core demo with every invariant checked.
+# The main job: a 60-second fuzzing campaign over the whole core (output in fuzz-out/).
 fuzz: $(STAMP)
-	$(VENV)/bin/vtoken demo
+	$(VENV)/bin/vtoken fuzz --time 60 --out fuzz-out
+
+self-test: $(STAMP)
+	$(VENV)/bin/vtoken fuzz --self-test --out fuzz-out
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -59,6 +59,10 @@ class HeadroomReservedError(PoolExhaustedError):
     """An admission allocation would dip into the evacuation headroom."""
 
 
+class AdmissionClosedError(PoolExhaustedError):
+    """Backpressure: reclamation has borrowed the headroom; admit after it settles (Stage 2)."""
+
+
 class PlanConflictError(VTokenError):
     """A plan overlaps an in-flight plan on the same request, or its snapshot is stale (I4)."""
 

@@ -40,25 +40,26 @@ def _move_blocks(rec) -> tuple[set[int], set[int]]:
     return reads, writes
 
 
-def check_i1_token_conservation(sys, expected_tag: Callable[[object, int], int]) -> None:
-    """Every live token's slot holds its own content tag, as the next read would see it.
-
-    Copies ordered before compute (committed under EVENT ordering) are applied
-    first, in stream order, exactly as the next forward's wait would.
-    """
+def next_read_view(sys) -> Callable[[int], int]:
+    """slot -> the tag the next attention read sees there: ordered copies applied in stream order."""
     store, S = sys.engine.store, sys.pool.block_size
-    view = dict()
+    view: dict[int, int] = {}
     for h in sys.engine.pending():
         if sys.engine.poll(h) is CopyStatus.ORDERED:
             moves = sys.engine.moves_of(h)
             vals = [view.get(m.src_block * S + m.src_offset, store.read(m.src_block * S + m.src_offset)) for m in moves]
             for m, v in zip(moves, vals):
                 view[m.dst_block * S + m.dst_offset] = v
+    return lambda slot: view.get(slot, store.read(slot))
+
+
+def check_i1_token_conservation(sys, expected_tag: Callable[[object, int], int]) -> None:
+    """Every live token's slot holds its own content tag, as the next read would see it."""
+    read, S = next_read_view(sys), sys.pool.block_size
     for r in sys.table.request_ids():
         for t in sys.table.live_token_ids(r):
             slot = sys.table.slot_of(r, t)
-            got = view.get(slot, store.read(slot))
-            want = expected_tag(r, t)
+            got, want = read(slot), expected_tag(r, t)
             if got != want:
                 raise InvariantViolation(
                     "I1", f"request {r!r} token {t} at {_where(S, slot)} reads content {got}, expected {want}"

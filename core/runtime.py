@@ -32,6 +32,7 @@ from typing import Mapping, Sequence
 from .block_pool import BlockAllocator, Purpose, blocks_needed
 from .copy_engine import CopyEngine
 from .errors import (
+    AdmissionClosedError,
     BlockNotOwnedError,
     ConfigError,
     DuplicateRequestError,
@@ -50,10 +51,6 @@ from .token_table import NO_SLOT, TokenTable
 class ReadPath(enum.Enum):
     GATHER = "gather"
     DENSE = "dense"
-
-
-class AdmissionClosedError(PoolExhaustedError):
-    """Backpressure: reclamation holds the headroom; admit after it settles (Stage 2)."""
 
 
 @dataclass(frozen=True)

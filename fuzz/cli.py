@@ -1,0 +1,137 @@
+"""``vtoken fuzz``: campaigns, replays of a failing batch, and the planted-bug self-test."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from vtoken.core.policies import POLICIES
+
+from .campaign import CampaignConfig, pytest_file, replay, replay_command, run_campaign, save_failure
+from .planted import BUGS
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fuzz", help="run the invariant fuzzer (Hypothesis state machines over the whole core)",
+                       description="Fuzz the vtoken core: every invariant checked after every step.")
+    p.add_argument("--time", type=float, default=60.0, help="time budget in seconds (default 60)")
+    p.add_argument("--runs", type=int, help="stop after this many examples instead (deterministic report)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1, help="parallel processes, each on its own batches")
+    p.add_argument("--steps", type=int, default=100, help="rules per example (default 100)")
+    p.add_argument("--examples", type=int, default=25, help="examples per batch (default 25)")
+    p.add_argument("--planner", nargs="+", choices=["compact", "densify", "off"], default=[])
+    p.add_argument("--policy", nargs="+", choices=sorted(POLICIES) + ["none"], default=[])
+    p.add_argument("--out", default="fuzz-out", help="output directory (reports, failures, example database)")
+    p.add_argument("--keep-going", action="store_true", help="record failures and continue until the budget")
+    p.add_argument("--replay", type=int, metavar="BATCH_SEED", help="rerun one batch from its seed")
+    p.add_argument("--self-test", action="store_true", help="plant each known bug and check the fuzzer catches it")
+    p.add_argument("--bug", nargs="+", choices=sorted(BUGS), help="planted bug(s) for --self-test or --replay")
+    p.add_argument("--time-per-bug", type=float, default=60.0, help="self-test budget per planted bug")
+    p.set_defaults(run=main)
+
+
+def _config(a: argparse.Namespace, **over) -> CampaignConfig:
+    cfg = CampaignConfig(time_budget=a.time, runs=a.runs, seed=a.seed, workers=a.workers, steps=a.steps,
+                         examples=a.examples, planners=tuple(a.planner), policies=tuple(a.policy), out_dir=a.out,
+                         keep_going=a.keep_going)
+    return replace(cfg, **over)
+
+
+def main(a: argparse.Namespace) -> int:
+    for name in ("workers", "steps", "examples"):
+        if getattr(a, name) < 1:
+            print(f"vtoken fuzz: --{name} must be >= 1, got {getattr(a, name)}", file=sys.stderr)
+            return 2
+    if a.runs is not None and a.runs < 1:
+        print(f"vtoken fuzz: --runs must be >= 1, got {a.runs}", file=sys.stderr)
+        return 2
+    if a.self_test:
+        return self_test(a)
+    if a.replay is not None:
+        return _replay(a)
+    if a.bug:
+        print("vtoken fuzz: --bug is for --self-test or --replay", file=sys.stderr)
+        return 2
+    cfg = _config(a)
+    print(f"vtoken fuzz: seed {cfg.seed}, {cfg.workers} worker(s), "
+          f"{f'{cfg.runs} runs' if cfg.runs else f'{cfg.time_budget:g} s'}, {cfg.steps} steps per run, "
+          f"planners {list(cfg.planners) or 'all'}, policies {list(cfg.policies) or 'all'}, output {cfg.out_dir}/",
+          file=sys.stderr)
+    report = run_campaign(cfg)
+    for f in report.failures:
+        print(f"\n=== invariant violation (batch seed {f['batch_seed']}) ===\n{f['error']}\n")
+        print(Path(f["pytest_file"]).read_text())
+        print(f"replay:  {f['replay']}\n   or:  pytest {f['pytest_file']}")
+    ev = report.events
+    print(f"\n{'FAILED' if report.failures else 'clean'}: {report.runs:,} runs, {report.steps:,} steps "
+          f"({report.timing['steps_per_s']:,.0f}/s), {report.invariant_checks:,} invariant checks, "
+          f"{len(report.failures)} failure(s) in {report.timing['elapsed_s']:.1f} s")
+    print(f"  Algorithm-1 steps {ev.get('steps', 0):,}, evictions {ev.get('evictions', 0):,}, "
+          f"plans committed {ev.get('plans_committed', 0):,} / aborted {ev.get('plans_aborted', 0):,}, "
+          f"copies failed {ev.get('copies_failed', 0):,}, preemptions {ev.get('preemptions', 0):,} "
+          f"({ev.get('preempted_mid_copy', 0):,} mid-copy), rejected bad calls {ev.get('rejected_calls', 0):,}")
+    print(f"  report: {Path(cfg.out_dir) / 'report.json'}")
+    return 1 if report.failures else 0
+
+
+def _replay(a: argparse.Namespace) -> int:
+    bug = a.bug[0] if a.bug else None
+    cfg = _config(a, bug=bug)
+    res = replay(cfg, a.replay)
+    if res.failure is None:
+        print(f"batch seed {a.replay}: no failure (runs {res.events.get('runs', 0)})")
+        return 0
+    save_failure(res.failure, cfg)
+    print(f"batch seed {a.replay}: {res.failure.error}\n")
+    print(pytest_file(res.failure, cfg))
+    print(f"saved: {res.failure.pytest_file}")
+    return 1
+
+
+def self_test(a: argparse.Namespace) -> int:
+    """Plant each bug alone; the fuzzer must find it within --time-per-bug seconds on one worker."""
+    names = a.bug or sorted(BUGS)
+    rows = []
+    print(f"vtoken fuzz --self-test: {len(names)} planted bugs, {a.time_per_bug:g} s each, seed {a.seed}")
+    for name in names:
+        out = Path(a.out) / "self-test" / name
+        cfg = _config(a, bug=name, workers=1, time_budget=a.time_per_bug, runs=None, keep_going=False,
+                      out_dir=str(out), use_database=False)
+        t0 = time.time()
+        report = run_campaign(cfg, progress=None)
+        took = time.time() - t0
+        caught = bool(report.failures)
+        f = report.failures[0] if caught else None
+        clean = _passes_without_bug(f) if f else None
+        rows.append({"bug": name, "description": BUGS[name].description, "caught": caught,
+                     "seconds": round(took, 1), "runs": report.runs,
+                     "error": f["error"] if f else "", "program_steps": len(f["program"]) if f else 0,
+                     "program_passes_without_bug": clean,
+                     "replay": replay_command(cfg, f["batch_seed"]) if f else ""})
+        mark = "caught" if caught else "MISSED"
+        print(f"  {name:36s} {mark:7s} {took:6.1f} s  {rows[-1]['program_steps']:3d}-line program  "
+              f"{'' if not f else ('clean without the bug' if clean else 'FAILS WITHOUT THE BUG')}"
+              f"\n      {rows[-1]['error'][:110]}")
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "self-test.json").write_text(json.dumps(rows, indent=2) + "\n")
+    missed = [r["bug"] for r in rows if not r["caught"] or not r["program_passes_without_bug"]]
+    print(f"\n{len(rows) - len(missed)}/{len(rows)} planted bugs caught with a program that passes without them"
+          f"; slowest {max(r['seconds'] for r in rows):.1f} s. Report: {Path(a.out) / 'self-test.json'}")
+    return 1 if missed else 0
+
+
+def _passes_without_bug(f: dict) -> bool:
+    """The shrunk program must pass on the unmodified core: the fuzzer does not cry wolf."""
+    from .machine import VTokenMachine  # noqa: F401  (the program's namespace)
+
+    try:
+        exec("\n".join(f["program"]), {"VTokenMachine": VTokenMachine})
+    except Exception:
+        return False
+    return True
+

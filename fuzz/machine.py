@@ -1,0 +1,492 @@
+"""The whole-system state machine: requests, policies, reclamation, copies, pool pressure, bad calls.
+
+One machine drives the real core (``VTokenRuntime`` with its pool, token
+table, reclamation manager and ``InMemoryCopyEngine``) and keeps an
+independent **shadow model**: ``shadow[req][token] = content tag`` for every
+live token, and ``content[req]`` for every token ever synced. After every rule
+every core checker runs, and the shadow proves I1 end to end: the tags the
+next attention read sees through each request's attention slots are the
+shadow's live tokens, in logical order.
+
+Rules take plain integers (``index``) instead of ``st.data()`` so that a
+failing program printed by Hypothesis replays as it is.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from vtoken.core import errors as E
+from vtoken.core.block_pool import BlockPool, Purpose
+from vtoken.core.copy_engine import CopyStatus
+from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
+from vtoken.core.invariants import check_all, next_read_view
+from vtoken.core.plan import PlanKind
+from vtoken.core.policies import POLICIES, make_policy
+from vtoken.core.policies.base import RequestView
+from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
+from vtoken.core.runtime import ReadPath, VTokenRuntime
+from vtoken.core.simulator import attention_weights
+from vtoken.core.token_table import NO_SLOT, Move
+
+from .profiles import PROFILES, Profile
+
+BAD_CALLS = tuple(
+    f"{group}:{what}"
+    for group, whats in [
+        ("evict", ["dead", "out_of_range", "unknown"]),
+        ("move", ["stale", "occupied", "twice", "unlisted", "cursor"]),
+        ("pool", ["free", "over", "admit_headroom", "evacuate"]),
+        ("request", ["range", "listed", "shrink", "short", "conflict", "duplicate"]),
+    ]
+    for what in whats
+)
+
+#: Event counts of this process (the campaign runner reads and resets them).
+EVENTS: Counter = Counter()
+
+
+@dataclass
+class FuzzPolicy:
+    """A real policy plus victims the fuzzer queued (arbitrary choices, in-flight tokens included)."""
+
+    base: object | None
+    queued: dict = field(default_factory=dict)
+    name: str = "fuzz"
+
+    def select_victims(self, view: RequestView) -> list[int]:
+        live = set(view.live)
+        chosen = [t for t in dict.fromkeys(self.queued.pop(view.req_id, [])) if t in live and t not in view.protected]
+        chosen = chosen[: view.excess]
+        if self.base is not None and len(chosen) < view.excess:
+            chosen += [t for t in self.base.select_victims(view) if t not in chosen][: view.excess - len(chosen)]
+        return chosen
+
+
+class VTokenMachine(RuleBasedStateMachine):
+    """State machine over the whole core. ``profiles``/``policies`` restrict what ``setup`` may draw."""
+
+    profiles: tuple[str, ...] = tuple(PROFILES)
+    policies: tuple[str, ...] = tuple(sorted(POLICIES)) + ("none",)
+
+    requests = Bundle("requests")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rt: VTokenRuntime | None = None
+
+    # ---- setup ------------------------------------------------------------------------------
+    @initialize(
+        profile=st.runner().flatmap(lambda m: st.sampled_from(m.profiles)),
+        policy=st.runner().flatmap(lambda m: st.sampled_from(m.policies)),
+        block_size=st.sampled_from([2, 4, 8]),
+        num_blocks=st.integers(6, 40),
+        headroom=st.integers(0, 3),
+        budget=st.sampled_from([0.3, 0.5, 0.75, 1.0]),
+        theta_f=st.sampled_from([0.0, 0.1, 0.25, 0.5]),
+        check_every=st.integers(1, 3),
+        max_sources=st.integers(1, 8),
+        low_watermark=st.one_of(st.none(), st.integers(0, 12)),
+    )
+    def setup(self, profile, policy, block_size, num_blocks, headroom, budget, theta_f, check_every,
+              max_sources, low_watermark):
+        prof: Profile = PROFILES[profile]
+        self.profile = prof
+        headroom = min(headroom, num_blocks - 1)
+        self.pool = BlockPool(num_blocks, block_size, headroom)
+        self.engine = InMemoryCopyEngine(TagStore(num_blocks, block_size), auto_complete=False)
+        reclaim = None
+        if prof.planner is not None:
+            reclaim = ReclaimConfig(planner=prof.planner, theta_f=theta_f, low_watermark=low_watermark,
+                                    check_every=check_every, max_sources=max_sources, ordering=prof.ordering)
+        self.policy = FuzzPolicy(None if policy == "none" else make_policy(policy))
+        self.rt = VTokenRuntime(self.pool, self.engine, self.policy, budget, reclaim, prof.read_path, seed=0)
+        self.S = block_size
+        self.content: dict[int, list[int]] = {}  # every synced or to-be-synced token's tag
+        self.shadow: dict[int, dict[int, int]] = {}  # live tokens: request -> token -> tag
+        self.prefill: dict[int, int] = {}  # tokens to append at the next step
+        self.waiting: list[int] = []  # preempted, to be recomputed
+        self.next_req = 0
+        self.next_tag = 1
+        EVENTS["runs"] += 1
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    @property
+    def table(self):
+        return self.rt.table
+
+    @property
+    def manager(self):
+        return self.rt.manager
+
+    def _tags(self, n: int) -> list[int]:
+        tags = list(range(self.next_tag, self.next_tag + n))
+        self.next_tag += n
+        return tags
+
+    def _live(self, req: int) -> list[int]:
+        return sorted(self.shadow[req])
+
+    def state(self) -> tuple:
+        """Everything a rejected call must leave untouched."""
+        m = self.manager
+        return (
+            self.pool.snapshot(), self.table.state(),
+            tuple((k, v.state, v.handle) for k, v in m.inflight.items()), len(m.orphans),
+            tuple((h, self.engine.poll(h)) for h in self.engine.pending()), self.engine.store.tags.tobytes(),
+        )
+
+    def _rejected(self, exc: type, call, *args) -> None:
+        before = self.state()
+        try:
+            call(*args)
+        except exc:
+            pass
+        else:
+            raise AssertionError(f"{call.__name__}{args} was accepted; expected {exc.__name__}")
+        after = self.state()
+        assert after == before, f"rejected {call.__name__}{args} changed the state"
+        EVENTS["rejected_calls"] += 1
+
+    def _running(self, req: int) -> bool:
+        return req in self.table
+
+    def _in_flight_copy(self, req: int) -> bool:
+        rec = self.manager.inflight.get(req)
+        return rec is not None and rec.state is PlanState.COPYING and rec.handle is not None \
+            and self.engine.poll(rec.handle) is CopyStatus.PENDING
+
+    # ---- requests ---------------------------------------------------------------------------------
+    @precondition(lambda self: self.rt is not None)
+    @rule(target=requests, prompt=st.integers(1, 24))
+    def admit(self, prompt):
+        if not self.rt.can_admit(prompt):
+            EVENTS["admission_deferred"] += 1
+            return multiple()
+        req = self.next_req
+        self.next_req += 1
+        self.rt.admit(req)
+        self.content[req] = self._tags(prompt)
+        self.shadow[req] = {}
+        self.prefill[req] = prompt
+        return req
+
+    @rule(target=requests, source=requests, blocks=st.integers(1, 3), extra=st.integers(1, 8))
+    def admit_sharing_prefix(self, source, blocks, extra):
+        if not self._running(source):
+            return multiple()
+        req = self.next_req
+        try:
+            before = self.state()
+            self.rt.admit(req, share_prefix_of=source, shared_blocks=blocks)
+        except (E.BlockNotOwnedError, E.AdmissionClosedError):
+            assert self.state() == before, "a rejected prefix share changed the state"
+            return multiple()
+        self.next_req += 1
+        n = blocks * self.S
+        self.content[req] = self.content[source][:n] + self._tags(extra)
+        self.shadow[req] = {t: self.content[req][t] for t in range(n)}
+        self.prefill[req] = extra
+        EVENTS["prefix_shares"] += 1
+        return req
+
+    @rule(req=consumes(requests), preempt=st.booleans())
+    def leave(self, req, preempt):
+        """The request finishes, or is preempted to be recomputed later (by ``resume``)."""
+        if not self._running(req):
+            return
+        mid_copy = self._in_flight_copy(req)
+        if preempt:
+            n = self.rt.preempt(req)
+            assert n == len(self.content[req]) - self.prefill.pop(req, 0)
+            self.content[req] = self.content[req][:n]  # recompute re-prefills exactly what was synced
+            self.shadow[req] = {}
+            self.waiting.append(req)
+            EVENTS["preemptions"] += 1
+            EVENTS["preempted_mid_copy"] += mid_copy
+        else:
+            self.rt.finish(req)
+            for d in (self.content, self.shadow, self.prefill):
+                d.pop(req, None)
+            EVENTS["finished_mid_copy"] += mid_copy
+
+    @precondition(lambda self: self.rt is not None and any(self._in_flight_copy(r) for r in self.manager.inflight))
+    @rule(preempt=st.booleans())
+    def leave_mid_copy(self, preempt):
+        """A request whose plan's copy is still pending finishes or is preempted."""
+        req = min(r for r in self.manager.inflight if self._in_flight_copy(r))
+        self.leave(req, preempt)
+
+    @precondition(lambda self: self.rt is not None and self.waiting)
+    @rule(target=requests)
+    def resume(self):
+        req = self.waiting[0]
+        n = len(self.content[req])
+        if n == 0 or not self.rt.can_admit(n):
+            if n == 0:
+                self.waiting.pop(0)
+                del self.content[req], self.shadow[req]
+            return multiple()
+        self.waiting.pop(0)
+        self.rt.admit(req)
+        self.prefill[req] = n
+        return req
+
+    # ---- Algorithm 1 ----------------------------------------------------------------------------------
+    @precondition(lambda self: self.rt is not None)
+    @rule(n=st.integers(1, 4))
+    def steps(self, n):
+        """n decode iterations of Algorithm 1 (stops early when the pool cannot fit one)."""
+        for _ in range(n):
+            if not self.step():
+                return
+
+    def step(self) -> bool:
+        rt = self.rt
+        rt.manager.settle()
+        appends = {r: self.prefill.get(r, 1) for r in self.table.request_ids()}
+        need = sum(rt.blocks_to_grow(r, n) for r, n in appends.items())
+        if not self.pool.can_allocate(need, Purpose.ADMISSION):
+            EVENTS["steps_blocked"] += 1
+            self._rejected(E.PoolExhaustedError, rt.begin_step, appends)
+            return False
+        for r, n in appends.items():
+            if r not in self.prefill:
+                self.content[r] += self._tags(1)
+        self.prefill.clear()
+        inputs = rt.begin_step(appends)
+        self.engine.before_compute()  # the compute stream waits on ordered copies
+        store = self.engine.store
+        weights = {}
+        for r, req in inputs.requests.items():
+            for t, slot in zip(req.new_tokens, req.write_slots):
+                assert slot != NO_SLOT
+                store.write(slot, self.content[r][t])
+                self.shadow[r][t] = self.content[r][t]
+            assert req.read_tokens == sorted(req.read_tokens) or rt.read_path is ReadPath.DENSE
+            assert sorted(req.read_tokens) == self._live(r), f"request {r}: attention reads {req.read_tokens}"
+            got = [store.read(s) for s in req.read_slots]
+            want = [self.shadow[r][t] for t in req.read_tokens]
+            assert got == want, f"request {r}: attention read {got}, shadow has {want} (I1)"
+            weights[r] = attention_weights(r, req.read_tokens, self.table.total_len(r))
+        if self.engine.pending():
+            EVENTS["steps_with_copies_in_flight"] += 1
+        victims = rt.end_step(weights)
+        for r, ts in victims.items():
+            for t in ts:
+                del self.shadow[r][t]
+            EVENTS["evictions"] += len(ts)
+        EVENTS["steps"] += 1
+        return True
+
+    @precondition(lambda self: self.rt is not None and self.profile.read_path is ReadPath.GATHER)
+    @rule(req=requests, index=st.integers(0, 2**16), moving=st.booleans())
+    def evict_now(self, req, index, moving):
+        """Evict any live token right now, preferring one whose move is in flight."""
+        if not self._running(req) or not self.shadow[req]:
+            return
+        live = self._live(req)
+        rec = self.manager.inflight.get(req)
+        if moving and rec is not None:
+            in_flight = [m.token_id for m in rec.plan.moves if m.token_id in self.shadow[req]]
+            live = in_flight or live
+            EVENTS["evictions_of_moving_tokens"] += bool(in_flight)
+        t = live[index % len(live)]
+        self.table.evict_token(req, t)
+        del self.shadow[req][t]
+        EVENTS["evictions"] += 1
+
+    @rule(req=requests, index=st.integers(0, 2**16))
+    def queue_victim(self, req, index):
+        """Make the next end_step evict this token through the policy path."""
+        if not self._running(req) or not self.shadow[req]:
+            return
+        live = self._live(req)
+        self.policy.queued.setdefault(req, []).append(live[index % len(live)])
+
+    # ---- reclamation and the copy stream ----------------------------------------------------------------
+    @precondition(lambda self: self.rt is not None and self.profile.planner is not None)
+    @rule(req=requests)
+    def plan_now(self, req):
+        """Plan one request now, outside the F trigger; a second plan in flight must be refused (I4)."""
+        if not self._running(req):
+            return
+        if req in self.manager.inflight:
+            return self._rejected(E.PlanConflictError, self.manager.plan_request, req)
+        rec = self.manager.plan_request(req)
+        EVENTS["plans_made" if rec else "no_plan"] += 1
+
+    @precondition(lambda self: self.rt is not None)
+    @rule()
+    def launch(self):
+        self.manager.launch()
+
+    @precondition(lambda self: self.rt is not None)
+    @rule()
+    def settle(self):
+        for rec in self.manager.settle():
+            EVENTS["plans_" + rec.state.value] += 1
+
+    def _pending(self, status: CopyStatus | None = None) -> list[int]:
+        return [h for h in self.engine.pending() if status is None or self.engine.poll(h) is status]
+
+    @precondition(lambda self: self.rt is not None and self.engine.pending())
+    @rule(index=st.integers(0, 2**16))
+    def complete_copy(self, index):
+        """Complete any pending copy: late, and in any order."""
+        hs = self._pending()
+        self.engine.complete(hs[index % len(hs)])
+        EVENTS["copies_completed_out_of_order" if index % len(hs) else "copies_completed"] += 1
+
+    @precondition(lambda self: self.rt is not None and self._pending(CopyStatus.PENDING))
+    @rule(index=st.integers(0, 2**16), written=st.integers(0, 64))
+    def fail_copy(self, index, written):
+        hs = self._pending(CopyStatus.PENDING)
+        h = hs[index % len(hs)]
+        self.engine.fail(h, written % (len(self.engine.moves_of(h)) + 1))
+        EVENTS["copies_failed"] += 1
+
+    @precondition(lambda self: self.rt is not None and self._pending(CopyStatus.PENDING))
+    @rule(index=st.integers(0, 2**16))
+    def order_copy(self, index):
+        """A GPU-side wait_event: later compute and copies run after this copy."""
+        hs = self._pending(CopyStatus.PENDING)
+        self.engine.order_before_compute(hs[index % len(hs)])
+        EVENTS["copies_ordered"] += 1
+
+    # ---- invalid calls: each raises its specific error and changes nothing ----------------------------
+    @precondition(lambda self: self.rt is not None)
+    @rule(req=requests, kind=st.sampled_from(BAD_CALLS), index=st.integers(0, 2**16))
+    def bad_call(self, req, kind, index):
+        """An invalid call; it must raise its specific error and change nothing."""
+        group, _, what = kind.partition(":")
+        getattr(self, "_bad_" + group)(req, what, index)
+
+    def _bad_evict(self, req, kind, index):
+        if kind == "unknown":
+            return self._rejected(E.UnknownRequestError, self.table.evict_token, "no-such-request", 0)
+        if not self._running(req):
+            return
+        if kind == "out_of_range":
+            return self._rejected(E.TokenOutOfRangeError, self.table.evict_token, req, self.table.total_len(req) + index % 3)
+        dead = [t for t in range(self.table.total_len(req)) if t not in self.shadow[req]]
+        if dead:
+            self._rejected(E.TokenAlreadyEvictedError, self.table.evict_token, req, dead[index % len(dead)])
+
+    def _bad_move(self, req, kind, index):
+        if not self._running(req) or not self.shadow[req]:
+            return
+        S, t = self.S, self._live(req)[index % len(self.shadow[req])]
+        slot = self.table.slot_of(req, t)
+        blocks = self.table.block_ids(req)
+        if kind == "stale":
+            bad = [Move(t, slot // S, (slot % S + 1) % S if S > 1 else 0, slot // S, slot % S)]
+            if bad[0].src_offset == slot % S:
+                bad = [Move(t, (slot // S + 1) % self.pool.num_blocks, 0, slot // S, slot % S)]
+            return self._rejected(E.MoveSourceMismatchError, self.table.apply_moves, req, bad)
+        if kind == "occupied":
+            others = [u for u in self.shadow[req] if u != t]
+            if others:
+                o = self.table.slot_of(req, others[index % len(others)])
+                self._rejected(E.DestinationError, self.table.apply_moves, req, [Move(t, slot // S, slot % S, o // S, o % S)])
+            return
+        if kind == "twice":
+            return self._rejected(E.MoveSourceMismatchError, self.table.apply_moves, req,
+                                  [Move(t, slot // S, slot % S, slot // S, slot % S)] * 2)
+        if kind == "unlisted":
+            outside = [b for b in range(self.pool.num_blocks) if b not in blocks]
+            if outside:
+                b = outside[index % len(outside)]
+                self._rejected(E.BlockNotOwnedError, self.table.apply_moves, req, [Move(t, slot // S, slot % S, b, 0)])
+            return
+        w = self.table.write_pos(req)
+        if w < len(blocks) * S:  # a free slot at the cursor: appends would overwrite a token moved there
+            self._rejected(E.DestinationError, self.table.apply_moves, req,
+                           [Move(t, slot // S, slot % S, blocks[w // S], w % S)])
+
+    def _bad_pool(self, req, kind, index):
+        pool = self.pool
+        if kind == "free":
+            free = pool.free_block_ids()
+            if free:
+                self._rejected(E.DoubleFreeError, pool.free, [free[index % len(free)]])
+        elif kind == "over":
+            held = [b for b in range(pool.num_blocks) if pool.ref_count(b) > 0]
+            if held:
+                b = held[index % len(held)]
+                self._rejected(E.DoubleFreeError, pool.free, [b] * (pool.ref_count(b) + 1))
+        elif kind == "admit_headroom":
+            n = pool.num_free - pool.headroom + 1
+            if 0 < n <= pool.num_free:
+                self._rejected(E.HeadroomReservedError, pool.allocate, n, Purpose.ADMISSION)
+        else:
+            self._rejected(E.PoolExhaustedError, pool.allocate, pool.num_free + 1, Purpose.EVACUATION)
+
+    def _bad_request(self, req, kind, index):
+        if not self._running(req):
+            return
+        t = self.table
+        if kind == "range":
+            self._rejected(E.BlockOutOfRangeError, t.sync_new_tokens, req, [self.pool.num_blocks], t.total_len(req))
+        elif kind == "listed" and t.block_ids(req):
+            self._rejected(E.BlockNotOwnedError, t.sync_new_tokens, req, [t.block_ids(req)[0]], t.total_len(req))
+        elif kind == "shrink" and t.total_len(req):
+            self._rejected(E.TokenOutOfRangeError, t.sync_new_tokens, req, [], t.total_len(req) - 1)
+        elif kind == "short":
+            room = len(t.block_ids(req)) * self.S - t.write_pos(req)
+            self._rejected(E.BlockListTooShortError, t.sync_new_tokens, req, [], t.total_len(req) + room + 1)
+        elif kind == "conflict" and req in self.manager.inflight:
+            self._rejected(E.PlanConflictError, self.manager.plan_request, req)
+        elif kind == "duplicate":
+            self._rejected(E.DuplicateRequestError, self.rt.admit, req)
+
+    # ---- invariants ---------------------------------------------------------------------------------
+    @invariant()
+    def core_invariants_hold(self):
+        if self.rt is None:
+            return
+        EVENTS["invariant_checks"] += check_all(
+            self.rt, lambda r, t: self.content[r][t],
+            dense=self.profile.read_path is ReadPath.DENSE and self.profile.planner is not None,
+        )
+        EVENTS["machine_steps"] += 1
+
+    @invariant()
+    def shadow_model_agrees(self):
+        """I1 end to end: the next read through each attention slot list yields the shadow's live tokens."""
+        if self.rt is None:
+            return
+        read = next_read_view(self.rt)
+        for r in self.table.request_ids():
+            live = self._live(r)
+            assert self.table.live_token_ids(r) == live, f"request {r}: table lives {self.table.live_token_ids(r)}, shadow {live}"
+            got = [read(s) for s in self.table.attention_slots(r)]
+            want = [self.shadow[r][t] for t in live]
+            assert got == want, f"request {r}: attention slots read {got}, shadow has {want} (I1)"
+        assert set(self.table.request_ids()) == set(self.shadow) - set(self.waiting)
+        EVENTS["invariant_checks"] += 1
+
+    def check_all_invariants(self) -> None:
+        """Both invariants at once: what replay files call after every rule."""
+        self.core_invariants_hold()
+        self.shadow_model_agrees()
+
+    def teardown(self):
+        if self.rt is not None:
+            stats = self.manager.stats
+            EVENTS["plans_committed"] += stats.plans_committed
+            EVENTS["plans_aborted"] += sum(stats.plans_aborted.values())
+            EVENTS["moves_committed"] += stats.moves_committed

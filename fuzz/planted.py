@@ -1,0 +1,286 @@
+"""Planted bugs: realistic mistakes the fuzzer must catch (``vtoken fuzz --self-test``).
+
+Each bug replaces one function or method of the core with a copy that has
+the mistake, for the duration of a ``with planted(name):`` block. The
+self-test runs each in its own process, so nothing leaks between bugs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from vtoken.core import block_pool, compact, densify, reclamation, token_table
+from vtoken.core.copy_engine import CopyStatus
+from vtoken.core.plan import Plan, PlanKind
+from vtoken.core.reclamation import PlanState
+from vtoken.core.token_table import NO_SLOT, Move
+
+
+@dataclass(frozen=True)
+class PlantedBug:
+    name: str
+    description: str
+    patches: Callable[[], dict]  # (object, attribute) -> replacement, built lazily
+
+
+def _compact_fill_off_by_one():
+    def plan_compaction(snap, dst_blocks, max_sources):
+        choice = compact.choose_sources(snap, max_sources, len(dst_blocks))
+        if not choice:
+            return choice
+        S = snap.block_size
+        tokens = [(t, s) for t, s in snap.live_slots() if s // S in set(choice.src_blocks)]
+        dsts = tuple(dst_blocks[: choice.num_dst])
+        moves = tuple(  # enumerate from 1: the fill starts one slot late and overflows a full destination
+            Move(t, s // S, s % S, dsts[min(i // S, len(dsts) - 1)], i % S if i // S < len(dsts) else 0)
+            for i, (t, s) in enumerate(tokens, start=1)
+        )
+        return Plan(PlanKind.COMPACT, snap.req_id, snap.version, moves, choice.src_blocks, dsts)
+
+    return {(reclamation, "plan_compaction"): plan_compaction}
+
+
+def _eligible_includes_append_block():
+    def eligible_sources(snap):
+        S = snap.block_size
+        cursor_block = snap.write_pos // S
+        idx = [i for i in range(min(cursor_block + 1, len(snap.blocks)))  # off by one: the append block too
+               if snap.blocks[i] not in snap.shared_blocks and snap.live_count(i) < S]
+        return sorted(idx, key=lambda i: (snap.live_count(i), i))
+
+    return {(compact, "eligible_sources"): eligible_sources}
+
+
+def _free_sources_before_copy():
+    def on_request_removed(self, req_id, blocks):
+        rec = self.inflight.pop(req_id, None)
+        self.pool.free(blocks)  # frees the sources a pending copy still reads
+        if rec is not None:
+            rec.state = PlanState.ABORTED
+            if rec.handle is not None and not self.engine.poll(rec.handle).settled:
+                rec.held = rec.plan.dst_blocks
+                self.orphans.append(rec)
+            else:
+                self._release_handle(rec)
+                self.pool.free(rec.plan.dst_blocks)
+
+    return {(reclamation.ReclamationManager, "on_request_removed"): on_request_removed}
+
+
+def _double_free_after_preemption():
+    original = reclamation.ReclamationManager.on_request_removed
+
+    def on_request_removed(self, req_id, blocks):
+        rec = self.inflight.get(req_id)
+        original(self, req_id, blocks)
+        if rec is not None and rec in self.orphans:  # "make sure" the sources go back... twice
+            self.pool.free([b for b in rec.held if b in blocks])
+
+    return {(reclamation.ReclamationManager, "on_request_removed"): on_request_removed}
+
+
+def _free_destination_of_pending_copy():
+    original = reclamation.ReclamationManager.on_request_removed
+
+    def on_request_removed(self, req_id, blocks):
+        rec = self.inflight.get(req_id)
+        original(self, req_id, blocks)
+        if rec is not None and rec in self.orphans and rec.plan.dst_blocks:
+            self.pool.free(rec.plan.dst_blocks)  # the copy can still write them
+            rec.held = tuple(b for b in rec.held if b not in rec.plan.dst_blocks)
+
+    return {(reclamation.ReclamationManager, "on_request_removed"): on_request_removed}
+
+
+def _resurrect_evicted_mid_copy():
+    original = reclamation.ReclamationManager._commit
+
+    def _commit(self, rec):
+        plan, t, S = rec.plan, self.table, self.pool.block_size
+        dead = [m for m in plan.moves if not t.is_live(plan.req_id, m.token_id)]
+        original(self, rec)
+        if rec.state is not PlanState.COMMITTED:
+            return
+        r = t._requests[plan.req_id]
+        for m in dead:  # "its data was copied, so restore it"
+            slot = m.dst_block * S + m.dst_offset
+            if m.dst_block in r.masks and not t.occupancy.holders(slot):
+                r.slots[m.token_id] = slot
+                r.masks[m.dst_block] |= 1 << m.dst_offset
+                t.occupancy.claim(slot)
+                r.num_live += 1
+
+    return {(reclamation.ReclamationManager, "_commit"): _commit}
+
+
+def _forget_live_count_decrement():
+    def evict_token(self, req_id, token_id):
+        r = self._get(req_id)
+        slot = self._live_slot(req_id, r, token_id)
+        self.occupancy.release(slot)
+        r.slots[token_id] = NO_SLOT  # the block's bitmask keeps the offset
+        r.num_live -= 1
+
+    return {(token_table.TokenTable, "evict_token"): evict_token}
+
+
+def _relocate_shared_block():
+    def snapshot(self, req_id, shared_blocks=()):
+        return original(self, req_id, ())  # forgets which blocks are shared
+
+    original = token_table.TokenTable.snapshot
+    return {(token_table.TokenTable, "snapshot"): snapshot}
+
+
+def _two_plans_per_request():
+    original = reclamation.ReclamationManager.plan_request
+
+    def plan_request(self, req_id):
+        held = self.inflight.pop(req_id, None)  # no I4 check: a second plan replaces the first
+        try:
+            return original(self, req_id)
+        finally:
+            if held is not None and req_id not in self.inflight:
+                self.inflight[req_id] = held
+
+    return {(reclamation.ReclamationManager, "plan_request"): plan_request}
+
+
+def _non_strict_decrease():
+    def choose_sources(snap, max_sources, dst_budget):
+        S = snap.block_size
+        chosen = compact.eligible_sources(snap)[:max_sources]
+        if not chosen:
+            return compact.NoPlan(compact.NoPlanReason.NO_CANDIDATES)
+        live = sum(snap.live_count(i) for i in chosen)
+        while chosen and -(-live // S) > dst_budget:
+            live -= snap.live_count(chosen.pop())
+        if not chosen:
+            return compact.NoPlan(compact.NoPlanReason.NOT_ENOUGH_HEADROOM)
+        num_dst = -(-live // S)
+        if num_dst > len(chosen):  # should be >=: equal counts free nothing
+            return compact.NoPlan(compact.NoPlanReason.NO_STRICT_DECREASE)
+        return compact.SourceChoice(tuple(snap.blocks[i] for i in sorted(chosen)), live, num_dst)
+
+    return {(compact, "choose_sources"): choose_sources, (reclamation, "choose_sources"): choose_sources}
+
+
+def _admission_consumes_headroom():
+    def can_allocate(self, n, purpose):
+        return 0 <= n <= len(self._free)  # forgets the reserve for admission
+
+    return {(block_pool.BlockPool, "can_allocate"): can_allocate}
+
+
+def _densify_leaves_a_hole():
+    original = densify.plan_densify
+
+    def plan_densify(snap):
+        plan = original(snap)
+        if not plan or len(plan.moves) < 2:
+            return plan
+        return Plan(plan.kind, plan.req_id, plan.version, plan.moves[:-1], plan.src_blocks, (), plan.dense_write_pos)
+
+    return {(reclamation, "plan_densify"): plan_densify}
+
+
+def _apply_moves_half_applied():
+    original = token_table.TokenTable.apply_moves
+
+    def apply_moves(self, req_id, moves):
+        batch = [Move(*m) for m in moves]
+        if len(batch) > 1:  # applies the first move before validating the rest
+            try:
+                original(self, req_id, batch[:1])
+            except Exception:
+                pass
+            return original(self, req_id, batch[1:])
+        return original(self, req_id, batch)
+
+    return {(token_table.TokenTable, "apply_moves"): apply_moves}
+
+
+def _commit_pending_copy():
+    original = reclamation.ReclamationManager._status
+
+    def _status(self, rec):
+        status = original(self, rec)
+        return CopyStatus.DONE if status is CopyStatus.PENDING and rec.state is PlanState.COPYING else status
+
+    return {(reclamation.ReclamationManager, "_status"): _status}
+
+
+def _occupancy_leak_on_remove():
+    def remove_request(self, req_id):
+        r = self._get(req_id)
+        del self._requests[req_id]  # forgets to release the request's slots
+        return list(r.blocks)
+
+    return {(token_table.TokenTable, "remove_request"): remove_request}
+
+
+def _cursor_shift_forgets_destinations():
+    original = Plan.final_layout
+
+    def final_layout(self, blocks, write_pos, block_size, dst_blocks=None):
+        new, pos = original(self, blocks, write_pos, block_size, dst_blocks)
+        if self.kind is PlanKind.COMPACT:
+            pos = max(0, write_pos - len(self.src_blocks) * block_size)  # forgets + len(dsts) * S
+        return new, pos
+
+    return {(Plan, "final_layout"): final_layout}
+
+
+BUGS: dict[str, PlantedBug] = {
+    b.name: b
+    for b in [
+        PlantedBug("compact_fill_off_by_one", "compact fills destinations one slot late; a full one overflows",
+                   _compact_fill_off_by_one),
+        PlantedBug("eligible_includes_append_block", "compact may pick the block receiving appends",
+                   _eligible_includes_append_block),
+        PlantedBug("free_sources_before_copy", "a departing request frees sources its pending copy reads",
+                   _free_sources_before_copy),
+        PlantedBug("double_free_after_preemption", "preemption mid-copy frees the held sources twice",
+                   _double_free_after_preemption),
+        PlantedBug("free_destination_of_pending_copy", "an aborted plan's destinations are freed while its copy can write",
+                   _free_destination_of_pending_copy),
+        PlantedBug("resurrect_evicted_mid_copy", "a token evicted while its move was in flight comes back at commit",
+                   _resurrect_evicted_mid_copy),
+        PlantedBug("forget_live_count_decrement", "evict_token leaves the block's live count unchanged",
+                   _forget_live_count_decrement),
+        PlantedBug("relocate_shared_block", "planning ignores ref counts and relocates shared-prefix blocks",
+                   _relocate_shared_block),
+        PlantedBug("two_plans_per_request", "a second plan may start while one is in flight", _two_plans_per_request),
+        PlantedBug("non_strict_decrease", "compact accepts plans that free no more blocks than they use",
+                   _non_strict_decrease),
+        PlantedBug("admission_consumes_headroom", "admission allocations may take the evacuation headroom",
+                   _admission_consumes_headroom),
+        PlantedBug("densify_leaves_a_hole", "densify drops its last move, leaving a hole below n_live",
+                   _densify_leaves_a_hole),
+        PlantedBug("apply_moves_half_applied", "apply_moves applies part of a batch before rejecting the rest",
+                   _apply_moves_half_applied),
+        PlantedBug("commit_pending_copy", "a plan commits while its copy is still pending", _commit_pending_copy),
+        PlantedBug("occupancy_leak_on_remove", "removing a request does not release its slots",
+                   _occupancy_leak_on_remove),
+        PlantedBug("cursor_shift_forgets_destinations", "compact commit moves the append cursor back too far",
+                   _cursor_shift_forgets_destinations),
+    ]
+}
+
+
+@contextlib.contextmanager
+def planted(name: str) -> Iterator[PlantedBug]:
+    """Apply one planted bug for the duration of the block."""
+    bug = BUGS[name]
+    patches = bug.patches()
+    saved = {(obj, attr): obj.__dict__[attr] for obj, attr in patches}
+    try:
+        for (obj, attr), value in patches.items():
+            setattr(obj, attr, value)
+        yield bug
+    finally:
+        for (obj, attr), value in saved.items():
+            setattr(obj, attr, value)
+
