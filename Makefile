@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: fuzz self-test test demo bench-table clean
+.PHONY: fuzz self-test test demo bench-table bench-fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV) || { $(PYTHON) -m pip install --quiet --user virtualenv && $(PYTHON) -m virtualenv $(VENV); }
@@ -24,6 +24,9 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/vtoken demo
+
+bench-fuzz: $(STAMP)
+	$(PY) tests/bench_fuzz_throughput.py
 
 bench-table: $(STAMP)
 	$(PY) tests/bench_table_memory.py

@@ -26,7 +26,6 @@ from .copy_engine import CopyStatus
 from .errors import InvariantViolation
 from .plan import PlanKind
 from .reclamation import PlanState
-from .token_table import NO_SLOT
 
 
 def _where(S: int, slot: int) -> str:
@@ -57,8 +56,7 @@ def check_i1_token_conservation(sys, expected_tag: Callable[[object, int], int])
     """Every live token's slot holds its own content tag, as the next read would see it."""
     read, S = next_read_view(sys), sys.pool.block_size
     for r in sys.table.request_ids():
-        for t in sys.table.live_token_ids(r):
-            slot = sys.table.slot_of(r, t)
+        for t, slot in sys.table.live_slots(r):
             got, want = read(slot), expected_tag(r, t)
             if got != want:
                 raise InvariantViolation(
@@ -78,19 +76,18 @@ def check_i2_unique_mapping(sys) -> None:
         refs.update(blocks)
         seen: dict[int, int] = {}
         counts: Counter = Counter()
-        live = table.live_token_ids(r)
-        for t in live:
-            slot = table.slot_of(r, t)
-            if slot == NO_SLOT or slot // S not in index:
+        live = table.live_slots(r)
+        cursor = table.write_pos(r)
+        for t, slot in live:
+            if slot // S not in index:
                 raise InvariantViolation("I2", f"request {r!r} token {t} maps to {slot}, outside its blocks {blocks}")
             if slot in seen:
                 raise InvariantViolation(
                     "I2", f"request {r!r}: tokens {seen[slot]} and {t} both claim {_where(S, slot)}"
                 )
-            if index[slot // S] * S + slot % S >= table.write_pos(r):
+            if index[slot // S] * S + slot % S >= cursor:
                 raise InvariantViolation(
-                    "I2", f"request {r!r} token {t} at {_where(S, slot)} lies at or after the append cursor "
-                    f"{table.write_pos(r)}"
+                    "I2", f"request {r!r} token {t} at {_where(S, slot)} lies at or after the append cursor {cursor}"
                 )
             seen[slot] = t
             counts[slot // S] += 1
@@ -127,8 +124,10 @@ def check_i3_visibility(sys) -> None:
         if sys.engine.poll(h) is CopyStatus.PENDING:
             for m in sys.engine.moves_of(h):
                 unsafe[m.dst_block * S + m.dst_offset] = h
+    if not unsafe:
+        return
     for r in sys.table.request_ids():
-        for t, slot in zip(sys.table.live_token_ids(r), sys.table.attention_slots(r)):
+        for t, slot in sys.table.live_slots(r):
             if slot in unsafe:
                 raise InvariantViolation(
                     "I3", f"request {r!r} token {t} is read at {_where(S, slot)}, which pending copy "

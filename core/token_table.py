@@ -344,6 +344,10 @@ class TokenTable:
         """Live logical token ids, ascending."""
         return [t for t, s in enumerate(self._get(req_id).slots) if s != NO_SLOT]
 
+    def live_slots(self, req_id: object) -> list[tuple[int, int]]:
+        """(token_id, slot) of every live token, in logical order (one pass; for checkers)."""
+        return [(t, s) for t, s in enumerate(self._get(req_id).slots) if s != NO_SLOT]
+
     def attention_slots(self, req_id: object) -> list[int]:
         """Eq. 2: the slots of live tokens, in logical order. What the gather read path reads."""
         return [s for s in self._get(req_id).slots if s != NO_SLOT]
