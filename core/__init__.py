@@ -9,11 +9,22 @@ from .block_pool import BlockAllocator, BlockPool, Purpose, blocks_needed
 from .compact import choose_sources, plan_compaction
 from .copy_engine import CopyEngine, CopyHandle, CopyStatus
 from .densify import plan_densify
+from . import errors
 from .errors import *  # noqa: F401,F403  (the error hierarchy is part of the API)
 from .inmemory import InMemoryCopyEngine, TagStore
 from .metrics import MemoryMetrics, measure
 from .plan import NoPlan, NoPlanReason, Plan, PlanKind
 from .reclamation import Ordering, PlanRecord, PlanState, ReclaimConfig, ReclamationManager
-from .runtime import AdmissionClosedError, ReadPath, StepInputs, StepRequest, VTokenRuntime
+from .errors import AdmissionClosedError
+from .runtime import ReadPath, StepInputs, StepRequest, VTokenRuntime
 from .scores import TokenScores
 from .token_table import NO_SLOT, Move, RequestSnapshot, TokenTable
+
+__all__ = [
+    "BlockAllocator", "BlockPool", "Purpose", "blocks_needed", "choose_sources", "plan_compaction",
+    "CopyEngine", "CopyHandle", "CopyStatus", "plan_densify", "InMemoryCopyEngine", "TagStore",
+    "MemoryMetrics", "measure", "NoPlan", "NoPlanReason", "Plan", "PlanKind", "Ordering", "PlanRecord",
+    "PlanState", "ReclaimConfig", "ReclamationManager", "AdmissionClosedError", "ReadPath", "StepInputs",
+    "StepRequest", "VTokenRuntime", "TokenScores", "NO_SLOT", "Move", "RequestSnapshot", "TokenTable",
+]
+__all__ += [n for n in dir(errors) if n.endswith(("Error", "Violation"))]  # noqa: F405  (the hierarchy)

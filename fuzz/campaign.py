@@ -209,7 +209,7 @@ def run_campaign(cfg: CampaignConfig, progress=sys.stderr) -> CampaignReport:
                 if not cfg.keep_going:
                     stop.set()
         now = time.time()
-        if progress and now - last >= (1.0 if progress.isatty() else 10.0):
+        if progress and done < len(procs) and now - last >= (1.0 if progress.isatty() else 10.0):
             _progress(progress, now - start, by_index.values())
             last = now
     for p in procs:

@@ -34,10 +34,9 @@ from vtoken.core.block_pool import BlockPool, Purpose
 from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.invariants import check_all, next_read_view
-from vtoken.core.plan import PlanKind
 from vtoken.core.policies import POLICIES, make_policy
 from vtoken.core.policies.base import RequestView
-from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
+from vtoken.core.reclamation import PlanState, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 from vtoken.core.simulator import attention_weights
 from vtoken.core.token_table import NO_SLOT, Move

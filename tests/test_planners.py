@@ -7,7 +7,6 @@ the way the reclamation manager commits them, and the result is checked.
 
 import random
 
-import pytest
 
 from vtoken.core.block_pool import BlockPool, Purpose
 from vtoken.core.compact import SourceChoice, choose_sources, eligible_sources, plan_compaction

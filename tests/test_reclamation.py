@@ -12,7 +12,6 @@ taken from the headroom; after commit the request holds [4, 3] with cursor 6.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import pytest
 
