@@ -100,13 +100,28 @@ class BlockPool:
         return list(self._free)
 
     def can_allocate(self, n: int, purpose: Purpose) -> bool:
+        """Whether ``allocate(n, purpose)`` would succeed now; a pure query.
+
+        post:
+            # P3: admitting n > 0 blocks is allowed iff at least ``headroom`` stay free; evacuation may take
+            # every free block; taking nothing is always allowed
+            __return__ == (n == 0 or 0 <= n <= self.num_free - (self.headroom if purpose is Purpose.ADMISSION else 0))
+        """
         reserve = self.headroom if purpose is Purpose.ADMISSION else 0
         # taking nothing never dips into the headroom, even while evacuation has borrowed it
         return n == 0 or 0 <= n <= len(self._free) - reserve
 
     # ---- mutations -----------------------------------------------------------
     def allocate(self, n: int, purpose: Purpose) -> list[int]:
-        """Take ``n`` free blocks, each with ref count 1."""
+        """Take ``n`` free blocks, each with ref count 1.
+
+        raises: PoolExhaustedError, HeadroomReservedError
+        post:
+            # the first n blocks of the free queue (FIFO), each now allocated once
+            __return__ == __old__.self.free_block_ids()[:n] and self.free_block_ids() == __old__.self.free_block_ids()[n:] and all(self.ref_count(b) == 1 for b in __return__)
+            # P3: an admission never leaves fewer than ``headroom`` blocks free
+            purpose is not Purpose.ADMISSION or n == 0 or self.num_free >= self.headroom
+        """
         if n < 0:
             raise PoolExhaustedError(f"cannot allocate a negative number of blocks ({n})")
         if not self.can_allocate(n, purpose):
@@ -123,7 +138,13 @@ class BlockPool:
         return blocks
 
     def share(self, block_id: int) -> None:
-        """Add a reference to an allocated block (a request reusing a cached prefix block)."""
+        """Add a reference to an allocated block (a request reusing a cached prefix block).
+
+        raises: DoubleFreeError, BlockOutOfRangeError
+        post:
+            # one more reference to a block that stays allocated; the free queue is untouched
+            self.ref_count(block_id) == __old__.self.ref_count(block_id) + 1 >= 2 and self.free_block_ids() == __old__.self.free_block_ids()
+        """
         self._check_range(block_id)
         if self._ref[block_id] == 0:
             raise DoubleFreeError(f"cannot share block {block_id}: it is free")
@@ -133,6 +154,13 @@ class BlockPool:
         """Drop one reference per listed id; a block whose count reaches 0 joins the free queue.
 
         The whole batch is validated first, so a rejected call frees nothing.
+
+        raises: DoubleFreeError, BlockOutOfRangeError
+        post:
+            # freeing only appends to the free queue, and never frees a block still referenced
+            self.free_block_ids()[:__old__.self.num_free] == __old__.self.free_block_ids() and all(self.ref_count(b) == 0 for b in self.free_block_ids())
+            # P1: every block whose count reached 0 is queued, exactly once
+            sorted(self.free_block_ids()) == [b for b in range(self.num_blocks) if self.ref_count(b) == 0]
         """
         ids = list(block_ids)
         drops = Counter(ids)
@@ -171,7 +199,12 @@ class BlockPool:
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
-    """ceil(num_tokens / block_size): the ideal packed footprint of ``num_tokens``."""
+    """ceil(num_tokens / block_size): the ideal packed footprint of ``num_tokens``.
+
+    pre: num_tokens >= 0
+    pre: block_size >= 1
+    post: num_tokens <= __return__ * block_size < num_tokens + block_size
+    """
     return -(-num_tokens // block_size)
 
 

@@ -58,3 +58,11 @@ class CopyEngine(Protocol):
     def release(self, handle: CopyHandle) -> None:
         """Forget a settled handle."""
         ...
+
+    def before_compute(self) -> None:
+        """The pre-attention hook: the compute stream waits for every ORDERED copy (GPU-side wait_event).
+
+        ``VTokenRuntime.begin_step`` calls it last, right before the forward, so a
+        commit under EVENT ordering is safe whoever drives the runtime.
+        """
+        ...

@@ -15,6 +15,14 @@ from .token_table import Move, RequestSnapshot
 
 
 def plan_densify(snap: RequestSnapshot) -> Plan | NoPlan:
+    """Moves that make the live tokens of ``snap`` fill positions [0, n_live), or why none are needed.
+
+    post:
+        # I7 after commit: moved tokens (from their current slot) and unmoved ones fill exactly [0, n_live)
+        not __return__ or (all(dict(snap.live_slots())[m.token_id] == m.src_block * snap.block_size + m.src_offset for m in __return__.moves) and sorted([snap.blocks.index(s // snap.block_size) * snap.block_size + s % snap.block_size for t, s in snap.live_slots() if t not in {m.token_id for m in __return__.moves}] + [snap.blocks.index(m.dst_block) * snap.block_size + m.dst_offset for m in __return__.moves]) == list(range(snap.num_live)))
+        # the cursor becomes n_live; released blocks lie wholly at or after it; no shared block is touched
+        not __return__ or (__return__.dense_write_pos == snap.num_live and __return__.version == snap.version and all(snap.blocks.index(b) * snap.block_size >= snap.num_live for b in __return__.src_blocks) and not ({m.src_block for m in __return__.moves} | {m.dst_block for m in __return__.moves} | set(__return__.src_blocks)) & snap.shared_blocks)
+    """
     S = snap.block_size
     n = snap.num_live
     index = {b: i for i, b in enumerate(snap.blocks)}

@@ -74,6 +74,18 @@ class Plan:
         source; all sources lie before the cursor block, so the cursor shifts by
         whole blocks, and blocks appended since planning are kept. Densify:
         trailing emptied blocks go and the cursor is n_live.
+
+        pre: block_size >= 1 and 0 <= write_pos <= len(blocks) * block_size
+        pre: all(b not in blocks[:i] for i, b in enumerate(blocks))  # distinct
+        pre: self.kind is not PlanKind.DENSIFY or self.dense_write_pos is not None
+        # compact: distinct sources, all in the list before the cursor block; distinct fresh destinations
+        pre: self.kind is PlanKind.DENSIFY or (len(self.src_blocks) > 0 and all(b in blocks and blocks.index(b) < write_pos // block_size and b not in self.src_blocks[:i] for i, b in enumerate(self.src_blocks)))
+        pre: self.kind is PlanKind.DENSIFY or (lambda d: all(b not in blocks and b not in d[:i] for i, b in enumerate(d)))(self.dst_blocks if dst_blocks is None else dst_blocks)
+        post:
+            # the sources leave, the destinations (compact) join, every other block stays; nothing is listed twice
+            len(set(__return__[0])) == len(__return__[0]) and set(__return__[0]) == (set(blocks) - set(self.src_blocks)) | (set() if self.kind is PlanKind.DENSIFY else set(self.dst_blocks if dst_blocks is None else dst_blocks))
+            # densify: the cursor is n_live; compact: it stays at the same offset of the same block
+            __return__[1] == self.dense_write_pos if self.kind is PlanKind.DENSIFY else (__return__[1] % block_size == write_pos % block_size and (write_pos // block_size == len(blocks) or __return__[0][__return__[1] // block_size] == blocks[write_pos // block_size]))
         """
         dsts = self.dst_blocks if dst_blocks is None else dst_blocks
         gone = set(self.src_blocks)

@@ -5,6 +5,7 @@ One decode iteration is split where a serving engine's forward sits:
     begin_step(appends)      settle copies (commit / abort)         Stage 4 tail
                              allocate + SyncNewTokens                line 1
                              BuildSlotMapping (write + read slots)   line 4
+                             engine.before_compute()                 pre-attention wait
     -- the engine's forward: writes new K/V, attention reads --      line 6
     end_step(attention)      record scores, SelectVictims            line 2
                              EvictToken                              line 3
@@ -182,6 +183,7 @@ class VTokenRuntime:
             slots, tokens = self._read_slots(r)
             reqs[r] = StepRequest(r, new, write, slots, tokens)
         self._last = StepInputs(self.iteration, reqs)
+        self.engine.before_compute()  # pre-attention hook: the forward waits on ordered copies (I3)
         return self._last
 
     def end_step(self, attention: Mapping[object, Sequence[float]] | None = None) -> dict[object, list[int]]:
@@ -294,7 +296,7 @@ class VTokenRuntime:
         for i, b in enumerate(blocks[:k]):
             for o in range(S):
                 t = i * S + o
-                if t >= self.table.total_len(other) or self.table.slot_of(other, t) != b * S + o:
+                if self.table.slot_of(other, t) != b * S + o:  # t < k*S <= cursor <= total_len
                     raise BlockNotOwnedError(
                         f"request {other!r}: block {b} no longer holds logical tokens "
                         f"[{i * S}, {(i + 1) * S}) in place; it cannot be shared"

@@ -222,7 +222,6 @@ class Simulator:
 
     # ---- the model -------------------------------------------------------------------------
     def _forward(self, inputs) -> dict[int, list[float]]:
-        self.engine.before_compute()  # the pre-attention wait on ordered copies
         store = self.engine.store
         out = {}
         for r, req in inputs.requests.items():

@@ -162,6 +162,14 @@ class TokenTable:
 
         New tokens get consecutive logical ids and consecutive positions from the
         append cursor. Returns their write slots.
+
+        pre: req_id in self
+        raises: TokenOutOfRangeError, BlockOutOfRangeError, BlockNotOwnedError, BlockListTooShortError
+        post:
+            # one fresh slot per new token, in the request's blocks, in order; they are the write slots
+            len(__return__) == total_len - __old__.self.total_len(__old__.req_id) == len(set(__return__)) and __return__ == self.write_slots(req_id) and all(s // self.block_size in self.block_ids(req_id) and self.occupancy.holders(s) >= 1 for s in __return__)
+            # T1: the new tokens are live and counted; T2: the cursor moved past them
+            self.num_live(req_id) == __old__.self.num_live(__old__.req_id) + len(__return__) == len(self.live_token_ids(req_id)) and self.write_pos(req_id) == __old__.self.write_pos(__old__.req_id) + len(__return__) and all(self.is_live(req_id, t) for t in range(__old__.self.total_len(__old__.req_id), total_len))
         """
         r = self._get(req_id)
         S = self.block_size
@@ -201,7 +209,16 @@ class TokenTable:
         return out
 
     def evict_token(self, req_id: object, token_id: int) -> None:
-        """Mark a token dead. Metadata only: nothing moves, nothing is freed."""
+        """Mark a token dead. Metadata only: nothing moves, nothing is freed.
+
+        pre: req_id in self
+        raises: TokenOutOfRangeError, TokenAlreadyEvictedError
+        post:
+            # the token is dead and no longer counted (T1)
+            not self.is_live(req_id, token_id) and self.num_live(req_id) == __old__.self.num_live(__old__.req_id) - 1 == len(self.live_token_ids(req_id))
+            # metadata only: every other token keeps its slot, the block list and cursor stay
+            self.block_ids(req_id) == __old__.self.block_ids(__old__.req_id) and self.write_pos(req_id) == __old__.self.write_pos(__old__.req_id) and all(self.slot_of(req_id, t) == __old__.self.slot_of(__old__.req_id, t) for t in range(self.total_len(req_id)) if t != token_id)
+        """
         r = self._get(req_id)
         slot = self._live_slot(req_id, r, token_id)
         b, o = divmod(slot, self.block_size)
@@ -217,6 +234,14 @@ class TokenTable:
         batch may move a token into a slot another move of the batch vacates.
         A destination must be in the request's block list, before the append
         cursor, and unclaimed by any request once the batch's sources are vacated.
+
+        pre: req_id in self
+        raises: TokenOutOfRangeError, TokenAlreadyEvictedError, MoveSourceMismatchError, DestinationError, BlockNotOwnedError
+        post:
+            # liveness, counts, block list and cursor are unchanged; moved tokens sit where the moves say
+            self.live_token_ids(req_id) == __old__.self.live_token_ids(__old__.req_id) and self.num_live(req_id) == __old__.self.num_live(__old__.req_id) and self.block_ids(req_id) == __old__.self.block_ids(__old__.req_id) and self.write_pos(req_id) == __old__.self.write_pos(__old__.req_id) and all(self.slot_of(req_id, m[0]) == m[3] * self.block_size + m[4] for m in moves)
+            # I2 and T2: live tokens hold distinct slots of the request's blocks, all before the cursor
+            len(set(self.attention_slots(req_id))) == self.num_live(req_id) and all(self.block_ids(req_id).index(s // self.block_size) * self.block_size + s % self.block_size < self.write_pos(req_id) for s in self.attention_slots(req_id))
         """
         r = self._get(req_id)
         S = self.block_size

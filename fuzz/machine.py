@@ -267,7 +267,6 @@ class VTokenMachine(RuleBasedStateMachine):
                 self.content[r] += self._tags(1)
         self.prefill.clear()
         inputs = rt.begin_step(appends)
-        self.engine.before_compute()  # the compute stream waits on ordered copies
         store = self.engine.store
         weights = {}
         for r, req in inputs.requests.items():

@@ -233,6 +233,15 @@ def _cursor_shift_forgets_destinations():
     return {(Plan, "final_layout"): final_layout}
 
 
+def _no_pre_attention_wait():
+    from vtoken.core import inmemory
+
+    def before_compute(self):
+        pass  # the forward no longer waits for ordered copies
+
+    return {(inmemory.InMemoryCopyEngine, "before_compute"): before_compute}
+
+
 BUGS: dict[str, PlantedBug] = {
     b.name: b
     for b in [
@@ -264,6 +273,8 @@ BUGS: dict[str, PlantedBug] = {
         PlantedBug("commit_pending_copy", "a plan commits while its copy is still pending", _commit_pending_copy),
         PlantedBug("occupancy_leak_on_remove", "removing a request does not release its slots",
                    _occupancy_leak_on_remove),
+        PlantedBug("no_pre_attention_wait", "the engine's pre-attention hook does not wait for ordered copies",
+                   _no_pre_attention_wait),
         PlantedBug("cursor_shift_forgets_destinations", "compact commit moves the append cursor back too far",
                    _cursor_shift_forgets_destinations),
     ]

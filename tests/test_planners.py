@@ -495,3 +495,20 @@ def test_random_densify_plans_preserve_tokens_and_end_dense():
         assert plan_densify(snap_of(table, pool)).reason is NoPlanReason.ALREADY_DENSE, f"seed {seed}"
         made += 1
     assert made >= 50
+
+
+# ---- added after mutation testing: each closes a surviving mutant (docs/fuzzing.md) ----------------
+def test_densify_refuses_a_shared_trailing_block_even_with_nothing_to_move():
+    table, pool = build(12, evict=(8, 9, 10, 11))  # block 2 is dead and trailing
+    pool.share(2)
+    plan = plan_densify(snap_of(table, pool))
+    assert isinstance(plan, NoPlan) and plan.reason is NoPlanReason.SHARED_BLOCK, plan
+
+
+def test_densify_refuses_to_move_a_token_out_of_a_shared_block():
+    table, pool = build(12, evict=(0, 1, 2))  # n_live 9: token 9 at position 9 (block 2) must move down
+    pool.share(2)  # block 2 keeps positions 8..11: not a source, but holds a mover
+    snap = snap_of(table, pool)
+    assert 2 in snap.shared_blocks
+    plan = plan_densify(snap)
+    assert isinstance(plan, NoPlan) and plan.reason is NoPlanReason.SHARED_BLOCK, plan

@@ -535,3 +535,29 @@ def test_reclaim_config_defaults_are_valid():
     assert (c.planner, c.theta_f, c.low_watermark, c.check_every, c.max_sources, c.ordering) == (
         PlanKind.COMPACT, 0.25, None, 1, 8, Ordering.POLL)
     ReclaimConfig(theta_f=0.0, low_watermark=0, check_every=1, max_sources=1, max_plans_per_round=1)
+
+
+# ---- added after mutation testing (docs/fuzzing.md) ---------------------------------------------------
+def test_stats_accumulate_over_rounds_and_commits():
+    s = two_requests(max_plans_per_round=16)
+    s.manager.plan_round(["a", "b"])
+    s.manager.launch()
+    moving = [m.token_id for m in s.manager.inflight["b"].plan.moves]
+    s.table.evict_token("b", moving[0])
+    for h in s.engine.pending():
+        s.engine.complete(h)
+    done = s.manager.settle()
+    assert [r.state for r in done] == [PlanState.COMMITTED] * 2
+    assert all(r.handle is None for r in done)
+    st = s.manager.stats
+    assert (st.rounds, st.plans_made, st.plans_committed, st.moves_dropped) == (1, 2, 2, 1)
+    s.manager.plan_round(["a", "b"])
+    assert st.rounds == 2
+    s.check()
+
+
+def test_a_request_with_no_excess_blocks_is_not_even_tried():
+    s = System(config=ReclaimConfig())
+    s.append("a", 8)  # two full blocks, nothing evicted: excess 0
+    assert s.manager.plan_round(["a"]) == []
+    assert s.manager.stats.no_plan == {} and s.manager.stats.rounds == 1

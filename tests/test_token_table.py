@@ -728,3 +728,31 @@ def test_an_empty_batch_of_moves_changes_nothing_not_even_the_layout_version():
     state = t.state()
     t.apply_moves("a", [])
     assert t.state() == state and t.layout_version("a") == 0
+
+
+# ---- added after mutation testing (docs/fuzzing.md) ---------------------------------------------------
+def test_set_layout_rejects_a_live_token_at_offset_zero_of_a_block_after_the_cursor():
+    t = TokenTable(8, 4)
+    t.add_request("a")
+    t.sync_new_tokens("a", [0, 1], 5)  # tokens 0..3 in block 0, token 4 at (1, 0)
+    for tok in range(4):
+        t.evict_token("a", tok)
+    state = t.state()
+    with pytest.raises(DestinationError, match="request 'a': block 1 holds live tokens at or after cursor 4"):
+        t.set_layout("a", [0, 1], 4)
+    assert t.state() == state
+
+
+def test_set_layout_accepts_a_new_empty_block_after_the_cursor():
+    t = TokenTable(8, 4)
+    t.add_request("a")
+    t.sync_new_tokens("a", [0], 3)
+    t.set_layout("a", [0, 5], 3)
+    assert t.block_ids("a") == [0, 5] and t.write_pos("a") == 3 and t.block_live_counts("a") == {0: 3, 5: 0}
+
+
+def test_slot_of_names_the_request_in_its_error():
+    t = TokenTable(8, 4)
+    t.add_request("a")
+    with pytest.raises(TokenOutOfRangeError, match=r"^request 'a': token 0 outside its synced tokens \[0, 0\)$"):
+        t.slot_of("a", 0)

@@ -1,0 +1,68 @@
+"""SlotOccupancy: O(1) claims and releases, and a checker that names the slot or block at fault.
+
+Several of these were added after mutation testing (docs/fuzzing.md): mutants that changed the
+checker's branches for stray holders, stray blocks and the live total survived the first suite.
+"""
+
+import pytest
+
+from vtoken.core.errors import InvariantViolation
+from vtoken.core.occupancy import SlotOccupancy
+
+
+def occ():
+    o = SlotOccupancy(num_blocks=4, block_size=4)
+    for slot in (0, 1, 5):
+        o.claim(slot)
+    o.claim(5)  # a shared slot: two holders
+    return o
+
+
+def test_claims_count_distinct_slots_per_block_and_in_total():
+    o = occ()
+    assert [o.holders(s) for s in (0, 1, 5, 6)] == [1, 1, 2, 0]
+    assert [o.block_live(b) for b in range(4)] == [2, 1, 0, 0]
+    assert o.live_slots == 3
+    o.release(5)
+    assert o.holders(5) == 1 and o.block_live(1) == 1 and o.live_slots == 3
+    o.release(5)
+    assert o.block_live(1) == 0 and o.live_slots == 2
+
+
+def test_check_against_accepts_the_matching_tables():
+    occ().check_against({0: 1, 1: 1, 5: 2})
+
+
+@pytest.mark.parametrize("expected, message", [
+    ({0: 1, 1: 1, 5: 1}, r"^I2: slot 5 \(block 1, offset 1\) has 2 holder\(s\) recorded, 1 in the token tables$"),
+    ({0: 1, 5: 2}, r"^I2: slot 1 \(block 0, offset 1\) has 1 holder\(s\) recorded, 0 in the token tables$"),
+    ({0: 1, 1: 1, 5: 2, 9: 1}, r"^I2: slot 9 \(block 2, offset 1\) has 0 holder\(s\) recorded, 1 in the token tables$"),
+])
+def test_check_against_names_the_slot_that_differs(expected, message):
+    with pytest.raises(InvariantViolation, match=message) as err:
+        occ().check_against(expected)
+    assert err.value.invariant == "I2"
+
+
+def test_check_against_names_a_block_whose_count_is_wrong():
+    o = occ()
+    o._block_live[0] += 1
+    with pytest.raises(InvariantViolation, match=r"^I2: block 0 records 3 live slots, tables give 2$") as err:
+        o.check_against({0: 1, 1: 1, 5: 2})
+    assert err.value.invariant == "I2"
+
+
+def test_check_against_names_a_block_counted_live_with_no_claims():
+    o = occ()
+    o._block_live[3] = 1
+    with pytest.raises(InvariantViolation, match=r"^I2: block 3 records 1 live slots, tables give 0$") as err:
+        o.check_against({0: 1, 1: 1, 5: 2})
+    assert err.value.invariant == "I2"
+
+
+def test_check_against_checks_the_live_total():
+    o = occ()
+    o.live_slots += 1
+    with pytest.raises(InvariantViolation, match=r"^I2: live slot total 4 != 3$") as err:
+        o.check_against({0: 1, 1: 1, 5: 2})
+    assert err.value.invariant == "I2"

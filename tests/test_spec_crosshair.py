@@ -1,0 +1,131 @@
+"""The CrossHair contract check: clean on the core, and able to find planted contract violations.
+
+Runs ``crosshair check`` twice as a subprocess (about a minute on the core, a few seconds on
+the planted module); see spec/crosshair_check.py for the command line and its time bounds.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+pytest.importorskip("crosshair")
+
+from vtoken.spec import crosshair_check  # noqa: E402
+from vtoken.spec.crosshair_check import (  # noqa: E402
+    DEFAULT_TARGETS,
+    NOT_FOUND,
+    ConditionResult,
+    CrosshairReport,
+    obligations,
+    run_crosshair,
+)
+from vtoken.spec.obligations import COUNTEREXAMPLE, PROVED, UNKNOWN  # noqa: E402
+
+# Postcondition lines in core's docstrings (a drop means a contract stopped parsing or was lost).
+MIN_CORE_CONDITIONS = 21
+
+
+def test_core_contracts_have_no_counterexample_within_the_bound():
+    rep = run_crosshair()
+    assert not rep.crashed, rep.summary() + "\n" + rep.stderr[-3000:]
+    assert rep.clean, "\n".join(str(c) for c in rep.counterexamples)
+    # --report_all prints one line per analysed postcondition: every contract was reached
+    assert len(rep.checked) >= MIN_CORE_CONDITIONS, rep.stdout
+    files = {c.path.rsplit("/", 1)[-1] for c in rep.checked}
+    assert files == {"block_pool.py", "token_table.py", "compact.py", "densify.py", "plan.py"}
+    assert rep.seconds < crosshair_check.TOTAL_TIMEOUT
+
+
+PLANTED = '''
+"""Copies of core code with planted bugs, each under the original's contract."""
+from collections import Counter
+from typing import Iterable
+
+from crosshair import register_type
+
+from vtoken.core.block_pool import BlockOutOfRangeError, BlockPool, DoubleFreeError
+from vtoken.spec.crosshair_states import make_pool
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """ceil(num_tokens / block_size), planted: floor division.
+
+    pre: num_tokens >= 0
+    pre: block_size >= 1
+    post: num_tokens <= __return__ * block_size < num_tokens + block_size
+    """
+    return num_tokens // block_size
+
+
+class PlantedPool(BlockPool):
+    def free(self, block_ids: Iterable[int]) -> None:
+        """BlockPool.free, planted: a block whose count reaches 0 never joins the free queue.
+
+        raises: DoubleFreeError, BlockOutOfRangeError
+        post:
+            self.free_block_ids()[:__old__.self.num_free] == __old__.self.free_block_ids() and all(self.ref_count(b) == 0 for b in self.free_block_ids())
+            sorted(self.free_block_ids()) == [b for b in range(self.num_blocks) if self.ref_count(b) == 0]
+        """
+        ids = list(block_ids)
+        drops = Counter(ids)
+        for b, k in drops.items():
+            self._check_range(b)
+            if self._ref[b] < k:
+                raise DoubleFreeError(f"block {b} freed {k} time(s) but holds {self._ref[b]} reference(s)")
+        for b in ids:
+            self._ref[b] -= 1
+
+
+# reachable pools of the planted class, as spec/crosshair_states.py builds them for BlockPool
+register_type(PlantedPool, lambda factory: make_pool(factory, PlantedPool))
+'''
+
+
+def test_planted_contract_violations_are_found(tmp_path):
+    (tmp_path / "vtoken_planted.py").write_text(textwrap.dedent(PLANTED))
+    rep = run_crosshair(
+        ["vtoken_planted.blocks_needed", "vtoken_planted.PlantedPool.free"],
+        per_condition_timeout=4.0, per_path_timeout=2.0, total_timeout=90.0, extra_paths=[str(tmp_path)],
+    )
+    assert not rep.crashed, rep.summary() + "\n" + rep.stderr[-3000:]
+    found = {c.message.split(" when calling ")[-1].split("(")[0] for c in rep.counterexamples}
+    assert found == {"blocks_needed", "free"}, rep.stdout
+    ceil = next(c for c in rep.counterexamples if "blocks_needed" in c.message)
+    assert ceil.message.startswith("false when calling blocks_needed(")
+    free = next(c for c in rep.counterexamples if "free(" in c.message)
+    assert "PlantedPool(" in free.message and " after [" in free.message  # the history that built the pool
+
+
+# ---- the obligation's three outcomes, without running CrossHair again --------------------------------
+def _report(returncode, stdout="", stderr=""):
+    rep = CrosshairReport(list(DEFAULT_TARGETS), ["crosshair"], 1.5, 0.75, 100.0, returncode, 1.0,
+                          stdout=stdout, stderr=stderr)
+    crosshair_check._parse(rep)
+    return rep
+
+
+def test_obligation_outcomes(monkeypatch):
+    (ob,) = obligations()
+    assert (ob.id, ob.invariant, ob.transition) == ("contracts/core", "contracts", "core public API")
+
+    monkeypatch.setattr(crosshair_check, "run_crosshair", lambda: _report(0, "/x/plan.py:80: info: Not confirmed.\n"))
+    out = ob.check()
+    assert out.status == PROVED and out.detail.startswith(NOT_FOUND)
+
+    bad = "/x/block_pool.py:213: error: false when calling blocks_needed(1, 2) (which returns 0)\n"
+    monkeypatch.setattr(crosshair_check, "run_crosshair", lambda: _report(1, bad))
+    out = ob.check()
+    assert out.status == COUNTEREXAMPLE and out.detail == bad.strip()
+
+    monkeypatch.setattr(crosshair_check, "run_crosshair", lambda: _report(1, "", "Traceback ...\nKeyError: 'x'"))
+    assert ob.check().status == UNKNOWN  # exit 1 without a counterexample line: the tool crashed
+    monkeypatch.setattr(crosshair_check, "run_crosshair", lambda: _report(None))
+    assert ob.check().status == UNKNOWN  # killed at the total timeout
+
+
+def test_output_parsing():
+    rep = _report(1, "noise\n/a/b.py:12: error: false when calling f(1)\n/a/c.py:3: info: Confirmed over all paths.\n")
+    assert rep.counterexamples == [ConditionResult("/a/b.py", 12, "error", "false when calling f(1)")]
+    assert [c.line for c in rep.confirmed] == [3] and not rep.crashed and not rep.clean
