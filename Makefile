@@ -19,8 +19,10 @@ fuzz: $(STAMP)
 self-test: $(STAMP)
 	$(VENV)/bin/vtoken fuzz --self-test --out fuzz-out
 
+# Every test, then every proof obligation of the spec (docs/spec.md).
 test: $(STAMP)
 	$(PY) -m pytest
+	$(VENV)/bin/vtoken spec check
 
 demo: $(STAMP)
 	$(VENV)/bin/vtoken demo

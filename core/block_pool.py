@@ -140,6 +140,7 @@ class BlockPool:
     def share(self, block_id: int) -> None:
         """Add a reference to an allocated block (a request reusing a cached prefix block).
 
+        pre: block_id in [b for b in range(self.num_blocks) if self.ref_count(b) > 0]  # an allocated block
         raises: DoubleFreeError, BlockOutOfRangeError
         post:
             # one more reference to a block that stays allocated; the free queue is untouched

@@ -212,6 +212,7 @@ class TokenTable:
         """Mark a token dead. Metadata only: nothing moves, nothing is freed.
 
         pre: req_id in self
+        pre: token_id in self.live_token_ids(req_id)
         raises: TokenOutOfRangeError, TokenAlreadyEvictedError
         post:
             # the token is dead and no longer counted (T1)

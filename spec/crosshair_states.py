@@ -25,7 +25,7 @@ tokens of its own, starting with request 0's first block (a cached prefix). The 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from vtoken.core.block_pool import BlockPool, Purpose
 from vtoken.core.errors import VTokenError
@@ -66,10 +66,10 @@ def _traced(cls: type, repr_fn: Callable[[object], str]) -> type:
     return _TRACED[cls]
 
 
-def _attempt(history: list[str], desc: str, op: Callable[[], object]) -> None:
+def _attempt(history: list[str], desc: str, op: Callable[..., object], *args: object) -> None:
     history.append(desc)
     try:
-        op()
+        op(*args)
     except VTokenError as e:
         history[-1] += f" -> {type(e).__name__}"
 
@@ -85,13 +85,13 @@ def make_pool(factory, cls: type = BlockPool) -> BlockPool:
         if op == 0:
             k = _pick(factory, f"n{i}", n)
             purpose = Purpose.EVACUATION if _pick(factory, f"evac{i}", 1) else Purpose.ADMISSION
-            _attempt(pool.history, f"allocate({k}, {purpose.name})", lambda: pool.allocate(k, purpose))
+            _attempt(pool.history, f"allocate({k}, {purpose.name})", pool.allocate, k, purpose)
         else:
             b = _pick(factory, f"b{i}", n - 1)
             if op == 1:
-                _attempt(pool.history, f"share({b})", lambda: pool.share(b))
+                _attempt(pool.history, f"share({b})", pool.share, b)
             else:
-                _attempt(pool.history, f"free([{b}])", lambda: pool.free([b]))
+                _attempt(pool.history, f"free([{b}])", pool.free, [b])
     return pool
 
 
@@ -109,29 +109,29 @@ def make_table(factory, cls: type = TokenTable) -> TokenTable:
     t.history = []
     fresh = iter(range(TABLE_BLOCKS))
 
-    def sync(r: object, k: int, shared_prefix: list[int] = []) -> None:
+    def sync(r: object, k: int, shared_prefix: tuple[int, ...] = ()) -> None:
         need = -(-(t.write_pos(r) + k) // S) - len(t.block_ids(r))
-        new = shared_prefix + [next(fresh) for _ in range(max(0, need) - len(shared_prefix))]
+        new = list(shared_prefix) + [next(fresh) for _ in range(max(0, need) - len(shared_prefix))]
         total = t.total_len(r) + k
-        _attempt(t.history, f"sync_new_tokens({r!r}, {new}, {total})", lambda: t.sync_new_tokens(r, new, total))
+        _attempt(t.history, f"sync_new_tokens({r!r}, {new}, {total})", t.sync_new_tokens, r, new, total)
 
     t.add_request(0)
     sync(0, _pick(factory, "len0", 3 * S, 1))
     if _pick(factory, "second_request", 1):
         t.add_request(1)
         if t.write_pos(0) >= S and _pick(factory, "shared_prefix", 1):  # SH: both cursors lie past a shared block
-            sync(1, S + _pick(factory, "len1", S - 1), [t.block_ids(0)[0]])
+            sync(1, S + _pick(factory, "len1", S - 1), (t.block_ids(0)[0],))
         else:
             sync(1, _pick(factory, "len1", S, 1))
     for tok in range(t.total_len(0)):
         if factory.space.smt_fork(desc=f"evict{tok}", probability_true=0.4):
-            _attempt(t.history, f"evict_token(0, {tok})", lambda: t.evict_token(0, tok))
+            _attempt(t.history, f"evict_token(0, {tok})", t.evict_token, 0, tok)
     live = t.live_slots(0)
     if live and factory.space.smt_fork(desc="move", probability_true=0.3):
         tok, slot = live[_pick(factory, "mover", len(live) - 1)]
         p = _pick(factory, "to_position", t.write_pos(0) - 1)
         m = Move(tok, slot // S, slot % S, t.block_ids(0)[p // S], p % S)
-        _attempt(t.history, f"apply_moves(0, [{tuple(m)}])", lambda: t.apply_moves(0, [m]))
+        _attempt(t.history, f"apply_moves(0, [{tuple(m)}])", t.apply_moves, 0, [m])
     if factory.space.smt_fork(desc="append", probability_true=0.4):
         sync(0, _pick(factory, "appended", S, 1))
     return t
@@ -144,6 +144,11 @@ def make_snapshot(factory, table_cls: type = TokenTable) -> RequestSnapshot:
     return t.snapshot(0, shared)
 
 
+def obligations() -> list:
+    """None of its own: this module only builds states for spec/crosshair_check.py's obligation."""
+    return []
+
+
 def register() -> None:
     """Install the creators; call after ``crosshair.main`` is imported (its import resets registrations)."""
     from crosshair import register_type
@@ -153,4 +158,4 @@ def register() -> None:
     register_type(RequestSnapshot, make_snapshot)
 
 
-__all__ = ["make_pool", "make_table", "make_snapshot", "register"]
+__all__ = ["make_pool", "make_snapshot", "make_table", "obligations", "register"]

@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("crosshair")
 
-from vtoken.spec import crosshair_check  # noqa: E402
-from vtoken.spec.crosshair_check import (  # noqa: E402
+from vtoken.spec import crosshair_check
+from vtoken.spec.crosshair_check import (
     DEFAULT_TARGETS,
     NOT_FOUND,
     ConditionResult,
@@ -21,7 +21,7 @@ from vtoken.spec.crosshair_check import (  # noqa: E402
     obligations,
     run_crosshair,
 )
-from vtoken.spec.obligations import COUNTEREXAMPLE, PROVED, UNKNOWN  # noqa: E402
+from vtoken.spec.obligations import COUNTEREXAMPLE, PROVED, UNKNOWN
 
 # Postcondition lines in core's docstrings (a drop means a contract stopped parsing or was lost).
 MIN_CORE_CONDITIONS = 21
