@@ -11,8 +11,9 @@ from pathlib import Path
 
 from .obligations import PROVED, Result, run
 
-#: Modules whose ``obligations()`` make up the spec, in report order.
-MODULES = ["state_model", "planner_model", "protocol_model", "crosshair_check"]
+#: Modules whose ``obligations()`` make up the spec, in report order. spec/planner_model.py is not
+#: listed yet: its bounded proofs do not fit the CI budget (issue #4, in progress).
+MODULES = ["state_model", "protocol_model", "crosshair_check"]
 
 
 def all_obligations(only: list[str] | None = None):

@@ -6,60 +6,62 @@ against the plan-level properties of I4 (plan validity) and I7 (dense prefix).
 The proofs are *bounded*: they cover every snapshot with block size S and at
 most NB blocks in the request's block list, for each ``Bound`` in ``BOUNDS``
 (all token ids, block ids, shared flags, cursors and eviction patterns within
-that bound), with no other limit.
+that bound, any ``max_sources`` and destination budget), and nothing larger.
 
 The symbolic snapshot (``SnapshotModel``), for block size S and NB blocks:
   num_blocks           the block list's length nb, 0 <= nb <= NB
-  block_id[i]          its block ids, pairwise distinct (i < NB; ids past nb are unused)
-  shared[i]            block i is in ``shared_blocks`` (ref count > 1)
+  block_id(i)          the id of block-list entry i; index_of is its inverse, so ids are distinct
+  shared(i)            entry i is in ``shared_blocks`` (ref count > 1)
   write_pos            the append cursor w, a position, 0 <= w <= nb*S
-  live@p, token@p      position p = i*S + o (block-list index i, offset o) holds a live
-                       token (bit o of masks[i]) with logical id token@p; ids are
-                       pairwise distinct, so a dead token is an id held by no position
+  live(p), token(p)    position p = i*S + o (entry i, offset o) holds a live token
+                       (bit o of masks[i]) whose logical id is token(p); ids are pairwise
+                       distinct, so a dead token is an id held by no position
 It assumes what the token table maintains (T1, T2, I2): the masks are the
 recomputation of the slots, live tokens lie before the cursor, num_live is the
-number of live positions. A token's slot is (block_id[p // S], p % S).
+number of live positions. Slot (b, o) of the request is position index_of(b)*S + o.
+Arrays of the snapshot are z3 functions, so a symbolic index (a destination
+position, a block id) reads them by congruence instead of by case splits.
 
 A plan is data (``ZPlan``): one guarded ``ZMove`` per position (the move of the
 token there, if the planner moves it), the source blocks (guarded, in block-list
-order), the destination blocks (compact) and the new cursor (densify). Properties
-read only this data, in the ids a real ``Plan`` carries: they apply moves by
-token id and find blocks by block id, never by the model's own indices.
+order), the destination blocks (compact) and the new cursor (densify). The
+properties read this data in the ids a real ``Plan`` carries (token ids, block
+ids, offsets), looking slots and blocks up the way the token table does.
 
 The planners are *nondeterministic* where a faithful symbolic sort would be
 costly, and each proof covers every plan the relaxed model allows:
   compact  the sources are ANY set of eligible blocks (wholly before the cursor's
-           block, not shared, not full) with 1 <= k <= max_sources blocks and
-           T live tokens such that ceil(T/S) <= the destination budget and
-           ceil(T/S) < k. The code's greedy choice (lowest utilization first,
-           ties by index, shrunk to the budget) is one of them. Moved tokens get
-           ranks in [0, T) that are strictly increasing in logical order (a
-           monotone injection into [0, T) is exactly the rank), and rank r goes
-           to (reserved[r // S], r % S).
-           ``exact=True`` adds the greedy choice itself (``greedy``), used by the
-           differential test to pin the model to the code's exact choice.
+           block, not shared, not full) of 1 <= k <= max_sources blocks whose T
+           live tokens give ceil(T/S) <= the destination budget and ceil(T/S) < k.
+           The code's greedy choice (lowest utilization first, ties by index,
+           shrunk to the budget) is one of them; ``exact=True`` adds it
+           (``CompactModel.greedy``) so the differential test can pin the model
+           to the code's choice. Moved tokens get ranks in [0, T), strictly
+           increasing in logical order (a monotone injection into [0, T) is
+           exactly the rank), and rank r goes to (reserved[r // S], r % S).
   densify  movers (live at positions >= n_live) go to holes (free positions
-           < n_live) by ANY map that is strictly increasing from logical order to
-           position order (again exactly the code's zip, as |movers| = |holes|);
-           sources are blocks [ceil(n/S), ceil(w/S)); a plan is made unless the
-           request is already dense or a touched block is shared.
+           < n_live) by ANY map strictly increasing from logical order to position
+           order (exactly the code's zip, as |movers| = |holes|); the sources are
+           blocks [ceil(n/S), ceil(w/S)); a plan is made unless the request is
+           already dense or a touched block is shared.
 
 Each model is a class whose constraint methods a test may override to plant a
-bug (tests/test_spec_planners.py does, one per property).
+bug (tests/test_spec_planners.py plants one per property).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Iterable
 
 import z3
 
-from .obligations import COUNTEREXAMPLE, PROVED, UNKNOWN, Obligation, Outcome, prove
+from .obligations import PROVED, UNKNOWN, Obligation, Outcome, prove
 
 TIMEOUT_MS = 60_000
+_I, _B = z3.IntSort(), z3.BoolSort()
 
 
 @dataclass(frozen=True)
@@ -69,14 +71,18 @@ class Bound:
     block_size: int
     max_blocks: int
 
+    @property
+    def positions(self) -> int:
+        return self.block_size * self.max_blocks
+
     def __str__(self) -> str:
         return f"S={self.block_size} with <= {self.max_blocks} blocks"
 
 
-# Chosen so that all obligations together solve in well under a minute on two loaded cores
-# (tests/test_spec_planners.py times them). Positions = S * blocks: 8, 16, 24, 32, 32, 64.
+# All obligations together must solve in well under a minute on two loaded cores
+# (tests/test_spec_planners.py times them).
 BOUNDS: tuple[Bound, ...] = (
-    Bound(1, 8), Bound(2, 8), Bound(4, 6), Bound(8, 4), Bound(16, 2), Bound(32, 2),
+    Bound(1, 8), Bound(2, 8), Bound(4, 6), Bound(8, 4), Bound(16, 3), Bound(32, 2),
 )
 
 
@@ -93,12 +99,17 @@ class SnapshotModel:
         self.bound, self.S, self.NB, self.P = bound, S, NB, S * NB
         self.nb = z3.Int("num_blocks")
         self.w = z3.Int("write_pos")
-        self.bid = [z3.Int(f"block_id[{i}]") for i in range(NB)]
-        self.shared = [z3.Bool(f"shared[{i}]") for i in range(NB)]
-        self.live = [z3.Bool(f"live@{p}") for p in range(self.P)]
-        self.tok = [z3.Int(f"token@{p}") for p in range(self.P)]
+        self.block_id = z3.Function("block_id", _I, _I)
+        self.index_of = z3.Function("index_of", _I, _I)
+        self.shared_at = z3.Function("shared", _I, _B)
+        self.live_at = z3.Function("live", _I, _B)
+        self.token_at = z3.Function("token", _I, _I)
+        self.bid = [self.block_id(i) for i in range(NB)]
+        self.shared = [self.shared_at(i) for i in range(NB)]
+        self.live = [self.live_at(p) for p in range(self.P)]
+        self.tok = [self.token_at(p) for p in range(self.P)]
         self._ind: dict[int, z3.ArithRef] = {}
-        self.defs: list[z3.BoolRef] = []  # definitions of the 0/1 indicators below (conservative: each is unique)
+        self.defs: list[z3.BoolRef] = []  # definitions of 0/1 indicators (each fixed by its condition)
         self.cnt = [self.count(self.live[i * S:(i + 1) * S], "live") for i in range(NB)]
         self.n_live = self.count(self.live, "live")
 
@@ -116,36 +127,42 @@ class SnapshotModel:
         return z3.Sum([self.ind(c, name) for c in conds]) if conds else z3.IntVal(0)
 
     def wf(self) -> z3.BoolRef:
-        """A snapshot the token table can produce (T1, T2, I2 hold in it)."""
-        S = self.S
+        """A snapshot the token table can produce (T1, T2, I2 hold in it). Includes every indicator defined so far."""
         return z3.And(
-            0 <= self.nb, self.nb <= self.NB, 0 <= self.w, self.w <= self.nb * S,
-            z3.Distinct(*self.bid) if self.NB > 1 else z3.BoolVal(True), *[b >= 0 for b in self.bid],
+            0 <= self.nb, self.nb <= self.NB, 0 <= self.w, self.w <= self.nb * self.S,
+            *[z3.And(self.index_of(b) == i, b >= 0) for i, b in enumerate(self.bid)],
             z3.Distinct(*self.tok) if self.P > 1 else z3.BoolVal(True), *[t >= 0 for t in self.tok],
             *[z3.Implies(self.live[p], p < self.w) for p in range(self.P)],
             *self.defs,
         )
 
-    def slot(self, p: int) -> tuple[z3.ArithRef, int]:
-        return self.bid[p // self.S], p % self.S
+    def index_lemma(self, i: z3.ArithRef) -> z3.BoolRef:
+        """index_of(block_id(i)) = i for a symbolic entry i: valid, as it holds for each concrete i < NB."""
+        return z3.Implies(z3.And(0 <= i, i < self.NB), self.index_of(self.block_id(i)) == i)
 
-    def index_of(self, block_id: z3.ArithRef, default: int) -> z3.ArithRef:
-        """The block-list index of ``block_id``, or ``default`` if it is not in the list."""
-        out: z3.ArithRef = z3.IntVal(default)
-        for i in reversed(range(self.NB)):
-            out = z3.If(z3.And(i < self.nb, block_id == self.bid[i]), i, out)
-        return out
+    def slot(self, p: int) -> tuple[z3.ArithRef, z3.ArithRef]:
+        return self.bid[p // self.S], z3.IntVal(p % self.S)
 
-    def position_of(self, block_id: z3.ArithRef, offset: z3.ArithRef) -> z3.ArithRef:
-        """Position of slot (block_id, offset) in the request's list; P (past every position) if not listed."""
-        return z3.If(self.index_of(block_id, -1) >= 0, self.index_of(block_id, -1) * self.S + offset, self.P)
+    def listed(self, b: z3.ArithRef) -> z3.BoolRef:
+        """Block id b is in the request's block list (same as: b == block_id(i) for some i < nb)."""
+        i = self.index_of(b)
+        return z3.And(0 <= i, i < self.nb, self.block_id(i) == b)
 
-    def is_shared(self, block_id: z3.ArithRef) -> z3.BoolRef:
-        return z3.Or([z3.And(i < self.nb, block_id == self.bid[i], self.shared[i]) for i in range(self.NB)])
+    def position_of(self, b: z3.ArithRef, o: z3.ArithRef) -> z3.ArithRef:
+        """The position of slot (b, o), or P (past every position) if it is not a slot of the request."""
+        return z3.If(z3.And(self.listed(b), 0 <= o, o < self.S), self.index_of(b) * self.S + o, self.P)
 
-    def token_at(self, token: z3.ArithRef) -> list[tuple[int, z3.BoolRef]]:
-        """(position, "token lives there") for each position: the table's slot lookup, by token id."""
-        return [(p, z3.And(self.live[p], self.tok[p] == token)) for p in range(self.P)]
+    def holds(self, token: z3.ArithRef, b: z3.ArithRef, o: z3.ArithRef) -> z3.BoolRef:
+        """The table maps live token ``token`` to slot (b, o)."""
+        x = self.position_of(b, o)
+        return z3.And(x < self.P, self.live_at(x), self.token_at(x) == token)
+
+    def occupied(self, b: z3.ArithRef, o: z3.ArithRef) -> z3.BoolRef:
+        x = self.position_of(b, o)
+        return z3.And(x < self.P, self.live_at(x))
+
+    def is_shared(self, b: z3.ArithRef) -> z3.BoolRef:
+        return z3.And(self.listed(b), self.shared_at(self.index_of(b)))
 
 
 # ---- plans as data ------------------------------------------------------------------------------------------
@@ -168,9 +185,8 @@ class ZPlan:
     exists: z3.BoolRef  # the planner returns a Plan (not a NoPlan)
     moves: list[ZMove]
     src: list[tuple[z3.BoolRef, z3.ArithRef]]  # (is a source, block id), in block-list order
-    dst: list[tuple[z3.BoolRef, z3.ArithRef]]  # (is a destination, block id), in plan order (compact)
-    dense_write_pos: z3.ArithRef | None = None  # densify's cursor after commit
-
+    dst: list[tuple[z3.BoolRef, z3.ArithRef]] = field(default_factory=list)  # compact: (is used, id), in order
+    dense_write_pos: z3.ArithRef | None = None  # densify: the cursor after commit
     snap: SnapshotModel | None = None
 
     def count(self, guarded: list) -> z3.ArithRef:
@@ -180,17 +196,18 @@ class ZPlan:
     def num_moves(self) -> z3.ArithRef:
         return self.snap.count([m.guard for m in self.moves], "plan")
 
+    def is_src(self, b: z3.ArithRef) -> z3.BoolRef:
+        return z3.Or([z3.And(g, b == x) for g, x in self.src])
+
 
 def _ceil_div(q: z3.ArithRef, x: z3.ArithRef, S: int) -> z3.BoolRef:
     """q = ceil(x / S) for x >= 0."""
     return z3.And(q * S >= x, (q - 1) * S < x)
 
 
-def _lookup(table: list[z3.ArithRef], index: z3.ArithRef, default: z3.ArithRef) -> z3.ArithRef:
-    out = default
-    for d in reversed(range(len(table))):
-        out = z3.If(index == d, table[d], out)
-    return out
+def _order(tok_p, tok_q, a, b) -> z3.BoolRef:
+    """a, b are strictly increasing with the token ids."""
+    return z3.And(z3.Implies(tok_p < tok_q, a < b), z3.Implies(tok_q < tok_p, b < a))
 
 
 # ---- compact ------------------------------------------------------------------------------------------------
@@ -202,11 +219,12 @@ class CompactModel:
     def __init__(self, bound: Bound, exact: bool = False) -> None:
         self.snap = s = SnapshotModel(bound)
         self.exact = exact
-        S, NB, P = s.S, s.NB, s.P
+        NB, P = s.NB, s.P
         self.max_sources = z3.Int("max_sources")
         self.budget = z3.Int("dst_budget")  # len(dst_blocks) passed to plan_compaction
-        self.reserved = [z3.Int(f"reserved_dst[{d}]") for d in range(NB)]
-        self.unreserved = z3.Int("reserved_dst[beyond]")  # what an out-of-range index reads
+        self.reserved_at = z3.Function("reserved_dst", _I, _I)  # the caller's fresh blocks, in order
+        self.reserved_index = z3.Function("reserved_index", _I, _I)  # its inverse
+        self.reserved = [self.reserved_at(d) for d in range(NB)]
         self.chosen = [z3.Bool(f"chosen[{i}]") for i in range(NB)]
         self.num_dst = z3.Int("num_dst")
         self.rank = [z3.Int(f"rank@{p}") for p in range(P)]
@@ -227,12 +245,11 @@ class CompactModel:
         return z3.And(self.snap.live[p], self.chosen[p // self.snap.S])
 
     def params(self) -> z3.BoolRef:
+        """max_sources >= 1; the reserved destinations are distinct, fresh blocks (the code asserts freshness)."""
         s = self.snap
         return z3.And(
             self.max_sources >= 1, self.budget >= 0,
-            z3.Distinct(*self.reserved) if len(self.reserved) > 1 else z3.BoolVal(True),
-            *[r >= 0 for r in self.reserved],
-            *[r != b for r in self.reserved for b in s.bid],  # fresh: in no block list (asserted by the code)
+            *[z3.And(self.reserved_index(r) == d, r >= 0, z3.Not(s.listed(r))) for d, r in enumerate(self.reserved)],
         )
 
     def num_dst_rule(self) -> z3.BoolRef:
@@ -261,56 +278,48 @@ class CompactModel:
         """Plan only if there is a source and ceil(T/S) < k (the strict decrease)."""
         return z3.And(self.k >= 1, self.num_dst < self.k)
 
-    def rank_range(self, p: int) -> z3.BoolRef:
-        S = self.snap.S
-        return z3.And(0 <= self.rank[p], self.rank[p] < self.T,
-                      self.rank[p] == self.dst_index[p] * S + self.dst_offset[p],
-                      0 <= self.dst_offset[p], self.dst_offset[p] < S)
+    def rank_rule(self, p: int) -> z3.BoolRef:
+        """Rank r in [0, T) goes to destination r // S, offset r % S."""
+        S, r, d, o = self.snap.S, self.rank[p], self.dst_index[p], self.dst_offset[p]
+        return z3.And(0 <= r, r < self.T, r == d * S + o, 0 <= o, o < S,
+                      z3.Implies(z3.And(0 <= d, d < self.snap.NB), self.reserved_index(self.reserved_at(d)) == d))
 
     def order(self, p: int, q: int) -> z3.BoolRef:
         """Tokens are taken in logical order: ranks strictly increase with token ids."""
-        tok, rank = self.snap.tok, self.rank
-        return z3.And(z3.Implies(tok[p] < tok[q], rank[p] < rank[q]), z3.Implies(tok[q] < tok[p], rank[q] < rank[p]))
+        return _order(self.snap.tok[p], self.snap.tok[q], self.rank[p], self.rank[q])
 
     def placement(self) -> z3.BoolRef:
         P = self.snap.P
-        cons = [z3.Implies(self.is_source(p), self.rank_range(p)) for p in range(P)]
+        cons = [z3.Implies(self.is_source(p), self.rank_rule(p)) for p in range(P)]
         cons += [z3.Implies(z3.And(self.is_source(p), self.is_source(q)), self.order(p, q))
                  for p in range(P) for q in range(p + 1, P)]
         return z3.And(cons)
 
     def planned(self) -> z3.BoolRef:
-        """The snapshot is well formed and the planner returned ``plan()``."""
-        parts = [self.snap.wf(), self.params(), self.choice(), self.gate(), self.placement()]
+        """The snapshot is well formed and the planner's choices are made (``plan().exists``: it is a Plan)."""
+        parts = [self.snap.wf(), self.params(), self.choice(), self.placement()]
         if self.exact:
             parts.append(self.greedy())
         return z3.And(parts)
 
-    def choice_made(self) -> z3.BoolRef:
-        """Exact mode only: the greedy choice was made (whether or not it passes the gate)."""
-        return z3.And(self.snap.wf(), self.params(), self.choice(), self.greedy())
-
     # -- the plan it makes --
     def plan(self) -> ZPlan:
         s = self.snap
-        moves = []
-        for p in range(s.P):
-            sb, so = s.slot(p)
-            moves.append(ZMove(p, self.is_source(p), s.tok[p], sb, z3.IntVal(so),
-                               _lookup(self.reserved, self.dst_index[p], self.unreserved), self.dst_offset[p]))
-        return ZPlan(
-            exists=self.gate(),
-            moves=moves,
-            src=[(self.chosen[i], s.bid[i]) for i in range(s.NB)],
-            dst=[(d < self.num_dst, self.reserved[d]) for d in range(s.NB)],
-            snap=s,
-        )
+        moves = [ZMove(p, self.is_source(p), s.tok[p], *s.slot(p), self.reserved_at(self.dst_index[p]),
+                       self.dst_offset[p]) for p in range(s.P)]
+        return ZPlan(exists=self.gate(), moves=moves, src=list(zip(self.chosen, s.bid)),
+                     dst=[(d < self.num_dst, r) for d, r in enumerate(self.reserved)], snap=s)
+
+    def in_dst(self, b: z3.ArithRef) -> z3.BoolRef:
+        """b is one of the plan's destination blocks (same as: b == reserved[d] for some d < num_dst)."""
+        d = self.reserved_index(b)
+        return z3.And(0 <= d, d < self.num_dst, self.reserved_at(d) == b)
 
     def describe_params(self, m: z3.ModelRef) -> str:
         ev = _ev(m)
         nd = max(0, min(ev(self.budget), self.snap.NB))
-        return (f"compact with max_sources={ev(self.max_sources)}, destination budget {ev(self.budget)} "
-                f"(reserved fresh blocks {[ev(r) for r in self.reserved[:nd]]})")
+        return (f"compact(max_sources={ev(self.max_sources)}, dst_blocks={[ev(r) for r in self.reserved[:nd]]}"
+                f"{'...' if ev(self.budget) > nd else ''})")
 
 
 # ---- densify ------------------------------------------------------------------------------------------------
@@ -321,21 +330,21 @@ class DensifyModel:
 
     def __init__(self, bound: Bound, exact: bool = False) -> None:
         self.snap = s = SnapshotModel(bound)
-        self.exact = exact  # densify's model is already exact up to the order-preserving map (see module doc)
-        S, NB, P = s.S, s.NB, s.P
+        self.exact = exact  # no effect: the densify model has a single plan per snapshot already
+        P = s.P
         self.n = s.n_live
         self.keep = z3.Int("keep")  # ceil(n_live / S)
         self.written = z3.Int("written")  # ceil(write_pos / S)
         self.dst_pos = [z3.Int(f"dst_pos@{p}") for p in range(P)]
         self.dst_index = [z3.Int(f"dst_index@{p}") for p in range(P)]
         self.dst_offset = [z3.Int(f"dst_offset@{p}") for p in range(P)]
-        self.unlisted = z3.Int("block_id[beyond]")
 
     def mover(self, p: int) -> z3.BoolRef:
         return z3.And(self.snap.live[p], p >= self.n)
 
-    def hole(self, p: int) -> z3.BoolRef:
-        return z3.And(z3.Not(self.snap.live[p]), p < self.n)
+    def hole(self, x) -> z3.BoolRef:
+        """A free position below n_live (x may be symbolic)."""
+        return z3.And(0 <= x, x < self.n, z3.Not(self.snap.live_at(x)))
 
     def is_src_block(self, i: int) -> z3.BoolRef:
         return z3.And(self.keep <= i, i < self.written)
@@ -344,19 +353,19 @@ class DensifyModel:
         S = self.snap.S
         return z3.And(_ceil_div(self.keep, self.n, S), _ceil_div(self.written, self.snap.w, S))
 
-    def hits_hole(self, p: int) -> z3.BoolRef:
-        return z3.Or([z3.And(self.dst_pos[p] == h, self.hole(h)) for h in range(self.snap.P)])
-
     def order(self, p: int, q: int) -> z3.BoolRef:
         """Movers in logical order go to holes in position order."""
-        tok, d = self.snap.tok, self.dst_pos
-        return z3.And(z3.Implies(tok[p] < tok[q], d[p] < d[q]), z3.Implies(tok[q] < tok[p], d[q] < d[p]))
+        return _order(self.snap.tok[p], self.snap.tok[q], self.dst_pos[p], self.dst_pos[q])
+
+    def target(self, p: int) -> z3.BoolRef:
+        """Mover p goes to a hole, at (block_id(d), o) with position d*S + o."""
+        s, d, o = self.snap, self.dst_index[p], self.dst_offset[p]
+        return z3.And(self.hole(self.dst_pos[p]), self.dst_pos[p] == d * s.S + o, 0 <= o, o < s.S,
+                      s.index_lemma(d))
 
     def placement(self) -> z3.BoolRef:
-        S, P = self.snap.S, self.snap.P
-        cons = [z3.Implies(self.mover(p), z3.And(
-            self.hits_hole(p), self.dst_pos[p] == self.dst_index[p] * S + self.dst_offset[p],
-            0 <= self.dst_offset[p], self.dst_offset[p] < S)) for p in range(P)]
+        P = self.snap.P
+        cons = [z3.Implies(self.mover(p), self.target(p)) for p in range(P)]
         cons += [z3.Implies(z3.And(self.mover(p), self.mover(q)), self.order(p, q))
                  for p in range(P) for q in range(p + 1, P)]
         return z3.And(cons)
@@ -374,17 +383,13 @@ class DensifyModel:
         return z3.And(z3.Not(already_dense), z3.Not(self.touched_shared()))
 
     def planned(self) -> z3.BoolRef:
-        return z3.And(self.snap.wf(), self.bounds_rule(), self.gate(), self.placement())
+        return z3.And(self.snap.wf(), self.bounds_rule(), self.placement())
 
     def plan(self) -> ZPlan:
         s = self.snap
-        moves = []
-        for p in range(s.P):
-            sb, so = s.slot(p)
-            moves.append(ZMove(p, self.mover(p), s.tok[p], sb, z3.IntVal(so),
-                               _lookup(s.bid, self.dst_index[p], self.unlisted), self.dst_offset[p]))
-        return ZPlan(exists=self.gate(), moves=moves,
-                     src=[(self.is_src_block(i), s.bid[i]) for i in range(s.NB)], dst=[],
+        moves = [ZMove(p, self.mover(p), s.tok[p], *s.slot(p), s.block_id(self.dst_index[p]), self.dst_offset[p])
+                 for p in range(s.P)]
+        return ZPlan(exists=self.gate(), moves=moves, src=[(self.is_src_block(i), b) for i, b in enumerate(s.bid)],
                      dense_write_pos=self.n, snap=s)
 
     def describe_params(self, m: z3.ModelRef) -> str:
@@ -404,18 +409,8 @@ def _ev(m: z3.ModelRef):
 
 def _mv(m: z3.ModelRef, mv: ZMove) -> str:
     ev = _ev(m)
-    return (f"move token t{ev(mv.token)}: (block {ev(mv.src_block)}, offset {ev(mv.src_offset)}) -> "
-            f"(block {ev(mv.dst_block)}, offset {ev(mv.dst_offset)})")
-
-
-def _final(snap: SnapshotModel, plan: ZPlan, q: int) -> tuple[z3.ArithRef, z3.ArithRef]:
-    """Block id and offset of the live token at q after the plan's moves are applied (found by token id)."""
-    blk, off = snap.slot(q)
-    fb, fo = blk, z3.IntVal(off)
-    for mv in reversed(plan.moves):
-        hit = z3.And(mv.guard, mv.token == snap.tok[q])
-        fb, fo = z3.If(hit, mv.dst_block, fb), z3.If(hit, mv.dst_offset, fo)
-    return fb, fo
+    return (f"Move(t{ev(mv.token)}, src=(block {ev(mv.src_block)}, offset {ev(mv.src_offset)}), "
+            f"dst=(block {ev(mv.dst_block)}, offset {ev(mv.dst_offset)}))")
 
 
 def _pairs(plan: ZPlan):
@@ -423,7 +418,26 @@ def _pairs(plan: ZPlan):
     return [(a, b) for i, a in enumerate(ms) for b in ms[i + 1:]]
 
 
-def v_strict_decrease(model) -> list[Violation]:
+def _moved(plan: ZPlan, token: z3.ArithRef) -> z3.BoolRef:
+    """Some move of the plan names ``token``."""
+    return z3.Or([z3.And(mv.guard, mv.token == token) for mv in plan.moves])
+
+
+def _final_slot(plan: ZPlan, q: int) -> tuple[z3.ArithRef, z3.ArithRef]:
+    """The slot of the live token at position q once the plan's moves are applied (apply_moves, by token id)."""
+    b, o = plan.snap.slot(q)
+    for mv in reversed(plan.moves):
+        hit = z3.And(mv.guard, mv.token == plan.snap.tok[q])
+        b, o = z3.If(hit, mv.dst_block, b), z3.If(hit, mv.dst_offset, o)
+    return b, o
+
+
+def _move_reads_live_slot(s: SnapshotModel, m: z3.ModelRef, mv: ZMove) -> Violation:
+    return (lambda m_, mv=mv: f"{_mv(m_, mv)}: token t{_ev(m_)(mv.token)} is not live at that slot",
+            z3.And(mv.guard, z3.Not(s.holds(mv.token, mv.src_block, mv.src_offset))))
+
+
+def v_strict_decrease(model: CompactModel) -> list[Violation]:
     plan = model.plan()
     nd, ns = plan.count(plan.dst), plan.count(plan.src)
     return [(lambda m: f"the plan takes {_ev(m)(nd)} destination block(s) to free {_ev(m)(ns)} source block(s)",
@@ -432,98 +446,84 @@ def v_strict_decrease(model) -> list[Violation]:
              nd > model.budget)]
 
 
-def v_dst_capacity(model) -> list[Violation]:
+def v_dst_capacity(model: CompactModel) -> list[Violation]:
     plan, S = model.plan(), model.snap.S
     nd, T = plan.count(plan.dst), plan.num_moves
     out: list[Violation] = [(lambda m: f"{_ev(m)(T)} moved tokens but {_ev(m)(nd)} destination blocks of {S} "
-                             f"(want ceil({_ev(m)(T)}/{S}))", z3.Not(_ceil_div(nd, T, S)))]
+                             f"slots (want ceil({_ev(m)(T)}/{S}))", z3.Not(_ceil_div(nd, T, S)))]
     for mv in plan.moves:
-        in_plan = z3.Or([z3.And(g, mv.dst_block == b) for g, b in plan.dst])
-        bad = z3.And(mv.guard, z3.Or(mv.dst_offset < 0, mv.dst_offset >= S, z3.Not(in_plan)))
-        out.append((lambda m, mv=mv: f"{_mv(m, mv)}: outside the plan's destination blocks of {S} slots", bad))
+        bad = z3.And(mv.guard, z3.Or(mv.dst_offset < 0, mv.dst_offset >= S, z3.Not(model.in_dst(mv.dst_block))))
+        out.append((lambda m, mv=mv: f"{_mv(m, mv)}: not a slot of the plan's destination blocks of {S} slots", bad))
     return out
 
 
-def v_injective(model) -> list[Violation]:
+def v_injective(model: CompactModel) -> list[Violation]:
     plan, s = model.plan(), model.snap
     out: list[Violation] = []
     for a, b in _pairs(plan):
         out.append((lambda m, a=a, b=b: f"two moves to one slot: {_mv(m, a)} and {_mv(m, b)}",
                     z3.And(a.guard, b.guard, a.dst_block == b.dst_block, a.dst_offset == b.dst_offset)))
     for d, (g, b) in enumerate(plan.dst):
-        listed = z3.Or([z3.And(i < s.nb, b == s.bid[i]) for i in range(s.NB)])
         twice = z3.Or([z3.And(g2, b2 == b) for g2, b2 in plan.dst[d + 1:]])
-        out.append((lambda m, b=b: f"destination block {_ev(m)(b)} is listed by the request or twice in the plan",
-                    z3.And(g, z3.Or(listed, twice))))
+        out.append((lambda m, b=b: f"destination block {_ev(m)(b)} is in the request's block list or twice in the plan",
+                    z3.And(g, z3.Or(s.listed(b), twice))))
     return out
 
 
-def v_live_sources(model) -> list[Violation]:
-    """Only live tokens move, each once, from its own slot; every live token of a source block moves."""
+def v_live_sources(model: CompactModel) -> list[Violation]:
     plan, s = model.plan(), model.snap
     out: list[Violation] = []
     for mv in plan.moves:
-        at_slot = z3.Or([z3.And(hit, s.bid[q // s.S] == mv.src_block, mv.src_offset == q % s.S)
-                         for q, hit in s.token_at(mv.token)])
-        in_src = z3.Or([z3.And(g, b == mv.src_block) for g, b in plan.src])
-        out.append((lambda m, mv=mv: f"{_mv(m, mv)}: token t{_ev(m)(mv.token)} is not live at that slot",
-                    z3.And(mv.guard, z3.Not(at_slot))))
-        if plan.dst:  # compact: every move reads a source block
-            out.append((lambda m, mv=mv: f"{_mv(m, mv)}: reads a block that is not a source of the plan",
-                        z3.And(mv.guard, z3.Not(in_src))))
+        out.append(_move_reads_live_slot(s, None, mv))
+        out.append((lambda m, mv=mv: f"{_mv(m, mv)}: reads a block that is not a source of the plan",
+                    z3.And(mv.guard, z3.Not(plan.is_src(mv.src_block)))))
     for a, b in _pairs(plan):
         out.append((lambda m, a=a, b=b: f"token moved twice: {_mv(m, a)} and {_mv(m, b)}",
                     z3.And(a.guard, b.guard, a.token == b.token)))
-    if plan.dst:
-        for q in range(s.P):
-            src_here = z3.Or([z3.And(g, b == s.bid[q // s.S]) for g, b in plan.src])
-            moved = z3.Or([z3.And(mv.guard, mv.token == s.tok[q]) for mv in plan.moves])
-            out.append((lambda m, q=q: f"live token t{_ev(m)(s.tok[q])} in source block {_ev(m)(s.bid[q // s.S])} "
-                        f"(offset {q % s.S}) is not moved, so the block cannot be freed",
-                        z3.And(s.live[q], src_here, z3.Not(moved))))
+    for q in range(s.P):
+        b, o = s.slot(q)
+        out.append((lambda m, q=q, b=b: f"live token t{_ev(m)(s.tok[q])} in source block {_ev(m)(b)} (offset "
+                    f"{q % s.S}) is not moved, so the block cannot be freed",
+                    z3.And(s.live[q], plan.is_src(b), z3.Not(_moved(plan, s.tok[q])))))
     return out
 
 
-def v_eligible_sources(model) -> list[Violation]:
+def v_eligible_sources(model: CompactModel) -> list[Violation]:
     plan, s = model.plan(), model.snap
     out: list[Violation] = [(lambda m: f"{_ev(m)(plan.count(plan.src))} source blocks, over "
                              f"max_sources={_ev(m)(model.max_sources)}", plan.count(plan.src) > model.max_sources)]
     for g, b in plan.src:
-        idx = s.index_of(b, -1)
-        bad = z3.And(g, z3.Or(idx < 0, s.is_shared(b), (idx + 1) * s.S > s.w))
+        idx = s.index_of(b)
+        bad = z3.And(g, z3.Or(z3.Not(s.listed(b)), s.is_shared(b), (idx + 1) * s.S > s.w))
         out.append((lambda m, b=b, idx=idx: f"source block {_ev(m)(b)} (list index {_ev(m)(idx)}) is unlisted, "
-                    f"shared, or not wholly before the cursor {_ev(m)(s.w)} (the append block or later)", bad))
+                    f"shared, or not wholly before the cursor {_ev(m)(s.w)}: the append block or later", bad))
     return out
 
 
-def v_logical_order(model) -> list[Violation]:
+def v_logical_order(model: CompactModel) -> list[Violation]:
     plan, S = model.plan(), model.snap.S
+
+    def seq(mv: ZMove) -> z3.ArithRef:  # place in the destination sequence: index in dst_blocks * S + offset
+        return model.reserved_index(mv.dst_block) * S + mv.dst_offset
+
     out: list[Violation] = []
-
-    def index_in_dst(mv: ZMove) -> z3.ArithRef:
-        out_ = z3.IntVal(len(plan.dst))
-        for d in reversed(range(len(plan.dst))):
-            out_ = z3.If(mv.dst_block == plan.dst[d][1], d, out_)
-        return out_ * S + mv.dst_offset
-
     for a, b in _pairs(plan):
         for x, y in ((a, b), (b, a)):
             out.append((lambda m, x=x, y=y: f"logical order lost: t{_ev(m)(x.token)} < t{_ev(m)(y.token)} but "
-                        f"{_mv(m, x)} lands after {_mv(m, y)}",
-                        z3.And(x.guard, y.guard, x.token < y.token, index_in_dst(x) >= index_in_dst(y))))
+                        f"{_mv(m, x)} lands at or after {_mv(m, y)}",
+                        z3.And(x.guard, y.guard, x.token < y.token, seq(x) >= seq(y))))
     return out
 
 
-def v_dense_prefix(model) -> list[Violation]:
-    """After the moves the n live tokens have distinct positions, all < n (so exactly [0, n)); cursor = n."""
+def v_dense_prefix(model: DensifyModel) -> list[Violation]:
     plan, s = model.plan(), model.snap
     n = s.n_live
-    final = {q: s.position_of(*_final(s, plan, q)) for q in range(s.P)}
+    final = {q: s.position_of(*_final_slot(plan, q)) for q in range(s.P)}
     out: list[Violation] = [(lambda m: f"cursor after commit {_ev(m)(plan.dense_write_pos)} != n_live {_ev(m)(n)}",
                              plan.dense_write_pos != n)]
     for q in range(s.P):
         out.append((lambda m, q=q: f"live token t{_ev(m)(s.tok[q])} ends at position {_ev(m)(final[q])} "
-                    f">= n_live={_ev(m)(n)}", z3.And(s.live[q], final[q] >= n)))
+                    f">= n_live={_ev(m)(n)} (P={s.P} means off the block list)", z3.And(s.live[q], final[q] >= n)))
     for q in range(s.P):
         for r in range(q + 1, s.P):
             out.append((lambda m, q=q, r=r: f"live tokens t{_ev(m)(s.tok[q])} and t{_ev(m)(s.tok[r])} both end at "
@@ -531,8 +531,7 @@ def v_dense_prefix(model) -> list[Violation]:
     return out
 
 
-def v_no_chain(model) -> list[Violation]:
-    """Destinations are distinct and none is any move's source (moves never chain)."""
+def v_no_chain(model: DensifyModel) -> list[Violation]:
     plan = model.plan()
     out: list[Violation] = []
     for a in plan.moves:
@@ -545,42 +544,33 @@ def v_no_chain(model) -> list[Violation]:
     return out
 
 
-def v_freed_blocks(model) -> list[Violation]:
-    """The blocks densify releases are [ceil(n/S), ceil(w/S)), none shared, and hold no live token after the moves."""
+def v_freed_blocks(model: DensifyModel) -> list[Violation]:
     plan, s = model.plan(), model.snap
     S, n = s.S, s.n_live
     out: list[Violation] = []
     for i, (g, b) in enumerate(plan.src):
-        want = z3.And(i < s.nb, i * S >= n, i * S < s.w)  # block i starts at or after n and before w
-        out.append((lambda m, i=i, b=b: f"block {_ev(m)(b)} (index {i}) is released: {_ev(m)(g)}, but it "
-                    f"should be exactly when it starts in [n_live={_ev(m)(n)}, cursor={_ev(m)(s.w)})",
-                    g != want))
+        want = z3.And(i < s.nb, i * S >= n, i * S < s.w)  # entry i starts at or after n_live and before the cursor
+        out.append((lambda m, i=i, b=b, g=g: f"block {_ev(m)(b)} (index {i}) released={_ev(m)(g)}, but it starts "
+                    f"at {i * S}, against [n_live={_ev(m)(n)}, cursor={_ev(m)(s.w)})", g != want))
         out.append((lambda m, b=b: f"released block {_ev(m)(b)} is shared", z3.And(g, s.shared[i])))
         for q in range(s.P):
-            fb, _ = _final(s, plan, q)
+            fb, _ = _final_slot(plan, q)
             out.append((lambda m, q=q, b=b: f"released block {_ev(m)(b)} still holds live token t{_ev(m)(s.tok[q])} "
                         f"after the moves", z3.And(g, s.live[q], fb == b)))
     return out
 
 
-def v_densify_moves(model) -> list[Violation]:
-    """Each move reads its live token's own slot and writes a free slot below n_live (so below the cursor);
-    no block it reads, writes or releases is shared."""
+def v_densify_moves(model: DensifyModel) -> list[Violation]:
     plan, s = model.plan(), model.snap
     n = s.n_live
     out: list[Violation] = []
     for mv in plan.moves:
-        at_slot = z3.Or([z3.And(hit, s.bid[q // s.S] == mv.src_block, mv.src_offset == q % s.S)
-                         for q, hit in s.token_at(mv.token)])
         dpos = s.position_of(mv.dst_block, mv.dst_offset)
-        occupied = z3.Or([z3.And(s.live[q], s.bid[q // s.S] == mv.dst_block, mv.dst_offset == q % s.S)
-                          for q in range(s.P)])
         out += [
-            (lambda m, mv=mv: f"{_mv(m, mv)}: token is not live at that slot", z3.And(mv.guard, z3.Not(at_slot))),
-            (lambda m, mv=mv, dpos=dpos: f"{_mv(m, mv)}: destination position {_ev(m)(dpos)} is not below "
-             f"n_live={_ev(m)(n)} <= cursor={_ev(m)(s.w)}, or is occupied",
-             z3.And(mv.guard, z3.Or(dpos >= n, dpos >= s.w, dpos < 0, mv.dst_offset < 0, mv.dst_offset >= s.S,
-                                    occupied))),
+            _move_reads_live_slot(s, None, mv),
+            (lambda m, mv=mv, dpos=dpos: f"{_mv(m, mv)}: destination position {_ev(m)(dpos)} is not a free slot "
+             f"below n_live={_ev(m)(n)} and the cursor {_ev(m)(s.w)}",
+             z3.And(mv.guard, z3.Or(dpos >= n, dpos >= s.w, s.occupied(mv.dst_block, mv.dst_offset)))),
             (lambda m, mv=mv: f"{_mv(m, mv)}: touches a shared block",
              z3.And(mv.guard, z3.Or(s.is_shared(mv.src_block), s.is_shared(mv.dst_block)))),
         ]
@@ -589,37 +579,22 @@ def v_densify_moves(model) -> list[Violation]:
     return out
 
 
-@contextmanager
-def smt_core():
-    """Make ``z3.Solver()`` (what ``obligations.prove`` builds) run z3's SMT core directly.
-
-    The default tactic for these bounded integer formulas preprocesses counting constraints into
-    bit-level circuits on which unsatisfiability takes minutes (it times out at S=4 with 6 blocks);
-    the SMT core proves the same claims in milliseconds. The global parameter is restored on exit.
-    """
-    old = z3.get_param("tactic.default_tactic")
-    z3.set_param("tactic.default_tactic", "smt")
-    try:
-        yield
-    finally:
-        z3.set_param("tactic.default_tactic", old)
-
-
 # ---- explanations and checks ------------------------------------------------------------------------------------
 def describe(model, m: z3.ModelRef) -> str:
-    """The snapshot and the plan of a model, in the project's terms."""
+    """The snapshot and the plan of a z3 model, in the project's terms."""
     s, ev = model.snap, _ev(m)
     S, nb, w = s.S, ev(s.nb), ev(s.w)
     plan = model.plan()
-    lines = [f"snapshot: block size S={S}, block list {[ev(b) for b in s.bid[:nb]]}, cursor write_pos={w} "
-             f"(block index {w // S}, offset {w % S}), num_live={ev(s.n_live)}, "
+    lines = [f"snapshot: S={S}, blocks={[ev(b) for b in s.bid[:nb]]}, write_pos={w} (block index {w // S}, "
+             f"offset {w % S}), num_live={ev(s.n_live)}, "
              f"shared_blocks={sorted(ev(s.bid[i]) for i in range(nb) if ev(s.shared[i]))}"]
     for i in range(nb):
         toks = [f"{o}:t{ev(s.tok[i * S + o])}" for o in range(S) if ev(s.live[i * S + o])]
-        lines.append(f"  block {ev(s.bid[i])} (index {i}): live offsets {{{', '.join(toks)}}}")
+        lines.append(f"  block {ev(s.bid[i])} (index {i}): live {{{', '.join(toks)}}}")
     lines.append(f"{model.describe_params(m)} -> " + ("Plan" if ev(plan.exists) else "NoPlan"))
-    lines.append(f"  sources {[ev(b) for g, b in plan.src if ev(g)]}, destinations {[ev(b) for g, b in plan.dst if ev(g)]}"
-                 + (f", cursor after commit {ev(plan.dense_write_pos)}" if plan.dense_write_pos is not None else ""))
+    lines.append(f"  src_blocks={[ev(b) for g, b in plan.src if ev(g)]}"
+                 + (f", dst_blocks={[ev(b) for g, b in plan.dst if ev(g)]}" if plan.dst else "")
+                 + (f", dense_write_pos={ev(plan.dense_write_pos)}" if plan.dense_write_pos is not None else ""))
     for mv in sorted((mv for mv in plan.moves if ev(mv.guard)), key=lambda mv: ev(mv.token)):
         lines.append(f"  {_mv(m, mv)}")
     return "\n".join(lines)
@@ -632,40 +607,63 @@ def make_explain(model, violations: list[Violation]) -> Callable[[z3.ModelRef], 
     return explain
 
 
+_SMT_PARAMS = {"tactic.default_tactic": "smt", "smt.arith.solver": 2}
+
+
+@contextmanager
+def smt_core():
+    """Make ``z3.Solver()`` (what ``obligations.prove`` builds) run z3's SMT core directly.
+
+    The default tactic preprocesses these bounded counting constraints into bit-level circuits on which
+    unsatisfiability takes minutes (it times out at S=4 with 6 blocks); the SMT core proves the same
+    claims in milliseconds. The global parameter is restored on exit.
+    """
+    saved = {k: z3.get_param(k) for k in _SMT_PARAMS}
+    z3.set_param(**_SMT_PARAMS)
+    try:
+        yield
+    finally:
+        z3.set_param(**saved)
+
+
 ModelFactory = Callable[[Bound], object]
 PropertyFn = Callable[[object], list[Violation]]
 
 
+def premise(model) -> z3.BoolRef:
+    """The model made a plan. Build the violations first: they may define indicators that ``wf`` includes."""
+    exists = model.plan().exists
+    return z3.And(model.planned(), exists)
+
+
 @lru_cache(maxsize=None)
-def _nonvacuous(factory: ModelFactory, bound: Bound) -> bool | None:
-    """Does the planner model make any plan at all within ``bound``? (else every proof about it is vacuous)"""
+def makes_plans(factory: ModelFactory, bound: Bound) -> bool | None:
+    """Does the planner model make any plan at all within ``bound``? (If not, every proof about it is vacuous.)"""
     model = factory(bound)
     solver = z3.SimpleSolver()
     solver.set("timeout", TIMEOUT_MS)
-    exists = model.plan().exists
-    solver.add(model.planned(), exists)
+    solver.add(premise(model))
     r = solver.check()
     return None if r == z3.unknown else r == z3.sat
 
 
 def check_property(factory: ModelFactory, prop: PropertyFn, bounds: Iterable[Bound] = BOUNDS) -> Outcome:
-    """Prove: every plan the model makes, from every snapshot within each bound, has no violation of ``prop``."""
+    """Prove that every plan the model makes, from every snapshot within each bound, violates nothing in ``prop``."""
     covered = []
     for bound in bounds:
         model = factory(bound)
-        violations = prop(model)  # first: it may define indicators that planned() then includes
-        exists = model.plan().exists
-        claim = z3.Implies(z3.And(model.planned(), exists), z3.Not(z3.Or([v for _, v in violations])))
+        violations = prop(model)
+        claim = z3.Implies(premise(model), z3.Not(z3.Or([v for _, v in violations])))
         with smt_core():
             out = prove(claim, timeout_ms=TIMEOUT_MS, explain=make_explain(model, violations))
         if out.status != PROVED:
             return Outcome(out.status, f"[{bound}] {out.detail}")
-        nv = _nonvacuous(factory, bound)
-        if not nv:
-            return Outcome(UNKNOWN, f"[{bound}] vacuous: the {model.kind} model makes no plan at all" if nv is False
-                           else f"[{bound}] could not decide whether the model makes any plan")
+        nonvacuous = makes_plans(factory, bound)
+        if not nonvacuous:
+            return Outcome(UNKNOWN, f"[{bound}] vacuous: the {model.kind} model makes no plan at all"
+                           if nonvacuous is False else f"[{bound}] could not decide whether the model makes a plan")
         covered.append(str(bound))
-    return Outcome(PROVED, "bounds: " + "; ".join(covered))
+    return Outcome(PROVED, "no counterexample for " + "; ".join(covered))
 
 
 @dataclass(frozen=True)
@@ -679,37 +677,42 @@ class Property:
 
 PROPERTIES: tuple[Property, ...] = (
     Property("I4/compact/strict-decrease", "I4", "compact",
-             "a compact plan has >= 1 source and strictly fewer destination blocks than source blocks, "
+             "a compact plan has at least one source and strictly fewer destination blocks than source blocks, "
              "within the destination budget", v_strict_decrease),
     Property("I4/compact/dst-capacity", "I4", "compact",
-             "a compact plan uses ceil(T/S) destination blocks for its T moves, and every move's destination "
-             "is one of them at an offset in [0, S)", v_dst_capacity),
+             "a compact plan with T moves uses ceil(T/S) destination blocks, and every move's destination is a "
+             "slot of one of them (offset in [0, S))", v_dst_capacity),
     Property("I4/compact/injective-dst", "I4", "compact",
-             "no two moves of a compact plan share a destination slot; its destination blocks are distinct and "
-             "in no block list of the request", v_injective),
+             "no two moves of a compact plan share a destination slot; its destination blocks are distinct and in "
+             "none of the request's blocks", v_injective),
     Property("I4/compact/live-sources", "I4", "compact",
-             "a compact plan moves only live tokens, each once and from its own slot in a source block, and moves "
-             "every live token of its source blocks (so they can be freed)", v_live_sources),
+             "a compact plan moves only live tokens, each once, from the token's own slot in a source block, and "
+             "moves every live token of its source blocks (so they can be freed)", v_live_sources),
     Property("I4/compact/eligible-sources", "I4", "compact",
-             "a compact plan's sources are at most max_sources listed blocks, none shared and none the append "
-             "(cursor's) block or later", v_eligible_sources),
+             "a compact plan has at most max_sources source blocks, all in the request's list, none shared and "
+             "none the append (cursor's) block or a later one", v_eligible_sources),
     Property("I4/compact/logical-order", "I4", "compact",
-             "a compact plan keeps logical order: a token with a smaller id lands earlier in the sequence of "
-             "destination slots (destination index * S + offset)", v_logical_order),
+             "a compact plan keeps logical order: of two moved tokens the smaller id gets the earlier destination "
+             "slot (destination block's index in dst_blocks * S + offset)", v_logical_order),
     Property("I7/densify/dense-prefix", "I7", "densify",
-             "after a densify plan's moves the n_live live tokens have distinct positions all below n_live "
-             "(i.e. occupy exactly [0, n_live)) and the new cursor is n_live", v_dense_prefix),
+             "after a densify plan's moves the n_live live tokens have distinct positions, all below n_live (so "
+             "they occupy exactly [0, n_live)), and the cursor after commit is n_live", v_dense_prefix),
     Property("I4/densify/no-chain", "I4", "densify",
-             "densify destinations are distinct and none is the source of any move (moves never chain)", v_no_chain),
+             "densify destinations are distinct and none is the source slot of any move (moves never chain)",
+             v_no_chain),
     Property("I7/densify/freed-blocks", "I7", "densify",
-             "densify releases exactly the blocks starting in [n_live, cursor), none shared, and none holds a "
-             "live token after the moves", v_freed_blocks),
+             "densify releases exactly the blocks starting in [n_live, cursor), none shared, and none holds a live "
+             "token after the moves", v_freed_blocks),
     Property("I4/densify/moves", "I4", "densify",
-             "every densify move reads its live token's own slot and writes a free slot below n_live (so below "
-             "the cursor); no block it reads, writes or releases is shared", v_densify_moves),
+             "every densify move reads its live token's own slot and writes a free slot below n_live and the "
+             "cursor; no block it reads, writes or releases is shared", v_densify_moves),
 )
 
 MODELS: dict[str, type] = {"compact": CompactModel, "densify": DensifyModel}
+
+
+def property_by_id(pid: str) -> Property:
+    return next(p for p in PROPERTIES if p.id == pid)
 
 
 def obligation(prop: Property, model_cls: type | None = None, bounds: tuple[Bound, ...] = BOUNDS) -> Obligation:
@@ -719,14 +722,11 @@ def obligation(prop: Property, model_cls: type | None = None, bounds: tuple[Boun
     def check() -> Outcome:
         return check_property(cls, prop.violations, bounds)
 
-    nondet = ("for every set of eligible sources passing the gate (the code's greedy choice is one)"
-              if prop.planner == "compact" else "for every order-preserving map of movers to holes (the code's zip is the one)")
-    claim = f"{prop.claim}; for every snapshot with {bounds_text(bounds)}, {nondet}"
+    how = ("for every set of eligible sources that passes the gate (the code's greedy choice is one of them)"
+           if prop.planner == "compact" else
+           "for every map of movers to holes increasing from logical to position order (the code's zip is one)")
+    claim = f"{prop.claim}; bounded: every snapshot with {bounds_text(bounds)}, {how}"
     return Obligation(prop.id, prop.invariant, f"planner {prop.planner}", claim, check)
-
-
-def property_by_id(pid: str) -> Property:
-    return next(p for p in PROPERTIES if p.id == pid)
 
 
 def obligations() -> list[Obligation]:
