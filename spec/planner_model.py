@@ -1,5 +1,8 @@
 """Bounded z3 proofs that the relocation planners only make valid plans (I4, I7).
 
+Status: not yet run by ``vtoken spec check`` (issue #4 in progress): its bounds are still being
+tuned to fit the CI budget, and its differential test against core/ is not written yet.
+
 ``core/compact.py`` and ``core/densify.py`` are modelled as constraints over one
 symbolic ``RequestSnapshot``; every plan the constraints allow is checked
 against the plan-level properties of I4 (plan validity) and I7 (dense prefix).

@@ -228,6 +228,7 @@ class Side:
     # the core's side of each model action
     def do(self, action: str, **choices) -> None:
         rt, eng = self.rt, self.engine
+        ran_before = eng.events["completed"]
         if action == "begin_step":
             self.inputs = rt.begin_step(self.appends)
             self.appends = {}
@@ -257,11 +258,19 @@ class Side:
             eng.complete(self.handle)
         elif action == "copy_fail":
             eng.fail(self.handle)
+        self._advance(action, **choices)
+        if action == "begin_step" and eng.events["completed"] > ran_before:
+            # begin_step ends with the pre-attention wait (engine.before_compute), which runs an
+            # ordered copy there and then: in the model, the copy's two halves happen next
+            self._advance("copy_read")
+            self._advance("copy_write")
+        self.agree()
+
+    def _advance(self, action: str, **choices) -> None:
         nxt = pm.successors(self.p, self.m, action, **choices)
         assert len(nxt) == 1, f"{action} from {self.m}: {len(nxt)} successors"
         self.m = nxt[0]
         self.log.append(action)
-        self.agree()
 
     def abstract(self) -> dict:
         rt, pool, eng, mgr = self.rt, self.pool, self.engine, self.rt.manager
@@ -328,10 +337,10 @@ def test_core_commit_at_launch_matches_the_model():
     side = run_script("event", STEP0 + ["settle"])
     assert side.rec.state is PlanState.COMMITTED and side.engine.poll(1) is CopyStatus.ORDERED
     assert side.m["cp"] == pm.QUEUED and side.m["pl"] == pm.COMMITTED  # committed before the copy ran
-    # the model forbids the forward until the copy finished; the core's before_compute runs it first
+    # the model forbids the forward until the copy finished; the core's begin_step ends with the
+    # pre-attention wait, which runs it (the harness then advances the model through the copy)
     assert pm.successors(side.p, side.m, "forward") == []
-    for action in ["begin_step", "copy_read", "copy_write", "forward", "end_step", "remove_request",
-                   "begin_step", "forward"]:
+    for action in ["begin_step", "forward", "end_step", "remove_request", "begin_step", "forward"]:
         side.do(action)
     assert side.m["ownA"] == pm.FREE and side.m["ownD"] == pm.FREE
 
@@ -340,9 +349,8 @@ def test_core_event_removal_frees_at_once_matches_the_model():
     side = run_script("event", STEP0 + ["remove_request"])
     assert side.m["ownA"] == side.m["ownD"] == pm.FREE and not side.m["orphan"]
     assert side.engine.pending() == [1]  # still to run: only the wait keeps the freed blocks safe
-    side.do("begin_step")
-    side.do("copy_read")
-    side.do("copy_write")
+    side.do("begin_step")  # the pre-attention wait runs the copy before any new K/V lands
+    assert side.engine.pending() == [] and side.m["cp"] == pm.DONE
     side.do("forward")
 
 
