@@ -40,8 +40,12 @@ def test_planted_bugs_restore_the_core_afterwards():
     before = (block_pool.BlockPool.can_allocate, reclamation.ReclamationManager._commit,
               token_table.TokenTable.evict_token, reclamation.plan_compaction)
     for name in BUGS:
-        with planted(name):
-            pass
+        targets = list(BUGS[name].patches())
+        originals = [obj.__dict__[attr] for obj, attr in targets]
+        with planted(name):  # every bug really replaces what it names...
+            assert all(obj.__dict__[attr] is not orig for (obj, attr), orig in zip(targets, originals)), name
+        # ...and puts it back
+        assert all(obj.__dict__[attr] is orig for (obj, attr), orig in zip(targets, originals)), name
     assert before == (block_pool.BlockPool.can_allocate, reclamation.ReclamationManager._commit,
                       token_table.TokenTable.evict_token, reclamation.plan_compaction)
     assert len(BUGS) >= 12
