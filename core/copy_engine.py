@@ -38,10 +38,11 @@ CopyHandle = int
 
 
 class CopyEngine(Protocol):
-    def submit(self, moves: Sequence[Move]) -> CopyHandle:
+    def submit(self, moves: Sequence[Move], req_id: object = None) -> CopyHandle:
         """Start copying every move's K/V (all layers) from source to destination slot.
 
-        Out-of-place: every source is read before any destination is written.
+        Out-of-place: every source is read before any destination is written. ``req_id`` (the
+        plan's request) is for error reports and quarantine only.
         """
         ...
 

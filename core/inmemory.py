@@ -59,7 +59,7 @@ class InMemoryCopyEngine:
         self.events = {"submitted": 0, "completed": 0, "failed": 0, "waited": 0}
 
     # ---- CopyEngine --------------------------------------------------------------
-    def submit(self, moves: Sequence[Move]) -> CopyHandle:
+    def submit(self, moves: Sequence[Move], req_id: object = None) -> CopyHandle:
         h = self._next
         self._next += 1
         self._copies[h] = _Copy(tuple(Move(*m) for m in moves))

@@ -175,7 +175,7 @@ class ReclamationManager:
             rec.state = PlanState.COPYING
             if not rec.plan.moves:
                 continue  # nothing to copy: settled by definition
-            rec.handle = self.engine.submit(rec.plan.moves)
+            rec.handle = self.engine.submit(rec.plan.moves, req_id=rec.plan.req_id)
             if self.config.ordering is Ordering.EVENT:
                 self.engine.order_before_compute(rec.handle)
             elif self.config.ordering is Ordering.FORCE_SYNC:

@@ -1,0 +1,173 @@
+"""``TorchCopyEngine``: the core's ``CopyEngine`` over real K/V tensors, on CPU or CUDA.
+
+A copy of n moves is, per storage group (usually one per dtype), one gather of the n source tokens
+(every layer, K and V) into a temporary and one scatter into the destinations. The gather completes
+before the scatter starts, so the copy is out of place: a move whose destination is another move's
+source still reads the old value.
+
+CUDA: the copy runs on a dedicated relocation stream, which first waits for the work already issued
+on the compute stream (the forward that wrote the sources), and records an event. ``poll`` queries the
+event; ``order_before_compute`` marks the copy ORDERED and ``before_compute`` (the pre-attention hook)
+makes the compute stream wait on the event: GPU-side, the host never blocks on the normal path.
+``wait`` (the force-sync ablation) synchronizes the event. CPU: the same calls; copies finish inside
+``submit`` and are reported DONE at the first ``poll``.
+
+Strict verify (``Verifier``): source digests are taken from the gathered values, destination digests
+when the copy is first seen complete (``poll``, ``wait`` or ``before_compute``). A mismatch found
+before the copy is released (the plan is not committed yet) makes the copy FAILED under
+``quarantine``, so the manager aborts the plan and the sources stay authoritative; found after (an
+ORDERED copy the manager already committed), the request is quarantined. Under ``raise`` both raise
+``RelocationMismatch``. A copy that fails to launch is FAILED and wrote nothing. A copy never fails
+after it is ORDERED except by a digest mismatch: the manager committed it and never polls it again.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from vtoken.core.copy_engine import CopyHandle, CopyStatus
+from vtoken.core.errors import DestinationError, VTokenError
+from vtoken.core.token_table import Move
+
+from .kv_cache import PagedKVCache
+from .verify import Digests, Verifier
+
+
+@dataclass
+class _Copy:
+    moves: tuple[Move, ...]
+    req_id: object
+    dst_slots: torch.Tensor
+    status: CopyStatus = CopyStatus.PENDING
+    event: object = None  # torch.cuda.Event on CUDA
+    src_digests: Digests | None = None  # set iff this copy is verified
+    released: bool = False
+    keep: list = field(default_factory=list)  # tensors the relocation stream still reads
+
+
+class TorchCopyEngine:
+    def __init__(self, cache: PagedKVCache, verifier: Verifier | None = None) -> None:
+        self.cache = cache
+        self.verifier = verifier or Verifier(cache)
+        self.cuda = cache.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=cache.device) if self.cuda else None
+        self._copies: dict[CopyHandle, _Copy] = {}
+        self._next = 1
+        self.launches = 0  # gather + scatter kernels issued (2 per storage group per copy)
+
+    # ---- CopyEngine ----------------------------------------------------------------------------
+    def submit(self, moves: Sequence[Move], req_id: object = None) -> CopyHandle:
+        moves = tuple(Move(*m) for m in moves)
+        S, n_slots = self.cache.block_size, self.cache.num_blocks * self.cache.block_size
+        src = [m.src_block * S + m.src_offset for m in moves]
+        dst = [m.dst_block * S + m.dst_offset for m in moves]
+        for m, s, d in zip(moves, src, dst):
+            if not (0 <= s < n_slots and 0 <= d < n_slots and 0 <= m.src_offset < S and 0 <= m.dst_offset < S):
+                raise DestinationError(f"move {m} of request {req_id!r} names a slot outside the KV cache "
+                                       f"({self.cache.num_blocks} blocks of {S})")
+        if len(set(dst)) != len(dst):
+            raise DestinationError(f"request {req_id!r}: two moves of one copy write the same slot")
+        h, self._next = self._next, self._next + 1
+        c = _Copy(moves, req_id, torch.tensor(dst, dtype=torch.int64))
+        self._copies[h] = c
+        verify = self.verifier.select()
+        try:
+            self._launch(c, torch.tensor(src, dtype=torch.int64), verify)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            # nothing was scattered (the gather comes first) or the scatter raised before writing
+            c.status = CopyStatus.FAILED
+            c.keep = [repr(e)]
+        return h
+
+    def poll(self, handle: CopyHandle) -> CopyStatus:
+        c = self._get(handle)
+        if c.status in (CopyStatus.PENDING, CopyStatus.ORDERED) and (c.event is None or c.event.query()):
+            self._complete(c)
+        return c.status
+
+    def order_before_compute(self, handle: CopyHandle) -> CopyStatus:
+        c = self._get(handle)
+        if c.status is CopyStatus.PENDING:
+            c.status = CopyStatus.ORDERED
+        return c.status
+
+    def wait(self, handle: CopyHandle) -> CopyStatus:
+        c = self._get(handle)
+        if c.status in (CopyStatus.PENDING, CopyStatus.ORDERED):
+            if c.event is not None:
+                c.event.synchronize()
+            self._complete(c)
+        return c.status
+
+    def release(self, handle: CopyHandle) -> None:
+        c = self._get(handle)
+        if not c.status.settled:
+            raise VTokenError(f"copy {handle} is still pending; only settled copies can be released")
+        if c.status is CopyStatus.ORDERED:
+            c.released = True  # forgotten once it completes (and is verified)
+        else:
+            del self._copies[handle]
+
+    def before_compute(self) -> None:
+        """Pre-attention hook: the compute stream waits for every ORDERED copy; finished ones are verified."""
+        for h, c in list(self._copies.items()):
+            if c.status is not CopyStatus.ORDERED:
+                continue
+            if c.event is not None:
+                torch.cuda.current_stream(self.cache.device).wait_event(c.event)
+                if not c.event.query():
+                    continue
+            self._complete(c)
+            if c.released:
+                del self._copies[h]
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _launch(self, c: _Copy, src: torch.Tensor, verify: bool) -> None:
+        if not self.cuda:
+            values = self.cache.gather(src)
+            if verify:
+                c.src_digests = self.verifier.source_digests(values)
+            self.cache.scatter(c.dst_slots, values)
+            self.launches += 2 * len(values)
+            return  # finished; reported (and verified) at the first poll, wait or before_compute
+        dev = self.cache.device
+        self.stream.wait_stream(torch.cuda.current_stream(dev))  # the forward that wrote the sources
+        with torch.cuda.stream(self.stream):
+            src_d = src.pin_memory().to(dev, non_blocking=True)
+            c.dst_slots = c.dst_slots.pin_memory().to(dev, non_blocking=True)
+            values = self.cache.gather(src_d)
+            if verify:
+                c.src_digests = self.verifier.source_digests(values)
+            self.cache.scatter(c.dst_slots, values)
+            c.event = torch.cuda.Event()
+            c.event.record(self.stream)
+        c.keep = [src_d, *values]
+        self.launches += 2 * len(values)
+
+    def _complete(self, c: _Copy) -> None:
+        """The copy is known complete: verify it if selected, then DONE (or FAILED under quarantine)."""
+        was_ordered_and_committed = c.released
+        c.keep = []
+        if c.src_digests is not None:
+            src, c.src_digests = c.src_digests, None
+            ctx = torch.cuda.stream(self.stream) if self.cuda else nullcontext()
+            with ctx:
+                dst = self.verifier.destination_digests(c.dst_slots)
+            evidence = self.verifier.compare(c.req_id, c.moves, src, dst)
+            if evidence is not None and not was_ordered_and_committed:
+                c.status = CopyStatus.FAILED
+                return
+        c.status = CopyStatus.DONE
+
+    def _get(self, handle: CopyHandle) -> _Copy:
+        try:
+            return self._copies[handle]
+        except KeyError:
+            raise VTokenError(f"unknown copy handle {handle!r}") from None
+
+    def pending(self) -> list[CopyHandle]:
+        return [h for h, c in self._copies.items() if c.status in (CopyStatus.PENDING, CopyStatus.ORDERED)]

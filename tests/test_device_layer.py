@@ -1,0 +1,306 @@
+"""The torch device layer on the CPU: layouts, batched out-of-place moves, strict verify."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vtoken.core.block_pool import BlockPool, Purpose
+from vtoken.core.copy_engine import CopyStatus
+from vtoken.core.errors import DestinationError
+from vtoken.core.plan import PlanKind
+from vtoken.core.reclamation import ReclaimConfig, ReclamationManager
+from vtoken.core.token_table import Move, TokenTable
+from vtoken.integration.copy_engine import TorchCopyEngine
+from vtoken.integration.kv_cache import PagedKVCache
+from vtoken.integration.kv_layout import (LayoutError, cpu_plane, default_cpu_block_order, gpu_planes,
+                                          probe_block_order)
+from vtoken.integration.tensor_tags import TORN, TensorTagStore
+from vtoken.integration.verify import RelocationMismatch, Verifier, VerifyConfig
+
+NB, S, H, D = 8, 4, 2, 3
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def fp8_dtypes():
+    out = []
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        dt = getattr(torch, name, None)
+        if dt is None:
+            continue
+        try:  # the ops the engine needs must exist for the dtype on this build
+            t = torch.zeros(8, dtype=dt)
+            t[torch.tensor([1])] = t[torch.tensor([2])]
+            t.view(torch.int8)
+        except (RuntimeError, TypeError):
+            continue
+        out.append(dt)
+    return out
+
+
+def rand(shape, dtype, gen):
+    return torch.randn(shape, generator=gen).to(dtype) if dtype.is_floating_point and dtype.itemsize > 1 else \
+        torch.randint(-100, 100, shape, generator=gen).to(torch.float32).div(8).to(dtype)
+
+
+def mixed_cache(dtype=torch.float32, seed=0, shared=False):
+    """Three layers in the three layouts (plus a fourth sharing layer 0's buffers if ``shared``)."""
+    gen = torch.Generator().manual_seed(seed)
+    k0, v0 = rand((NB, S, H, D), dtype, gen), rand((NB, S, H, D), dtype, gen)
+    stacked = rand((2, NB, S, 1, D), dtype, gen)  # MQA: one KV head
+    cpu = rand((NB, H, S, 2 * D), dtype, gen)
+    planes = gpu_planes("l0", (k0, v0)) + gpu_planes("l1", stacked) + [cpu_plane("l2", cpu)]
+    if shared:
+        planes += gpu_planes("l3", (k0, v0))
+    return PagedKVCache(planes), (k0, v0, stacked, cpu)
+
+
+def snapshot(cache):
+    return {n: cache.read(n, torch.arange(NB * S)).clone() for n in cache.plane_names()}
+
+
+# ---- layouts -------------------------------------------------------------------------------------------
+def test_each_layout_puts_a_token_where_vllm_does():
+    cache, (k0, v0, stacked, cpu) = mixed_cache()
+    slot = torch.tensor([5 * S + 2])
+    for name in cache.plane_names():
+        h = 1 if name.startswith("l1") else H
+        cache.write(name, slot, torch.arange(h * D, dtype=torch.float32).view(1, -1) + 100)
+    want = torch.arange(H * D, dtype=torch.float32).view(H, D) + 100
+    assert torch.equal(k0[5, 2], want) and torch.equal(v0[5, 2], want)
+    assert torch.equal(stacked[0, 5, 2], want[:1]) and torch.equal(stacked[1, 5, 2], want[:1])
+    assert torch.equal(cpu[5, :, 2, :D], want) and torch.equal(cpu[5, :, 2, D:], want)
+    assert cache.bytes_per_token == (2 * H * D + 2 * D + 2 * H * D) * 4
+
+
+def test_layout_shapes_are_checked_with_the_layer_named():
+    with pytest.raises(LayoutError, match="layer 'x'.*stacked"):
+        gpu_planes("x", torch.zeros(3, NB, S, H, D))
+    with pytest.raises(LayoutError, match="layer 'y'.*CPU"):
+        cpu_plane("y", torch.zeros(NB, H, S, 2 * D + 1))
+    with pytest.raises(LayoutError, match="layer 'z'"):
+        PagedKVCache(gpu_planes("a", (torch.zeros(NB, S, H, D),) * 2) + gpu_planes("z", (torch.zeros(NB, 2 * S, H, D),) * 2))
+
+
+def transposed_k_writer(key, value, cache, slots):
+    """A reference cache-write op with another in-block order: per head, K stored dim-major ([D, S], like
+    an ISA path that transposes K) in the first D*S elements, V token-major after it."""
+    nb, h, s, d2 = cache.shape
+    d = d2 // 2
+    flat = cache.view(nb, h, 2 * d * s)
+    for t, slot in enumerate(slots.tolist()):
+        b, o = divmod(slot, s)
+        for hh in range(h):
+            flat[b, hh, torch.arange(d) * s + o] = key[t, hh]
+            flat[b, hh, d * s + o * d + torch.arange(d)] = value[t, hh]
+
+
+def test_probe_learns_the_in_block_order_of_a_kernel():
+    order = probe_block_order(transposed_k_writer, H, S, D)
+    assert not torch.equal(order, default_cpu_block_order(H, S, D))
+    cache_t = torch.zeros(NB, H, S, 2 * D)
+    cache = PagedKVCache([cpu_plane("l", cache_t, order)])
+    k, v = torch.randn(1, H, D), torch.randn(1, H, D)
+    transposed_k_writer(k, v, cache_t, torch.tensor([3 * S + 1]))
+    assert torch.equal(cache.read("l.K", torch.tensor([3 * S + 1])), k.view(1, -1))
+    assert torch.equal(cache.read("l.V", torch.tensor([3 * S + 1])), v.view(1, -1))
+    # the default (untransposed) order reads that same token wrongly: probing matters
+    wrong = PagedKVCache([cpu_plane("l", cache_t)])
+    assert not torch.equal(wrong.read("l.K", torch.tensor([3 * S + 1])), k.view(1, -1))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda k, v, c, s: c.view(-1)[: k.numel()].copy_(k.flatten()), "block 0"),
+    (lambda k, v, c, s: transposed_k_writer(k * 2, v, c, s), "changed values"),
+    (lambda k, v, c, s: transposed_k_writer(k, torch.zeros_like(v), c, s), "not written"),
+])
+def test_probe_rejects_a_kernel_that_is_not_a_pure_in_block_copy(bad, match):
+    with pytest.raises(LayoutError, match=match):
+        probe_block_order(bad, H, S, D)
+
+
+# ---- moves ----------------------------------------------------------------------------------------------
+def random_moves(rng: random.Random, n: int) -> list[Move]:
+    slots = rng.sample(range(NB * S), 2 * n)
+    src, dst = slots[:n], slots[n:]
+    if n > 1:  # a chain: one move's destination is another's source
+        dst[0] = src[1]
+    return [Move(i, s // S, s % S, d // S, d % S) for i, (s, d) in enumerate(zip(src, dst))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES + fp8_dtypes(), ids=str)
+@pytest.mark.parametrize("seed", range(4))
+def test_a_copy_moves_exactly_its_moves_in_every_layer(dtype, seed):
+    cache, _ = mixed_cache(dtype, seed)
+    before = snapshot(cache)
+    moves = random_moves(random.Random(seed), 1 + seed * 3)
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", seed=seed)))
+    h = eng.submit(moves, req_id="r")
+    assert eng.poll(h) is CopyStatus.DONE and eng.verifier.counters.verified == 1
+    want = {n: t.clone() for n, t in before.items()}
+    for m in moves:
+        for n in want:
+            want[n][m.dst_block * S + m.dst_offset] = before[n][m.src_block * S + m.src_offset]
+    after = snapshot(cache)
+    for n in want:  # compare bits (NaN-safe)
+        assert torch.equal(after[n].view(torch.uint8), want[n].view(torch.uint8)), n
+    assert eng.launches == 2 * len(cache.groups)  # one gather, one scatter per storage: not per token or layer
+
+
+def test_a_cycle_of_moves_is_copied_out_of_place():
+    cache, _ = mixed_cache()
+    before = snapshot(cache)
+    cycle = [Move(0, 0, 0, 0, 1), Move(1, 0, 1, 0, 2), Move(2, 0, 2, 0, 0)]
+    eng = TorchCopyEngine(cache)
+    assert eng.poll(eng.submit(cycle)) is CopyStatus.DONE
+    after = snapshot(cache)
+    for n in before:
+        assert torch.equal(after[n][[1, 2, 0]], before[n][[0, 1, 2]])
+
+
+def test_layers_sharing_a_buffer_are_moved_once():
+    cache, (k0, _, _, _) = mixed_cache(shared=True)
+    assert cache.aliases == {"l3": "l0"} and "l3.K" not in cache.plane_names()
+    before = k0.clone()
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict")))
+    eng.poll(eng.submit([Move(0, 1, 0, 2, 0), Move(1, 2, 0, 3, 0)]))  # moving twice would carry 1.0 into 3.0
+    assert torch.equal(k0[3, 0], before[2, 0]) and torch.equal(k0[2, 0], before[1, 0])
+    assert torch.equal(cache.read("l3.K", torch.tensor([2 * S])), before[1, 0].view(1, -1))
+
+
+def test_bad_moves_are_rejected_and_change_nothing():
+    cache, _ = mixed_cache()
+    eng = TorchCopyEngine(cache)
+    before = snapshot(cache)
+    with pytest.raises(DestinationError, match="outside the KV cache"):
+        eng.submit([Move(0, 0, 0, NB, 0)], req_id="r")
+    with pytest.raises(DestinationError, match="same slot"):
+        eng.submit([Move(0, 0, 0, 1, 0), Move(1, 0, 1, 1, 0)], req_id="r")
+    after = snapshot(cache)
+    assert all(torch.equal(after[n], before[n]) for n in before) and eng.pending() == []
+
+
+# ---- strict verify ----------------------------------------------------------------------------------------
+def flip_one_element(cache, name, slot, elem=0):
+    raw = cache.read(name, torch.tensor([slot]))
+    raw.view(torch.uint8).view(-1)[elem * raw.element_size()] ^= 1
+    cache.write(name, torch.tensor([slot]), raw)
+
+
+def test_strict_detects_one_flipped_element_and_names_everything():
+    cache, _ = mixed_cache()
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict")))
+    h = eng.submit([Move(7, 1, 0, 4, 3), Move(8, 1, 1, 4, 2)], req_id="req-9")
+    flip_one_element(cache, "l2.V", 4 * S + 2, elem=4)
+    with pytest.raises(RelocationMismatch) as e:
+        eng.poll(h)
+    assert "req-9" in str(e.value) and "token 8" in str(e.value) and "l2.V" in str(e.value)
+    assert f"slot {1 * S + 1} -> {4 * S + 2}" in str(e.value)
+    assert e.value.evidence["mismatches"][0]["plane"] == "l2.V" and len(e.value.evidence["mismatches"]) == 1
+    assert eng.verifier.counters.mismatches == 1
+
+
+def test_off_misses_the_same_corruption():
+    cache, _ = mixed_cache()
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("off")))
+    h = eng.submit([Move(7, 1, 0, 4, 3)], req_id="r")
+    flip_one_element(cache, "l0.K", 4 * S + 3)
+    assert eng.poll(h) is CopyStatus.DONE and eng.verifier.counters.verified == 0
+
+
+def test_sampled_detects_at_the_expected_rate():
+    cache, _ = mixed_cache()
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("sampled", sample_every=4, on_mismatch="quarantine",
+                                                              evidence_dir="/tmp/vtoken-test-evidence", seed=3)))
+    detected = 0
+    for i in range(200):
+        h = eng.submit([Move(0, 0, 0, 1, 0)], req_id=i)
+        flip_one_element(cache, "l1.K", 1 * S)
+        detected += eng.poll(h) is CopyStatus.FAILED
+    c = eng.verifier.counters
+    assert c.relocations == 200 and detected == c.verified == c.mismatches
+    assert 30 <= detected <= 70  # 1 in 4 of 200 (binomial: mean 50, sd 6.1), fixed by the seed
+
+
+def test_quarantine_fails_that_relocation_keeps_others_and_writes_evidence(tmp_path):
+    cache, _ = mixed_cache()
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", on_mismatch="quarantine",
+                                                              evidence_dir=str(tmp_path))))
+    bad = eng.submit([Move(0, 0, 0, 5, 0)], req_id="a")
+    good = eng.submit([Move(0, 2, 0, 6, 0)], req_id="b")
+    b_after_copy = snapshot(cache)
+    flip_one_element(cache, "l0.K", 5 * S)
+    assert eng.poll(bad) is CopyStatus.FAILED and eng.poll(good) is CopyStatus.DONE
+    assert list(eng.verifier.quarantined) == ["a"]
+    ev = json.loads(eng.verifier.quarantined["a"].read_text())
+    assert ev["request"] == "'a'" and ev["plan"] == [[0, 0, 0, 5, 0]] and ev["mismatches"][0]["plane"] == "l0.K"
+    now = snapshot(cache)
+    assert all(torch.equal(now[n][6 * S], b_after_copy[n][6 * S]) for n in now)  # b's K/V intact
+
+
+def test_a_quarantined_copy_is_aborted_by_the_manager_and_the_sources_stay_authoritative(tmp_path):
+    """The core aborts a FAILED copy: the old layout (whose K/V the copy never wrote) stays in use."""
+    cache, _ = mixed_cache()
+    store = TensorTagStore(cache)
+    pool, table = BlockPool(NB, S, headroom=1), TokenTable(NB, S)
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", on_mismatch="quarantine",
+                                                              evidence_dir=str(tmp_path))))
+    mgr = ReclamationManager(pool, table, eng, ReclaimConfig(planner=PlanKind.COMPACT, theta_f=0.0))
+    table.add_request("r")
+    blocks = pool.allocate(3, Purpose.ADMISSION)
+    table.sync_new_tokens("r", blocks, 3 * S)
+    for t, s in enumerate(table.write_slots("r")):
+        store.write(s, 1000 + t)
+    for t in range(3 * S):
+        if t % S:  # leave one live token per block: 3 blocks pack into 1
+            table.evict_token("r", t)
+    rec = mgr.plan_request("r")
+    assert rec and len(rec.plan.src_blocks) == 3 and len(rec.plan.dst_blocks) == 1
+    mgr.launch()
+    d = rec.plan.moves[0]
+    flip_one_element(cache, "l1.V", d.dst_block * S + d.dst_offset)
+    [done] = mgr.settle()
+    assert done.state.value == "aborted" and "r" in eng.verifier.quarantined
+    assert [store.read(s) for s in table.attention_slots("r")] == [1000, 1000 + S, 1000 + 2 * S]
+
+
+def test_the_tag_store_sees_a_torn_token():
+    cache, _ = mixed_cache(torch.bfloat16)
+    store = TensorTagStore(cache)
+    store.write(9, 123456789)
+    assert store.read(9) == 123456789
+    flip_one_element(cache, "l2.K", 9)
+    assert store.read(9) == TORN
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), n=st.integers(1, 5), token=st.integers(0, 4), elem=st.integers(0, 5),
+       byte=st.integers(0, 7), bit=st.integers(0, 7), seed=st.integers(0, 2**16))
+def test_any_single_element_change_changes_the_digest(dtype, n, token, elem, byte, bit, seed):
+    cache, _ = mixed_cache(dtype)
+    ver = Verifier(cache, VerifyConfig("strict", seed=seed))
+    gen = torch.Generator().manual_seed(seed)
+    values = rand((n, cache.groups[0].elems), dtype, gen)
+    changed = values.clone()
+    raw = changed.view(torch.uint8).view(n, -1)
+    token, elem, byte = token % n, elem % changed.shape[1], byte % changed.element_size()
+    raw[token, elem * changed.element_size() + byte] ^= 1 << bit
+    a, b = ver.digest(0, values), ver.digest(0, changed)
+    diff = (a != b).nonzero().tolist()
+    assert len(diff) == 1 and diff[0][0] == token  # exactly the changed token's plane
+
+
+def test_an_in_place_engine_breaks_a_cycle_the_out_of_place_one_copies():
+    """Planted bug: copying move by move (no staging) corrupts a cycle; the check above has teeth."""
+    cache, _ = mixed_cache()
+    before = snapshot(cache)
+    for m in [Move(0, 0, 0, 0, 1), Move(1, 0, 1, 0, 2), Move(2, 0, 2, 0, 0)]:
+        src, dst = torch.tensor([m.src_block * S + m.src_offset]), torch.tensor([m.dst_block * S + m.dst_offset])
+        cache.scatter(dst, cache.gather(src))
+    after = snapshot(cache)
+    assert not all(torch.equal(after[n][[1, 2, 0]], before[n][[0, 1, 2]]) for n in before)
