@@ -32,6 +32,9 @@ class TagStore:
     def read(self, slot: int) -> int:
         return self.tags[slot]
 
+    def state(self) -> bytes:
+        return self.tags.tobytes()
+
 
 class _Copy:
     __slots__ = ("moves", "status", "released")

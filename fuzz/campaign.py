@@ -48,6 +48,11 @@ class CampaignConfig:
     use_database: bool = True
     shrink: bool = True  # shrink a failure to a minimal program (tests turn it off for speed)
     bug: str | None = None  # a planted bug (self-test only)
+    target: str = "core"  # "core": in-memory copies; "tensors": the torch device layer on real K/V
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {sorted(TARGETS)}, got {self.target!r}")
 
 
 @dataclass
@@ -71,16 +76,28 @@ def batch_seed(seed: int, index: int) -> int:
     return int(hashlib.sha256(f"vtoken-fuzz:{seed}:{index}".encode()).hexdigest()[:12], 16)
 
 
+TARGETS = {"core": "VTokenMachine", "tensors": "TensorMachine"}
+
+
 def machine_class(cfg: CampaignConfig) -> type:
     """VTokenMachine restricted to the configured planners and policies (same name, so programs replay)."""
+    attrs = {}
+    if cfg.target == "tensors":
+        from .machine import TensorMachine
+        return type("VTokenMachine", (TensorMachine,), {**attrs, **_restrict(cfg)})
+    attrs.update(_restrict(cfg))
+    if not attrs:
+        return VTokenMachine
+    return type("VTokenMachine", (VTokenMachine,), attrs)
+
+
+def _restrict(cfg: CampaignConfig) -> dict:
     attrs = {}
     if cfg.planners:
         attrs["profiles"] = profiles_for(list(cfg.planners))
     if cfg.policies:
         attrs["policies"] = tuple(cfg.policies)
-    if not attrs:
-        return VTokenMachine
-    return type("VTokenMachine", (VTokenMachine,), attrs)
+    return attrs
 
 
 _PROGRAM_LINE = re.compile(r"^(\w+ = )?state(\.\w+\(.*\)| = VTokenMachine\(\))$")
@@ -122,6 +139,8 @@ def replay_command(cfg: CampaignConfig, s: int) -> str:
         parts += ["--policy", *cfg.policies]
     if cfg.bug:
         parts += ["--bug", cfg.bug]
+    if cfg.target != "core":
+        parts += ["--target", cfg.target]
     return " ".join(parts)
 
 
@@ -133,7 +152,8 @@ def pytest_file(f: Failure, cfg: CampaignConfig) -> str:
         f'"""Found by vtoken fuzz (batch seed {f.batch_seed}): {f.error}\n\n'
         f"Replay the whole batch: {f.replay}\n"
         f"Run this file: pytest {Path(cfg.out_dir) / 'failures' / f'test_failure_{f.batch_seed}.py'}\n\"\"\"\n\n"
-        "from vtoken.fuzz.machine import VTokenMachine\n"
+        + ("from vtoken.fuzz.machine import TensorMachine as VTokenMachine\n" if cfg.target == "tensors" else
+           "from vtoken.fuzz.machine import VTokenMachine\n")
     )
     if cfg.bug:
         return (header + "from vtoken.fuzz.planted import planted\n\n\n"

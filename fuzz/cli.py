@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--examples", type=int, default=25, help="examples per batch (default 25)")
     p.add_argument("--planner", nargs="+", choices=["compact", "densify", "off"], default=[])
     p.add_argument("--policy", nargs="+", choices=sorted(POLICIES) + ["none"], default=[])
+    p.add_argument("--target", choices=["core", "tensors"], default="core",
+                   help="core: in-memory copies with late/failed/reordered completion (default); tensors: the "
+                        "torch device layer moving real K/V of several layers, dtypes and layouts, strict verify on")
     p.add_argument("--out", default="fuzz-out", help="output directory (reports, failures, example database)")
     p.add_argument("--keep-going", action="store_true", help="record failures and continue until the budget")
     p.add_argument("--replay", type=int, metavar="BATCH_SEED", help="rerun one batch from its seed")
@@ -38,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _config(a: argparse.Namespace, **over) -> CampaignConfig:
     cfg = CampaignConfig(time_budget=a.time, runs=a.runs, seed=a.seed, workers=a.workers, steps=a.steps,
                          examples=a.examples, planners=tuple(a.planner), policies=tuple(a.policy), out_dir=a.out,
-                         keep_going=a.keep_going)
+                         keep_going=a.keep_going, target=a.target)
     return replace(cfg, **over)
 
 
@@ -60,7 +63,8 @@ def main(a: argparse.Namespace) -> int:
     cfg = _config(a)
     print(f"vtoken fuzz: seed {cfg.seed}, {cfg.workers} worker(s), "
           f"{f'{cfg.runs} runs' if cfg.runs else f'{cfg.time_budget:g} s'}, {cfg.steps} steps per run, "
-          f"planners {list(cfg.planners) or 'all'}, policies {list(cfg.policies) or 'all'}, output {cfg.out_dir}/",
+          f"planners {list(cfg.planners) or 'all'}, policies {list(cfg.policies) or 'all'}, target {cfg.target}, "
+          f"output {cfg.out_dir}/",
           file=sys.stderr)
     report = run_campaign(cfg)
     for f in report.failures:

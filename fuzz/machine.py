@@ -106,7 +106,8 @@ class VTokenMachine(RuleBasedStateMachine):
         self.profile = prof
         headroom = min(headroom, num_blocks - 1)
         self.pool = BlockPool(num_blocks, block_size, headroom)
-        self.engine = InMemoryCopyEngine(TagStore(num_blocks, block_size), auto_complete=False)
+        self.engine = self.make_engine(num_blocks, block_size)
+        self.store = self.engine.store
         reclaim = None
         if prof.planner is not None:
             reclaim = ReclaimConfig(planner=prof.planner, theta_f=theta_f, low_watermark=low_watermark,
@@ -123,6 +124,10 @@ class VTokenMachine(RuleBasedStateMachine):
         EVENTS["runs"] += 1
 
     # ---- helpers ---------------------------------------------------------------------------------
+    def make_engine(self, num_blocks: int, block_size: int):
+        """The copy engine under test, with a ``store`` of content tags (``TensorMachine``: real tensors)."""
+        return InMemoryCopyEngine(TagStore(num_blocks, block_size), auto_complete=False)
+
     @property
     def table(self):
         return self.rt.table
@@ -145,7 +150,7 @@ class VTokenMachine(RuleBasedStateMachine):
         return (
             self.pool.snapshot(), self.table.state(),
             tuple((k, v.state, v.handle) for k, v in m.inflight.items()), len(m.orphans),
-            tuple((h, self.engine.poll(h)) for h in self.engine.pending()), self.engine.store.tags.tobytes(),
+            tuple((h, self.engine.poll(h)) for h in self.engine.pending()), self.store.state(),
         )
 
     def _rejected(self, exc: type, call, *args) -> None:
@@ -267,7 +272,7 @@ class VTokenMachine(RuleBasedStateMachine):
                 self.content[r] += self._tags(1)
         self.prefill.clear()
         inputs = rt.begin_step(appends)
-        store = self.engine.store
+        store = self.store
         weights = {}
         for r, req in inputs.requests.items():
             for t, slot in zip(req.new_tokens, req.write_slots):
@@ -488,3 +493,20 @@ class VTokenMachine(RuleBasedStateMachine):
             EVENTS["plans_committed"] += stats.plans_committed
             EVENTS["plans_aborted"] += sum(stats.plans_aborted.values())
             EVENTS["moves_committed"] += stats.moves_committed
+
+
+class TensorMachine(VTokenMachine):
+    """The same machine over the torch device layer: ``vtoken fuzz --target tensors``.
+
+    Copies move real K/V tensors (four layers: fp32 in vLLM's GPU layout, bf16 stacked with one KV
+    head, fp16 in the CPU layout with GQA heads, and a layer sharing the first one's buffers), with
+    strict verify raising on any digest mismatch. Content tags live in every byte of every plane
+    (``TensorTagStore``), so the I1 checks read the tensors themselves. CPU copies finish at submit,
+    so the rules that complete, fail or reorder in-memory copies are not part of this machine.
+    """
+
+    def make_engine(self, num_blocks: int, block_size: int):
+        from vtoken.integration.fuzz_target import tensor_engine
+        return tensor_engine(num_blocks, block_size)
+
+    complete_copy = fail_copy = order_copy = None

@@ -58,6 +58,7 @@ class TorchCopyEngine:
         self._copies: dict[CopyHandle, _Copy] = {}
         self._next = 1
         self.launches = 0  # gather + scatter kernels issued (2 per storage group per copy)
+        self.store = None  # a TensorTagStore when the core's checkers run over this engine (tests, fuzzer)
 
     # ---- CopyEngine ----------------------------------------------------------------------------
     def submit(self, moves: Sequence[Move], req_id: object = None) -> CopyHandle:
@@ -168,6 +169,9 @@ class TorchCopyEngine:
             return self._copies[handle]
         except KeyError:
             raise VTokenError(f"unknown copy handle {handle!r}") from None
+
+    def moves_of(self, handle: CopyHandle) -> tuple[Move, ...]:
+        return self._get(handle).moves
 
     def pending(self) -> list[CopyHandle]:
         return [h for h, c in self._copies.items() if c.status in (CopyStatus.PENDING, CopyStatus.ORDERED)]

@@ -1,0 +1,24 @@
+"""The device-layer setup ``vtoken fuzz --target tensors`` drives (kept here so fuzz/ needs no torch)."""
+
+from __future__ import annotations
+
+import torch
+
+from .copy_engine import TorchCopyEngine
+from .kv_cache import PagedKVCache
+from .kv_layout import cpu_plane, gpu_planes
+from .tensor_tags import TensorTagStore
+from .verify import Verifier, VerifyConfig
+
+
+def tensor_engine(num_blocks: int, block_size: int, seed: int = 0) -> TorchCopyEngine:
+    """Four layers, three layouts, three dtypes, GQA/MQA heads, one shared buffer; strict verify raises."""
+    S = block_size
+    k0, v0 = torch.zeros(num_blocks, S, 2, 4), torch.zeros(num_blocks, S, 2, 4)
+    stacked = torch.zeros(2, num_blocks, S, 1, 4, dtype=torch.bfloat16)
+    cpu = torch.zeros(num_blocks, 2, S, 2 * 4, dtype=torch.float16)
+    cache = PagedKVCache(gpu_planes("layer0", (k0, v0)) + gpu_planes("layer1", stacked)
+                         + [cpu_plane("layer2", cpu)] + gpu_planes("layer3", (k0, v0)))
+    engine = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", seed=seed)))
+    engine.store = TensorTagStore(cache)
+    return engine
