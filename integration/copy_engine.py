@@ -62,22 +62,23 @@ class TorchCopyEngine:
 
     # ---- CopyEngine ----------------------------------------------------------------------------
     def submit(self, moves: Sequence[Move], req_id: object = None) -> CopyHandle:
-        moves = tuple(Move(*m) for m in moves)
+        moves = tuple(m if isinstance(m, Move) else Move(*m) for m in moves)
         S, n_slots = self.cache.block_size, self.cache.num_blocks * self.cache.block_size
-        src = [m.src_block * S + m.src_offset for m in moves]
-        dst = [m.dst_block * S + m.dst_offset for m in moves]
-        for m, s, d in zip(moves, src, dst):
-            if not (0 <= s < n_slots and 0 <= d < n_slots and 0 <= m.src_offset < S and 0 <= m.dst_offset < S):
-                raise DestinationError(f"move {m} of request {req_id!r} names a slot outside the KV cache "
-                                       f"({self.cache.num_blocks} blocks of {S})")
-        if len(set(dst)) != len(dst):
+        m = torch.tensor(moves, dtype=torch.int64).view(-1, 5)
+        src, dst = m[:, 1] * S + m[:, 2], m[:, 3] * S + m[:, 4]
+        bad = (src < 0) | (src >= n_slots) | (dst < 0) | (dst >= n_slots) | (m[:, 2] < 0) | (m[:, 2] >= S) \
+            | (m[:, 4] < 0) | (m[:, 4] >= S)
+        if bool(bad.any()):
+            raise DestinationError(f"move {moves[int(bad.nonzero()[0])]} of request {req_id!r} names a slot outside "
+                                   f"the KV cache ({self.cache.num_blocks} blocks of {S})")
+        if dst.unique().numel() != dst.numel():
             raise DestinationError(f"request {req_id!r}: two moves of one copy write the same slot")
         h, self._next = self._next, self._next + 1
-        c = _Copy(moves, req_id, torch.tensor(dst, dtype=torch.int64))
+        c = _Copy(moves, req_id, dst)
         self._copies[h] = c
         verify = self.verifier.select()
         try:
-            self._launch(c, torch.tensor(src, dtype=torch.int64), verify)
+            self._launch(c, src, verify)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             # nothing was scattered (the gather comes first) or the scatter raised before writing
             c.status = CopyStatus.FAILED

@@ -14,6 +14,8 @@ import torch
 
 from .kv_layout import LayoutError, Plane
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 
 @dataclass
 class Group:
@@ -29,6 +31,8 @@ class Group:
     names: list[str] = field(default_factory=list)
     segments: list[tuple[int, int]] = field(default_factory=list)
 
+    run: int = 1  # elements per contiguous, aligned run: moves index rows of ``run`` elements, not elements
+
     @property
     def elems(self) -> int:
         return self.offsets.shape[1]
@@ -36,6 +40,28 @@ class Group:
     def index(self, slots: torch.Tensor, block_size: int) -> torch.Tensor:
         """Flat element indices ``[len(slots), E]`` of the tokens at ``slots``."""
         return self.offsets[slots % block_size] + (slots // block_size).unsqueeze(1) * self.stride
+
+    def rows(self, slots: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Row indices ``[len(slots), E / run]`` into ``flat`` viewed as rows of ``run`` elements."""
+        r = self.run
+        return (self.offsets[:, ::r][slots % block_size] + (slots // block_size).unsqueeze(1) * self.stride[::r]) // r
+
+    def row_view(self) -> torch.Tensor:
+        """The storage's bits (an integer dtype of the same width: moves are bit-exact and work for every
+        dtype, fp8 included) as rows of ``run`` elements."""
+        n = self.flat.numel() - self.flat.numel() % self.run
+        return self.flat[:n].view(_BITS[self.flat.element_size()]).view(-1, self.run)
+
+    def find_run(self) -> None:
+        """The longest run length r dividing E such that every r consecutive canonical elements of a token
+        are r consecutive storage elements starting at a multiple of r (in every block)."""
+        S, E = self.offsets.shape
+        for r in sorted((d for d in range(1, E + 1) if E % d == 0), reverse=True):
+            heads = self.offsets[:, ::r]
+            if bool((self.stride % r == 0).all()) and bool((heads % r == 0).all()) and bool(
+                    (self.offsets.view(S, E // r, r) == heads.unsqueeze(-1) + torch.arange(r)).all()):
+                self.run = r
+                return
 
 
 class PagedKVCache:
@@ -88,6 +114,7 @@ class PagedKVCache:
                     min(2, p.num_blocks) * p.block_size * g.elems:
                 raise LayoutError(f"layers {[p.layer for p in ps]} overlap in one buffer without being the same "
                                   f"elements")
+            g.find_run()
             g.offsets, g.stride = g.offsets.to(t.device), g.stride.to(t.device)
             groups.append(g)
         return groups
@@ -105,12 +132,15 @@ class PagedKVCache:
 
     # ---- bulk access (one gather / one scatter per group) ----------------------------------------
     def gather(self, slots: torch.Tensor) -> list[torch.Tensor]:
-        """The tokens at ``slots``, per group ``[len(slots), E]``: a copy, so later writes cannot change it."""
-        return [g.flat[g.index(slots, self.block_size)] for g in self.groups]
+        """The tokens' bits at ``slots``, per group ``[len(slots), E]`` (an integer dtype as wide as the
+        group's): a copy, so later writes cannot change it."""
+        n = slots.numel()
+        return [g.row_view().index_select(0, g.rows(slots, self.block_size).flatten()).view(n, -1)
+                for g in self.groups]
 
     def scatter(self, slots: torch.Tensor, values: list[torch.Tensor]) -> None:
         for g, v in zip(self.groups, values):
-            g.flat[g.index(slots, self.block_size)] = v
+            g.row_view().index_copy_(0, g.rows(slots, self.block_size).flatten(), v.view(-1, g.run))
 
     # ---- per-layer access for models, tests and the fuzzer ----------------------------------------
     def _segment(self, name: str) -> tuple[Group, int, int]:

@@ -11,8 +11,8 @@ Layouts (per layer):
                   as one ``[2, num_blocks, ...]`` tensor: ``gpu_planes``.
   vLLM CPU        ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``; the in-block order
                   depends on the kernel's ISA path, so ``probe_block_order`` learns it from the
-                  kernel's own cache-write op; ``cpu_plane`` takes the learned order (default: K in
-                  the first head_size columns of each row, V after).
+                  kernel's own cache-write op; ``cpu_plane`` takes the learned order (default: what
+                  the ``vec``/``vec16`` paths write, ``default_cpu_block_order``).
 """
 
 from __future__ import annotations
@@ -103,14 +103,18 @@ def gpu_planes(layer: str, kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor])
 
 
 def default_cpu_block_order(num_kv_heads: int, block_size: int, head_size: int) -> torch.Tensor:
-    """The in-block order of ``[heads, block_size, 2 * head_size]`` with K in columns [0, head_size) and V
-    after: int64 ``[block_size, 2 * heads * head_size]``, canonical order K[h][d] then V[h][d]."""
+    """The in-block order vLLM 0.32's CPU kernels write on their ``vec`` and ``vec16`` paths (learned with
+    ``probe_block_order`` from ``cpu_attn_reshape_and_cache``, tests/test_device_layer.py): per head, K
+    dim-major (element d of the token at offset o at d * S + o) in the first S * D elements, then V
+    token-major (o * D + d). int64 ``[block_size, 2 * heads * head_size]``, canonical order K[h][d] then
+    V[h][d]. Other ISA paths (``amx``) may differ: probe them."""
     H, S, D = num_kv_heads, block_size, head_size
-    o = torch.arange(S).view(S, 1, 1, 1) * (2 * D)
-    kv = torch.arange(2).view(1, 2, 1, 1) * D
-    h = torch.arange(H).view(1, 1, H, 1) * (S * 2 * D)
-    d = torch.arange(D).view(1, 1, 1, D)
-    return (o + kv + h + d).reshape(S, 2 * H * D)
+    o = torch.arange(S).view(S, 1, 1)
+    h = torch.arange(H).view(1, H, 1) * (2 * S * D)
+    d = torch.arange(D).view(1, 1, D)
+    k = h + d * S + o
+    v = h + S * D + o * D + d
+    return torch.cat([k.reshape(S, H * D), v.reshape(S, H * D)], dim=1)
 
 
 def cpu_plane(layer: str, cache: torch.Tensor, block_order: torch.Tensor | None = None) -> Plane:

@@ -4,13 +4,13 @@ held before the copy. Digests are computed where the tensors live; only digests 
 Digest of one token's elements x_1..x_m in one plane ("layer.K"), each element's bits read as an
 unsigned integer (< 2^32; 8-byte dtypes as two 32-bit words):
 
-    d = sum_i (w_i * x_i mod P) mod P,   P = 4294967311 (the least prime above 2^32),
+    d = (sum_i w_i * x_i) mod P,   P = 4294967311 (the least prime above 2^32),
     w_i drawn uniformly from [1, 2^31) by a seeded generator, per engine.
 
 Exact for single-element changes: x -> x' changes d by w_i (x' - x) mod P, and P is a prime larger than
 |x' - x| and w_i, so that is never 0. For any fixed change of several elements made without knowing the
 weights, a collision needs one weight to hit one residue: probability <= 1 / (2^31 - 1) per compared
-digest. Products stay below 2^63 (w < 2^31, x < 2^32), so int64 never overflows.
+digest. The sum is computed in int64 without overflow for planes of up to 2^16 words (``digest``).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class Verifier:
         self.quarantined: dict[object, Path] = {}  # request -> its evidence file
         self._rng = random.Random(self.config.seed)
         gen = torch.Generator().manual_seed(self.config.seed)
-        self._weights, self._segment_ids = [], []
+        self._weights, self._segment_ids, self._equal_planes = [], [], []
         for g in cache.groups:
             words = g.elems * (2 if g.flat.element_size() == 8 else 1)
             self._weights.append(torch.randint(1, 2 ** 31, (words,), generator=gen).to(cache.device))
@@ -106,6 +106,10 @@ class Verifier:
             for i, (a, b) in enumerate(g.segments):
                 seg[a * per_word:b * per_word] = i
             self._segment_ids.append(seg.to(cache.device))
+            sizes = {b - a for a, b in g.segments}
+            self._equal_planes.append(len(sizes) == 1)
+            if max(sizes) * per_word > 2 ** 16:
+                raise ConfigError(f"strict verify: plane of {max(sizes) * per_word} words exceeds 2^16")
 
     def select(self) -> bool:
         """Whether the next relocation is verified (counts it)."""
@@ -117,18 +121,34 @@ class Verifier:
 
     # ---- digests -------------------------------------------------------------------------------
     def digest(self, gi: int, values: torch.Tensor) -> torch.Tensor:
-        """``[n, n_planes]`` digests of group ``gi``'s token values ``[n, E]`` (on their device)."""
+        """``[n, n_planes]`` digests of group ``gi``'s token values ``[n, E]`` (on their device).
+
+        sum_i w_i x_i is summed as sum_i w_i lo_i + 2^16 sum_i w_i hi_i (x = 2^16 hi + lo): each term is
+        below 2^47, so a plane of up to 2^16 words sums without overflow and without a per-element mod.
+        """
         started = time.perf_counter()
-        g: Group = self.cache.groups[gi]
-        int_dtype, mask = _WORD[values.element_size()]
-        x = values.contiguous().view(int_dtype).to(torch.int64) & mask
-        prod = (x * self._weights[gi]) % PRIME
-        out = torch.zeros(values.shape[0], len(g.segments), dtype=torch.int64, device=values.device)
-        out.index_add_(1, self._segment_ids[gi], prod)
+        if values.device.type == "cpu" and values.shape[0] > 1:  # chunks whose int64 temporaries stay in cache
+            step = max(1, (1 << 16) // max(1, values.shape[1]))
+            out = torch.cat([self._digest(gi, values[i:i + step]) for i in range(0, values.shape[0], step)])
+        else:
+            out = self._digest(gi, values)
         self.counters.bytes_hashed += values.numel() * values.element_size()
-        out %= PRIME
         self.counters.seconds += time.perf_counter() - started  # launch time on CUDA, compute time on CPU
         return out
+
+    def _digest(self, gi: int, values: torch.Tensor) -> torch.Tensor:
+        int_dtype, mask = _WORD[values.element_size()]
+        x = values.contiguous().view(int_dtype).to(torch.int64) & mask
+        w = self._weights[gi]
+        lo, hi = self._plane_sums((x & 0xFFFF) * w, gi), self._plane_sums((x >> 16) * w, gi)
+        return (lo % PRIME + ((hi % PRIME) << 16)) % PRIME
+
+    def _plane_sums(self, terms: torch.Tensor, gi: int) -> torch.Tensor:
+        g = self.cache.groups[gi]
+        if self._equal_planes[gi]:
+            return terms.view(terms.shape[0], len(g.segments), -1).sum(-1)
+        out = torch.zeros(terms.shape[0], len(g.segments), dtype=torch.int64, device=terms.device)
+        return out.index_add_(1, self._segment_ids[gi], terms)
 
     def source_digests(self, values: list[torch.Tensor]) -> Digests:
         return Digests([self.digest(i, v) for i, v in enumerate(values)])

@@ -74,7 +74,9 @@ def test_each_layout_puts_a_token_where_vllm_does():
     want = torch.arange(H * D, dtype=torch.float32).view(H, D) + 100
     assert torch.equal(k0[5, 2], want) and torch.equal(v0[5, 2], want)
     assert torch.equal(stacked[0, 5, 2], want[:1]) and torch.equal(stacked[1, 5, 2], want[:1])
-    assert torch.equal(cpu[5, :, 2, :D], want) and torch.equal(cpu[5, :, 2, D:], want)
+    cpu_rows = cpu.view(NB, H, 2 * S, D)  # vLLM's view: K rows [0, S) (stored dim-major), V rows [S, 2S)
+    assert torch.equal(cpu_rows[5, :, :S].reshape(H, D * S)[:, 2::S], want)
+    assert torch.equal(cpu_rows[5, :, S + 2], want)
     assert cache.bytes_per_token == (2 * H * D + 2 * D + 2 * H * D) * 4
 
 
@@ -88,8 +90,8 @@ def test_layout_shapes_are_checked_with_the_layer_named():
 
 
 def transposed_k_writer(key, value, cache, slots):
-    """A reference cache-write op with another in-block order: per head, K stored dim-major ([D, S], like
-    an ISA path that transposes K) in the first D*S elements, V token-major after it."""
+    """A reference cache-write op in vLLM's vec/vec16 order: per head, K stored dim-major ([D, S]) in the
+    first D*S elements, V token-major ([S, D]) after it."""
     nb, h, s, d2 = cache.shape
     d = d2 // 2
     flat = cache.view(nb, h, 2 * d * s)
@@ -100,18 +102,49 @@ def transposed_k_writer(key, value, cache, slots):
             flat[b, hh, d * s + o * d + torch.arange(d)] = value[t, hh]
 
 
-def test_probe_learns_the_in_block_order_of_a_kernel():
-    order = probe_block_order(transposed_k_writer, H, S, D)
-    assert not torch.equal(order, default_cpu_block_order(H, S, D))
+def row_major_writer(key, value, cache, slots):
+    """Another order: token o's row holds K[h] in its first D columns and V[h] after them."""
+    nb, h, s, d2 = cache.shape
+    for t, slot in enumerate(slots.tolist()):
+        b, o = divmod(slot, s)
+        cache[b, :, o, : d2 // 2] = key[t]
+        cache[b, :, o, d2 // 2:] = value[t]
+
+
+@pytest.mark.parametrize("writer", [transposed_k_writer, row_major_writer])
+def test_probe_learns_the_in_block_order_of_a_kernel(writer):
+    order = probe_block_order(writer, H, S, D)
+    assert torch.equal(order, default_cpu_block_order(H, S, D)) == (writer is transposed_k_writer)
     cache_t = torch.zeros(NB, H, S, 2 * D)
     cache = PagedKVCache([cpu_plane("l", cache_t, order)])
     k, v = torch.randn(1, H, D), torch.randn(1, H, D)
-    transposed_k_writer(k, v, cache_t, torch.tensor([3 * S + 1]))
+    writer(k, v, cache_t, torch.tensor([3 * S + 1]))
     assert torch.equal(cache.read("l.K", torch.tensor([3 * S + 1])), k.view(1, -1))
     assert torch.equal(cache.read("l.V", torch.tensor([3 * S + 1])), v.view(1, -1))
-    # the default (untransposed) order reads that same token wrongly: probing matters
-    wrong = PagedKVCache([cpu_plane("l", cache_t)])
-    assert not torch.equal(wrong.read("l.K", torch.tensor([3 * S + 1])), k.view(1, -1))
+    if writer is row_major_writer:  # the default order reads that token wrongly: probing matters
+        wrong = PagedKVCache([cpu_plane("l", cache_t)])
+        assert not torch.equal(wrong.read("l.K", torch.tensor([3 * S + 1])), k.view(1, -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_probe_against_vllms_own_cpu_cache_write_op(dtype, block_size):
+    pytest.importorskip("vllm")
+    from vtoken.integration.vllm_cpu_probe import vllm_cpu_writer
+    heads, head_size = 2, 64
+    write, isa = vllm_cpu_writer(dtype, block_size, head_size)
+    order = probe_block_order(write, heads, block_size, head_size, dtype)
+    if isa in ("vec", "vec16"):
+        assert torch.equal(order, default_cpu_block_order(heads, block_size, head_size))
+    cache_t = torch.zeros(4, heads, block_size, 2 * head_size, dtype=dtype)
+    cache = PagedKVCache([cpu_plane("l", cache_t, order)])
+    k, v = torch.randn(3, heads, head_size).to(dtype), torch.randn(3, heads, head_size).to(dtype)
+    slots = torch.tensor([block_size + 5, 2 * block_size, 3 * block_size + block_size - 1])
+    write(k, v, cache_t, slots)  # the kernel writes; vtoken reads through the probed order
+    assert torch.equal(cache.read("l.K", slots), k.view(3, -1)) and torch.equal(cache.read("l.V", slots), v.view(3, -1))
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict")))
+    h = eng.submit([Move(0, 1, 5, 0, 0)])
+    assert eng.poll(h) is CopyStatus.DONE and torch.equal(cache.read("l.V", torch.tensor([0])), v[0].view(1, -1))
 
 
 @pytest.mark.parametrize("bad, match", [

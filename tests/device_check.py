@@ -1,0 +1,211 @@
+"""The CUDA checks of the device layer, and one script that runs them and the benchmarks on a GPU box.
+
+    python tests/device_check.py            # needs torch with CUDA; nothing else (no vLLM, no network)
+
+Prints one line per check and the benchmark table; exits non-zero if a check fails. Each ``check_*``
+function is also a pytest test (tests/test_device_cuda.py), skipped where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+
+def import_from_checkout() -> None:
+    """Make ``vtoken.core`` and ``vtoken.integration`` importable from this checkout without installing."""
+    root = Path(__file__).resolve().parent.parent
+    pkg = Path(tempfile.mkdtemp(prefix="vtoken-")) / "vtoken"
+    pkg.mkdir()
+    for sub in ("core", "integration"):
+        (pkg / sub).symlink_to(root / sub)
+    sys.path.insert(0, str(pkg.parent))
+
+
+try:
+    import vtoken.integration  # noqa: F401
+except ImportError:
+    import_from_checkout()
+
+import torch  # noqa: E402
+
+from vtoken.core.copy_engine import CopyStatus  # noqa: E402
+from vtoken.core.token_table import Move  # noqa: E402
+from vtoken.integration.copy_engine import TorchCopyEngine  # noqa: E402
+from vtoken.integration.kv_cache import PagedKVCache  # noqa: E402
+from vtoken.integration.kv_layout import cpu_plane, gpu_planes  # noqa: E402
+from vtoken.integration.verify import RelocationMismatch, Verifier, VerifyConfig  # noqa: E402
+
+NB, S, H, D = 64, 16, 4, 64
+
+
+def cuda_cache(dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dev = torch.device("cuda")
+    planes = []
+    for i in range(3):
+        planes += gpu_planes(f"layer{i}", torch.randn(2, NB, S, H, D, generator=g).to(dtype).to(dev))
+    planes += gpu_planes("layer3", (torch.randn(NB, S, 1, D, generator=g).to(dev),
+                                    torch.randn(NB, S, 1, D, generator=g).to(dev)))  # MQA, fp32
+    planes.append(cpu_plane("layer4", torch.randn(NB, 2, S, 2 * D, generator=g).to(torch.bfloat16).to(dev)))
+    return PagedKVCache(planes)
+
+
+def snapshot(cache):
+    return {n: cache.read(n, torch.arange(NB * S, device=cache.device)).clone() for n in cache.plane_names()}
+
+
+def moves_with_chain(n, seed):
+    slots = random.Random(seed).sample(range(NB * S), 2 * n)
+    src, dst = slots[:n], slots[n:]
+    dst[0] = src[1]
+    return [Move(i, s // S, s % S, d // S, d % S) for i, (s, d) in enumerate(zip(src, dst))]
+
+
+def settle(eng, h, timeout=10.0):
+    t = time.perf_counter()
+    while eng.poll(h) is CopyStatus.PENDING:
+        assert time.perf_counter() - t < timeout, "copy did not complete"
+    return eng.poll(h)
+
+
+# ---- checks -------------------------------------------------------------------------------------------
+def check_moves_exact_on_cuda():
+    for dtype in (torch.float16, torch.bfloat16, torch.float32) + tuple(
+            getattr(torch, n) for n in ("float8_e4m3fn",) if hasattr(torch, n)):
+        cache = cuda_cache(dtype)
+        before = snapshot(cache)
+        moves = moves_with_chain(200, 1)
+        eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict")))
+        assert settle(eng, eng.submit(moves)) is CopyStatus.DONE
+        after = snapshot(cache)
+        for n in before:
+            want = before[n].clone()
+            for m in moves:
+                want[m.dst_block * S + m.dst_offset] = before[n][m.src_block * S + m.src_offset]
+            assert torch.equal(after[n].view(torch.uint8), want.view(torch.uint8)), (dtype, n)
+        assert eng.launches == 2 * len(cache.groups) and eng.verifier.counters.verified == 1
+
+
+def check_pre_attention_hook_orders_compute_after_the_copy():
+    """A copy delayed on the relocation stream: without the hook the compute stream reads the old value
+    (the race is real); with ``order_before_compute`` + ``before_compute`` it reads the new one, and the
+    host never waited."""
+    results = {}
+    for use_hook in (False, True):
+        cache = cuda_cache(torch.float32)
+        eng = TorchCopyEngine(cache)
+        src, dst = torch.tensor([5 * S], device="cuda"), torch.tensor([9 * S + 3], device="cuda")
+        new = cache.read("layer0.K", src).clone()
+        old = cache.read("layer0.K", dst).clone()
+        eng.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(eng.stream):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the copy starts
+        t = time.perf_counter()
+        h = eng.submit([Move(0, 5, 0, 9, 3)])
+        submit_s = time.perf_counter() - t
+        assert eng.poll(h) is CopyStatus.PENDING, "the delayed copy should still be running"
+        if use_hook:
+            assert eng.order_before_compute(h) is CopyStatus.ORDERED
+            eng.before_compute()
+        seen = cache.read("layer0.K", dst)  # issued on the compute stream
+        torch.cuda.synchronize()
+        results[use_hook] = (torch.equal(seen, new), torch.equal(seen, old))
+        assert submit_s < 0.05, f"submit blocked the host for {submit_s:.3f} s"
+        settle(eng, h)
+    assert results[False] == (False, True), "without the wait the compute stream should read the old value"
+    assert results[True] == (True, False), "with the pre-attention wait it must read the copied value"
+
+
+def check_force_sync_waits_on_the_host():
+    cache = cuda_cache()
+    eng = TorchCopyEngine(cache)
+    h = eng.submit(moves_with_chain(100, 2))
+    assert eng.wait(h) is CopyStatus.DONE
+
+
+def check_strict_verify_on_cuda_detects_a_flip():
+    cache = cuda_cache(torch.bfloat16)
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict")))
+    h = eng.submit([Move(3, 1, 2, 7, 7)], req_id="gpu-req")
+    torch.cuda.synchronize()
+    slot = torch.tensor([7 * S + 7], device="cuda")
+    v = cache.read("layer2.V", slot)
+    v.view(torch.int16)[0, 5] ^= 1
+    cache.write("layer2.V", slot, v)
+    try:
+        settle(eng, h)
+    except RelocationMismatch as e:
+        assert "gpu-req" in str(e) and "layer2.V" in str(e) and "token 3" in str(e)
+    else:
+        raise AssertionError("the flipped element was not detected")
+
+
+def check_cuda_graph_reads_relocations_through_an_updated_slot_buffer():
+    """A captured graph reads K through a fixed device slot buffer; after a relocation, an in-place update
+    of that buffer makes the graph read the token at its new slot, with no re-capture."""
+    cache = cuda_cache(torch.float32)
+    g = cache.groups[0]
+    slot_buf = torch.tensor([2 * S + 1, 4 * S], device="cuda")
+    out = torch.empty(2, g.elems, device="cuda", dtype=torch.float32)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out.copy_(g.flat[g.index(slot_buf, S)])  # warm-up outside capture
+        with torch.cuda.graph(graph, stream=s):
+            out.copy_(g.flat[g.index(slot_buf, S)])
+    torch.cuda.current_stream().wait_stream(s)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = out.clone()
+    eng = TorchCopyEngine(cache)
+    settle(eng, eng.submit([Move(0, 2, 1, 30, 0)]))
+    cache.scatter(torch.tensor([2 * S + 1], device="cuda"),
+                  [torch.zeros_like(v) for v in cache.gather(torch.tensor([2 * S + 1], device="cuda"))])  # reused
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(out[0], want[0]), "the graph should still read the old (now reused) slot"
+    slot_buf[0] = 30 * S  # the in-place update vtoken makes after a commit
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want), "after the buffer update the graph reads the relocated token"
+
+
+CHECKS = [check_moves_exact_on_cuda, check_pre_attention_hook_orders_compute_after_the_copy,
+          check_force_sync_waits_on_the_host, check_strict_verify_on_cuda_detects_a_flip,
+          check_cuda_graph_reads_relocations_through_an_updated_slot_buffer]
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 2
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    failed = 0
+    for check in CHECKS:
+        t = time.perf_counter()
+        try:
+            check()
+            status = "ok"
+        except Exception:
+            failed += 1
+            status = "FAILED\n" + traceback.format_exc()
+        print(f"{check.__name__:<72} {time.perf_counter() - t:6.2f} s  {status}", flush=True)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_device import print_table, run
+    print()
+    print_table(run("cuda"))
+    print()
+    print_table(run("cpu", quick=True))
+    print(f"\n{len(CHECKS) - failed}/{len(CHECKS)} CUDA checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
