@@ -27,7 +27,7 @@ from .block_pool import BlockAllocator, Purpose
 from .compact import choose_sources, plan_compaction
 from .copy_engine import CopyEngine, CopyHandle, CopyStatus
 from .densify import plan_densify
-from .errors import ConfigError, PlanConflictError
+from .errors import ConfigError, InvariantViolation, PlanConflictError
 from .plan import NoPlan, Plan, PlanKind
 from .token_table import TokenTable
 
@@ -253,12 +253,15 @@ class ReclamationManager:
         dsts = tuple(b for b in plan.dst_blocks if b in receiving)
         unused = [b for b in plan.dst_blocks if b not in receiving]
         blocks, write_pos = t.block_ids(req), t.write_pos(req)
+        live_before = t.live_token_ids(req)
         final_blocks, final_pos = plan.final_layout(blocks, write_pos, S, dsts)
         if dsts:  # attach the destinations before the cursor, then move into them
             at = final_blocks.index(dsts[0])
             t.set_layout(req, blocks[:at] + list(dsts) + blocks[at:], write_pos + len(dsts) * S)
         t.apply_moves(req, moves)
         t.set_layout(req, final_blocks, final_pos)
+        if t.live_token_ids(req) != live_before:  # online I1/I2 postcondition: a relocation moves, never edits
+            raise InvariantViolation("I2", f"request {req!r}: committing plan changed its ordered live token ids")
         self._release_handle(rec)
         self.pool.free(list(plan.src_blocks) + unused)
         rec.state = PlanState.COMMITTED

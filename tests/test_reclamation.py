@@ -561,3 +561,22 @@ def test_a_request_with_no_excess_blocks_is_not_even_tried():
     s.append("a", 8)  # two full blocks, nothing evicted: excess 0
     assert s.manager.plan_round(["a"]) == []
     assert s.manager.stats.no_plan == {} and s.manager.stats.rounds == 1
+
+
+def test_commit_checks_that_the_ordered_live_ids_survive(monkeypatch):
+    """Planted bug: apply_moves that also kills a moved token. The commit's postcondition catches it."""
+    from vtoken.core.errors import InvariantViolation
+    s = wasteful(theta_f=0.0)
+    rec = s.manager.plan_request("a")
+    s.manager.launch()
+    s.engine.complete(rec.handle)
+    real = TokenTable.apply_moves
+
+    def lossy(self, req, moves):
+        moves = list(moves)
+        real(self, req, moves)
+        self.evict_token(req, moves[0].token_id)
+
+    monkeypatch.setattr(TokenTable, "apply_moves", lossy)
+    with pytest.raises(InvariantViolation, match="I2.*ordered live token ids"):
+        s.manager.settle()
