@@ -1,0 +1,98 @@
+"""The one configuration block that enables vtoken in vLLM: ``additional_config={"vtoken": {...}}``.
+
+    LLM(..., additional_config={"vtoken": {"policy": "streaming_llm", "budget": 0.5,
+                                           "reclaim": "densify", "strict_verify": "strict"}})
+    vllm serve MODEL --additional-config '{"vtoken": {"policy": "streaming_llm", "budget": 0.5}}'
+
+Every key is checked at start-up; a bad value raises ``SettingsError`` naming the key and what it
+accepts, and unknown keys are refused (a typo must not silently turn a feature off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from vtoken.core.errors import ConfigError
+
+POLICIES = ("none", "streaming_llm", "random", "h2o", "scissorhands")
+SCORE_POLICIES = ("h2o", "scissorhands")  # need attention scores: the gather read path (vLLM integration II)
+RECLAIM = ("densify", "compact", "off")
+READ_PATHS = ("dense", "gather")
+VERIFY = ("off", "sampled", "strict")
+ON_MISMATCH = ("raise", "quarantine")
+
+
+class SettingsError(ConfigError):
+    """A vtoken setting in ``additional_config["vtoken"]`` is invalid."""
+
+
+@dataclass(frozen=True)
+class VTokenSettings:
+    policy: str = "none"  # eviction policy; "none": vtoken on, nothing evicted (indirection only)
+    budget: float | int = 1.0  # tokens a request keeps: a ratio in (0, 1] or a count >= 1
+    reclaim: str = "densify"
+    read_path: str = "dense"
+    theta_f: float = 0.0  # reclaim when the waste ratio F exceeds this (compact only)
+    max_sources: int = 8  # B: source blocks per compact plan
+    strict_verify: str = "off"
+    sample_every: int = 16
+    on_mismatch: str = "raise"
+    evidence_dir: str = "vtoken-evidence"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("policy", self.policy, POLICIES)
+        _choice("reclaim", self.reclaim, RECLAIM)
+        _choice("read_path", self.read_path, READ_PATHS)
+        _choice("strict_verify", self.strict_verify, VERIFY)
+        _choice("on_mismatch", self.on_mismatch, ON_MISMATCH)
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or (isinstance(b, float) and not 0.0 < b <= 1.0) \
+                or (isinstance(b, int) and b < 1):
+            raise SettingsError(f"vtoken.budget must be a ratio in (0, 1] (e.g. 0.5) or a token count >= 1 "
+                                f"(e.g. 512), got {b!r}")
+        if not isinstance(self.theta_f, (int, float)) or isinstance(self.theta_f, bool) or not 0 <= self.theta_f < 1:
+            raise SettingsError(f"vtoken.theta_f must be a number in [0, 1), got {self.theta_f!r}")
+        for key in ("max_sources", "sample_every"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise SettingsError(f"vtoken.{key} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise SettingsError(f"vtoken.seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.evidence_dir, str) or not self.evidence_dir:
+            raise SettingsError(f"vtoken.evidence_dir must be a non-empty path, got {self.evidence_dir!r}")
+        # combinations
+        if self.read_path == "dense" and self.reclaim != "densify" and self.policy != "none":
+            raise SettingsError(f"vtoken.reclaim={self.reclaim!r} with read_path='dense': stock attention kernels "
+                                f"read a dense prefix, so evicted tokens must be compacted away: use "
+                                f"reclaim='densify', or read_path='gather'")
+        if self.read_path == "gather":
+            raise SettingsError("vtoken.read_path='gather' is not available yet (vLLM integration II); "
+                                "allowed now: ['dense']")
+        if self.policy in SCORE_POLICIES:
+            raise SettingsError(f"vtoken.policy={self.policy!r} needs attention scores, which vLLM's fused kernels "
+                                f"do not return; it arrives with the gather read path. Allowed now: "
+                                f"{[p for p in POLICIES if p not in SCORE_POLICIES]}")
+
+    @classmethod
+    def from_additional_config(cls, additional_config: dict | None) -> VTokenSettings | None:
+        """The settings in ``additional_config["vtoken"]``, or None if vtoken is not enabled."""
+        if not additional_config or "vtoken" not in additional_config:
+            return None
+        block = additional_config["vtoken"]
+        if not isinstance(block, dict):
+            raise SettingsError(f"additional_config['vtoken'] must be a mapping of settings, got "
+                                f"{type(block).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(block) - set(known))
+        if unknown:
+            raise SettingsError(f"unknown vtoken setting(s) {unknown}; known: {known}")
+        return cls(**block)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _choice(key: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise SettingsError(f"vtoken.{key} must be one of {list(allowed)}, got {value!r}")
