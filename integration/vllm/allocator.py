@@ -1,0 +1,103 @@
+"""The core's ``BlockAllocator`` protocol over vLLM's own ``BlockPool`` (scheduler side).
+
+vtoken allocates relocation destinations and frees emptied sources in the pool vLLM's scheduler
+uses, so a block vtoken releases is a block vLLM can hand to the next request. Depends on vllm 0.32
+``v1/core/block_pool.py`` (``get_new_blocks``, ``free_blocks``, ``touch``, ``get_num_free_blocks``,
+``blocks[i].ref_cnt``, the null block, the free queue's linked list) and ``v1/core/kv_cache_utils.py`` (``KVCacheBlock``).
+
+Differences from ``vtoken.core.block_pool.BlockPool`` that callers see:
+  * block 0 is vLLM's null block: never allocated, freed or shared (``BlockOutOfRangeError``);
+  * the free count includes cached blocks that hold no reference (vLLM evicts them on reuse), and
+    the order in which free blocks are handed out is vLLM's (freed uncached blocks are reused first).
+Prefix-cache hashes of relocated blocks are the vLLM manager's business (next step of issue #6).
+Every call validates its whole batch before changing anything.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable
+
+from vtoken.core.block_pool import Purpose
+from vtoken.core.errors import (BlockOutOfRangeError, ConfigError, DoubleFreeError, HeadroomReservedError,
+                                InvariantViolation, PoolExhaustedError)
+
+
+class VllmBlockAllocator:
+    """``BlockAllocator`` over a vLLM ``BlockPool``; ``headroom`` blocks are reserved for evacuation."""
+
+    def __init__(self, pool, block_size: int, headroom: int = 0) -> None:
+        if block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {block_size}")
+        if not 0 <= headroom < pool.num_gpu_blocks - 1:
+            raise ConfigError(f"headroom must be in [0, {pool.num_gpu_blocks - 1}) (the pool has "
+                              f"{pool.num_gpu_blocks} blocks including the null block), got {headroom}")
+        self.pool = pool
+        self.block_size = block_size
+        self.num_blocks = pool.num_gpu_blocks
+        self.headroom = headroom
+
+    # ---- queries -------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def can_allocate(self, n: int, purpose: Purpose) -> bool:
+        reserve = self.headroom if purpose is Purpose.ADMISSION else 0
+        return n == 0 or 0 <= n <= self.num_free - reserve
+
+    def ref_count(self, block_id: int) -> int:
+        return self._block(block_id).ref_cnt
+
+    # ---- mutations -----------------------------------------------------------
+    def allocate(self, n: int, purpose: Purpose) -> list[int]:
+        if n < 0:
+            raise PoolExhaustedError(f"cannot allocate a negative number of blocks ({n})")
+        if not self.can_allocate(n, purpose):
+            if purpose is Purpose.ADMISSION and n <= self.num_free:
+                raise HeadroomReservedError(f"admission of {n} blocks would leave {self.num_free - n} free, "
+                                            f"below the evacuation headroom of {self.headroom}")
+            raise PoolExhaustedError(f"{purpose.value} needs {n} blocks, {self.num_free} free")
+        return [b.block_id for b in self.pool.get_new_blocks(n)] if n else []
+
+    def share(self, block_id: int) -> None:
+        block = self._block(block_id)
+        if block.ref_cnt == 0:
+            raise DoubleFreeError(f"cannot share block {block_id}: it is free")
+        self.pool.touch([block])
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        for b, k in Counter(ids).items():
+            held = self._block(b).ref_cnt
+            if held < k:
+                raise DoubleFreeError(f"block {b} freed {k} time(s) but holds {held} reference(s)")
+        self.pool.free_blocks([self.pool.blocks[b] for b in ids])
+
+    # ---- helpers -------------------------------------------------------------
+    def _block(self, block_id: int):
+        if isinstance(block_id, bool) or not isinstance(block_id, int) or not 1 <= block_id < self.num_blocks:
+            raise BlockOutOfRangeError(f"block {block_id!r} outside the pool [1, {self.num_blocks}) "
+                                       f"(block 0 is vLLM's null block)")
+        return self.pool.blocks[block_id]
+
+    def snapshot(self) -> tuple:
+        q, out, node = self.pool.free_block_queue, [], self.pool.free_block_queue.fake_free_list_head.next_free_block
+        while node is not None and node is not q.fake_free_list_tail:
+            out.append(node.block_id)
+            node = node.next_free_block
+        return tuple(b.ref_cnt for b in self.pool.blocks), tuple(out)
+
+    def check(self) -> None:
+        """P1 over vLLM's pool: free-queue members have ref count 0, and the counts add up."""
+        refs, free = self.snapshot()
+        if len(set(free)) != len(free):
+            raise InvariantViolation("P1", "a block is in vLLM's free queue twice")
+        bad = [b for b in free if refs[b] != 0]
+        if bad:
+            raise InvariantViolation("P1", f"blocks {bad[:5]} are in vLLM's free queue with references")
+        if len(free) != self.num_free:
+            raise InvariantViolation("P1", f"vLLM's free queue holds {len(free)} blocks, counter says {self.num_free}")
+        leaked = [b for b in range(1, self.num_blocks) if refs[b] == 0 and b not in set(free)]
+        if leaked:
+            raise InvariantViolation("P1", f"blocks {leaked[:5]} have no reference and are not free (leaked)")
