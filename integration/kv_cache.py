@@ -110,25 +110,14 @@ class PagedKVCache:
                     g.names.append(f"{p.layer}.{part}")
                     g.segments.append((start, start + per))
                     start += per
-            if len(torch.unique(g.index(torch.arange(min(2, p.num_blocks) * p.block_size), p.block_size))) != \
-                    min(2, p.num_blocks) * p.block_size * g.elems:
-                raise LayoutError(f"layers {[p.layer for p in ps]} overlap in one buffer without being the same "
+            probe = torch.arange(min(2, t.shape[0]) * ps[0].block_size)  # a sanity check on the first blocks
+            if len(torch.unique(g.index(probe, ps[0].block_size))) != probe.numel() * g.elems:
+                raise LayoutError(f"layers {[q.layer for q in ps]} overlap in one buffer without being the same "
                                   f"elements")
             g.find_run()
             g.offsets, g.stride = g.offsets.to(t.device), g.stride.to(t.device)
             groups.append(g)
         return groups
-
-    # ---- slots ---------------------------------------------------------------------------------
-    def slots(self, pairs: list[tuple[int, int]]) -> torch.Tensor:
-        """(block, offset) pairs as an int64 slot tensor on the cache's device."""
-        S = self.block_size
-        return torch.tensor([b * S + o for b, o in pairs], dtype=torch.int64, device=self.device)
-
-    def check_slots(self, slots: torch.Tensor) -> None:
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_blocks * self.block_size):
-            raise LayoutError(f"slots must lie in [0, {self.num_blocks * self.block_size}), got "
-                              f"[{int(slots.min())}, {int(slots.max())}]")
 
     # ---- bulk access (one gather / one scatter per group) ----------------------------------------
     def gather(self, slots: torch.Tensor) -> list[torch.Tensor]:

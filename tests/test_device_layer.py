@@ -337,3 +337,10 @@ def test_an_in_place_engine_breaks_a_cycle_the_out_of_place_one_copies():
         cache.scatter(dst, cache.gather(src))
     after = snapshot(cache)
     assert not all(torch.equal(after[n][[1, 2, 0]], before[n][[0, 1, 2]]) for n in before)
+
+
+def test_planes_that_partly_overlap_in_one_buffer_are_refused():
+    k = torch.zeros(NB + 1, S, H, D)
+    v1, v2 = torch.zeros(NB, S, H, D), torch.zeros(NB, S, H, D)
+    with pytest.raises(LayoutError, match=r"layers \['a', 'b'\] overlap in one buffer"):
+        PagedKVCache(gpu_planes("a", (k[:-1], v1)) + gpu_planes("b", (k[1:], v2)))
