@@ -130,7 +130,7 @@ def test_probe_learns_the_in_block_order_of_a_kernel(writer):
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_probe_against_vllms_own_cpu_cache_write_op(dtype, block_size):
     pytest.importorskip("vllm")
-    from vtoken.integration.vllm_cpu_probe import vllm_cpu_writer
+    from vtoken.integration.vllm.vllm_cpu_writer import vllm_cpu_writer
     heads, head_size = 2, 64
     write, isa = vllm_cpu_writer(dtype, block_size, head_size)
     order = probe_block_order(write, heads, block_size, head_size, dtype)

@@ -39,6 +39,7 @@ class VTokenSettings:
     on_mismatch: str = "raise"
     evidence_dir: str = "vtoken-evidence"
     seed: int = 0
+    drill_every: int = 0  # relocation drill: every N steps move one block of every running request; 0: off
 
     def __post_init__(self) -> None:
         _choice("policy", self.policy, POLICIES)
@@ -57,6 +58,8 @@ class VTokenSettings:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SettingsError(f"vtoken.{key} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.drill_every, int) or isinstance(self.drill_every, bool) or self.drill_every < 0:
+            raise SettingsError(f"vtoken.drill_every must be an integer >= 0 (0: off), got {self.drill_every!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise SettingsError(f"vtoken.seed must be an integer, got {self.seed!r}")
         if not isinstance(self.evidence_dir, str) or not self.evidence_dir:

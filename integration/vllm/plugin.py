@@ -1,0 +1,60 @@
+"""The vLLM general plugin (entry point ``vllm.general_plugins``): ``additional_config={"vtoken": ...}``
+turns vtoken on, with nothing else to configure.
+
+vLLM loads general plugins in every process before it builds its config (``EngineArgs.__post_init__``,
+vllm 0.32 ``engine/arg_utils.py``). ``register`` wraps ``EngineArgs.create_engine_config`` so that, when
+the vtoken block is present, the settings are validated, vtoken's KV connector is installed, and the
+finished config is checked against what vtoken has verified (``compat``) -- all before any model loads.
+Without the block, vLLM runs exactly as if vtoken were not installed.
+"""
+
+from __future__ import annotations
+
+from .compat import UnsupportedConfigError
+from .settings import SettingsError, VTokenSettings
+
+CONNECTOR = "VTokenConnector"
+CONNECTOR_MODULE = "vtoken.integration.vllm.connector"
+
+
+def register() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, "vtoken_wrapped", False):
+        return  # plugins may be loaded several times per process
+
+    def create_engine_config(self, *args, **kwargs):
+        settings = VTokenSettings.from_additional_config(self.additional_config)
+        if settings is not None:
+            refuse_not_yet_available(settings)
+            install_connector(self)
+        config = original(self, *args, **kwargs)
+        if settings is not None:
+            from . import compat
+            compat.check(config)
+        return config
+
+    create_engine_config.vtoken_wrapped = True
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def install_connector(engine_args) -> None:
+    from vllm.config import KVTransferConfig
+
+    current = engine_args.kv_transfer_config
+    if current is not None and getattr(current, "kv_connector", None) != CONNECTOR:
+        raise UnsupportedConfigError(f"vtoken runs as vLLM's KV connector; remove --kv-transfer-config "
+                                     f"(found connector {getattr(current, 'kv_connector', current)!r})")
+    engine_args.kv_transfer_config = KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
+                                                      kv_role="kv_both")
+
+
+def refuse_not_yet_available(settings: VTokenSettings) -> None:
+    """Settings that are valid but not built inside vLLM yet (issue #6 in progress)."""
+    if settings.policy != "none":
+        raise SettingsError(f"vtoken.policy={settings.policy!r}: eviction inside vLLM is not available yet; "
+                            f"allowed now: ['none'] (indirection and the relocation drill, with strict verify)")
+    if settings.on_mismatch == "quarantine":
+        raise SettingsError("vtoken.on_mismatch='quarantine' is not available inside vLLM yet (failing one request "
+                            "from the worker is not wired); allowed now: ['raise']")

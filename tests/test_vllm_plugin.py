@@ -1,0 +1,56 @@
+"""The vLLM general plugin: ``additional_config={"vtoken": ...}`` alone installs vtoken, and every bad or
+unverified setting fails while vLLM builds its config, before any model is loaded."""
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+
+from vllm_harness import TINY  # noqa: E402
+from vtoken.integration.vllm.compat import UnsupportedConfigError  # noqa: E402
+from vtoken.integration.vllm.settings import SettingsError  # noqa: E402
+
+
+def config(vtoken=None, **kw):
+    args = dict(model=TINY, load_format="dummy", skip_tokenizer_init=True, dtype="float32", block_size=32,
+                enforce_eager=True, max_model_len=2048)
+    args.update(kw)
+    if vtoken is not None:
+        args["additional_config"] = {"vtoken": vtoken}
+    return EngineArgs(**args).create_engine_config()
+
+
+def test_the_entry_point_is_installed():
+    from importlib.metadata import entry_points
+    assert [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "vtoken"] == \
+        ["vtoken.integration.vllm.plugin:register"]
+
+
+def test_the_vtoken_block_installs_the_connector_and_nothing_else_does():
+    assert config().kv_transfer_config is None
+    c = config({"strict_verify": "strict"})
+    assert c.kv_transfer_config.kv_connector == "VTokenConnector"
+    assert c.kv_transfer_config.kv_connector_module_path == "vtoken.integration.vllm.connector"
+
+
+@pytest.mark.parametrize("block, exc, message", [
+    ({"strict_verify": "yes"}, SettingsError, "vtoken.strict_verify must be one of ['off', 'sampled', 'strict']"),
+    ({"drill_every": -1}, SettingsError, "vtoken.drill_every must be an integer >= 0"),
+    ({"policy": "random", "budget": 0.5}, SettingsError, "eviction inside vLLM is not available yet"),
+    ({"on_mismatch": "quarantine"}, SettingsError, "'quarantine' is not available inside vLLM yet"),
+])
+def test_bad_or_unbuilt_settings_fail_at_config_time(block, exc, message):
+    with pytest.raises(exc) as e:
+        config(block)
+    assert message in str(e.value)
+
+
+def test_another_kv_connector_is_refused():
+    other = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    with pytest.raises(UnsupportedConfigError, match="remove --kv-transfer-config"):
+        config({}, kv_transfer_config=other)
