@@ -6,7 +6,6 @@ import os
 import pytest
 
 pytest.importorskip("vllm")
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine, so planted bugs can be patched in
 
 import vllm_harness as H  # noqa: E402
 
@@ -19,13 +18,13 @@ DRILL = {"drill_every": 2, "strict_verify": "strict"}
 
 @pytest.fixture(scope="module")
 def plain():
-    out, stats = H.generate(None)
+    out, stats = H.generate(None, multiprocess=True)  # its own process: vLLM's connector is process-global
     assert stats == {}  # no vtoken: no connector at all
     return out
 
 
 def test_vtoken_enabled_without_eviction_is_bit_identical_to_plain_vllm(plain):
-    out, stats = H.generate({"strict_verify": "strict"})
+    out, stats = H.generate({"strict_verify": "strict"}, multiprocess=False)
     assert out == plain
     assert stats["relocations"] == 0
 
@@ -33,17 +32,15 @@ def test_vtoken_enabled_without_eviction_is_bit_identical_to_plain_vllm(plain):
 def test_forced_relocations_are_bit_identical_and_every_one_is_verified(plain):
     """Every 2nd step one block of each running request moves (rotating: first, middle and tail blocks, and
     blocks moved more than once); strict verify compares each moved token's K and V in every layer."""
-    out, stats = H.generate(DRILL)
+    out, stats = H.generate(DRILL, multiprocess=False)
     assert out == plain
     assert stats["relocations"] >= 40 and stats["verified"] == stats["relocations"] and stats["mismatches"] == 0
     assert stats["tail_moves"] > 0 and stats["moved_twice"] > 0
     assert stats["bytes_hashed"] == stats["relocations"] * 32 * 2 * 2 * 2 * 32 * 4 * 2  # slots x layers x K,V x heads x dim x fp32 x (src+dst)
 
 
-def test_forced_relocations_in_the_multiprocess_engine(plain, monkeypatch):
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the harness's collective_rpc functions
-    out, stats = H.generate(DRILL)
+def test_forced_relocations_in_the_multiprocess_engine(plain):
+    out, stats = H.generate(DRILL, multiprocess=True)
     assert out == plain and stats["verified"] == stats["relocations"] > 0
 
 
@@ -51,7 +48,7 @@ def test_a_relocation_without_the_block_table_rewrite_changes_the_output(plain, 
     """Planted bug: the copy happens, the worker keeps reading the old block (which vLLM reuses). The model is
     sensitive to its KV cache, so the bit-identical assertions above have teeth."""
     monkeypatch.setattr(VTokenConnector, "_rewrite_block_table", lambda self, *a: None)
-    out, _ = H.generate(DRILL)
+    out, _ = H.generate(DRILL, multiprocess=False)  # in-process, so the patch applies
     assert [lp for _, lp in out] != [lp for _, lp in plain]
 
 
@@ -72,7 +69,7 @@ def test_a_corrupted_copy_is_caught_naming_request_token_and_layer(monkeypatch):
 
     monkeypatch.setattr(TorchCopyEngine, "submit", corrupting)
     with pytest.raises(Exception) as info:
-        H.generate(DRILL)
+        H.generate(DRILL, multiprocess=False)
     err = info.value
     while err is not None and not isinstance(err, RelocationMismatch):
         err = err.__cause__ or err.__context__

@@ -49,8 +49,14 @@ def prompts(n: int = 3):
     return [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % 500 + 3 for j in range(40 + 23 * i)]) for i in range(n)]
 
 
-def make_llm(vtoken: dict | None):
+def make_llm(vtoken: dict | None, multiprocess: bool | None = None):
+    """``multiprocess``: run the engine core in its own process (None: as the environment says). vLLM keeps
+    the KV connector in a process-global, so two engines in one process must not mix vtoken and plain."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if multiprocess is not None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of the functions above
     from vllm import LLM
     kw = dict(model=TINY, load_format="dummy", skip_tokenizer_init=True, dtype="float32", block_size=32,
               enforce_eager=True, max_model_len=2048, enable_prefix_caching=False, seed=0)
@@ -61,10 +67,10 @@ def make_llm(vtoken: dict | None):
     return llm
 
 
-def generate(vtoken: dict | None, max_tokens: int = 40, n: int = 3):
+def generate(vtoken: dict | None, max_tokens: int = 40, n: int = 3, multiprocess: bool | None = None):
     """(token ids, logprobs) per prompt, and the worker's verify counters."""
     from vllm import SamplingParams
-    llm = make_llm(vtoken)
+    llm = make_llm(vtoken, multiprocess)
     outs = llm.generate(prompts(n), SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, logprobs=0))
     res = [(list(o.outputs[0].token_ids), [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
            for o in outs]

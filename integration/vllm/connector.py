@@ -200,6 +200,8 @@ class VTokenConnector(KVConnectorBase_V1):
             table[row, i] = new
 
     def build_connector_worker_meta(self) -> VTokenWorkerMeta | None:
+        if not self._done.relocated:
+            return None  # nothing to report: no per-step traffic
         done, self._done = self._done, VTokenWorkerMeta()
         return done
 
