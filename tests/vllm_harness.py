@@ -37,11 +37,15 @@ def worker_stats(worker) -> dict:
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
     if not has_kv_transfer_group():
         return {}
+    import os
+
+    import torch
     conn = get_kv_transfer_group()
     c = conn.engine.verifier.counters
     return {"relocations": c.relocations, "verified": c.verified, "mismatches": c.mismatches,
             "bytes_hashed": c.bytes_hashed, "tail_moves": conn.tail_moves,
-            "moved_twice": sum(n >= 2 for n in conn.moved.values())}
+            "moved_twice": sum(n >= 2 for n in conn.moved.values()),
+            "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0))}
 
 
 def prompts(n: int = 3):

@@ -46,7 +46,22 @@ from ..verify import Verifier, VerifyConfig
 from .allocator import VllmBlockAllocator
 from .settings import VTokenSettings
 
-Relocation = tuple[str, int, int, int]  # (request, index in its block list, old block, new block)
+Relocation = tuple[str, int, int, int]
+
+
+def match_threads_to_cores() -> None:
+    """With a KV connector configured, vLLM 0.32's multiprocess CPU worker comes up with more OpenMP
+    threads than cores in its affinity mask (seen: 2 threads on 1 core; the same worker without a
+    connector has 1). Oversubscribed spinning threads made every parallel op of a step (slot mapping,
+    argmax) several times slower. ``v1/worker/cpu_worker.py`` replaces ``torch.set_num_threads`` with
+    a no-op after thread binding, so the underlying setter is called directly."""
+    import os
+
+    import torch
+
+    cores = len(os.sched_getaffinity(0))
+    if torch.get_num_threads() > cores:
+        torch._C.set_num_threads(cores)  # (request, index in its block list, old block, new block)
 
 
 @dataclass
@@ -159,6 +174,7 @@ class VTokenConnector(KVConnectorBase_V1):
         runner = inspect.currentframe().f_back.f_locals.get("self")
         assert isinstance(runner, GPUModelRunner), f"register_kv_caches called by {type(runner).__name__}"
         self.runner = runner
+        match_threads_to_cores()
         cache = paged_cache(kv_caches, self.vllm_config)
         s = self.settings
         self.engine = TorchCopyEngine(cache, Verifier(cache, VerifyConfig(
