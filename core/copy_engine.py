@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 from typing import Protocol, Sequence
 
+from .errors import VTokenError
 from .token_table import Move
 
 
@@ -67,3 +68,48 @@ class CopyEngine(Protocol):
         commit under EVENT ordering is safe whoever drives the runtime.
         """
         ...
+
+
+class CopyRegistry:
+    """The handle bookkeeping every engine shares: copies by handle, ORDERED marking, release.
+
+    A copy record has ``moves``, ``status`` and ``released``. An ORDERED copy released by the manager
+    (its plan committed) is kept, marked ``released``, until the engine sees it complete.
+    """
+
+    def __init__(self) -> None:
+        self._copies: dict[CopyHandle, object] = {}
+        self._next = 1
+
+    def _add(self, copy) -> CopyHandle:
+        h, self._next = self._next, self._next + 1
+        self._copies[h] = copy
+        return h
+
+    def _get(self, handle: CopyHandle):
+        try:
+            return self._copies[handle]
+        except KeyError:
+            raise VTokenError(f"unknown copy handle {handle!r}") from None
+
+    def order_before_compute(self, handle: CopyHandle) -> CopyStatus:
+        c = self._get(handle)
+        if c.status is CopyStatus.PENDING:
+            c.status = CopyStatus.ORDERED
+        return c.status
+
+    def release(self, handle: CopyHandle) -> None:
+        c = self._get(handle)
+        if not c.status.settled:
+            raise VTokenError(f"copy {handle} is still pending; only settled copies can be released")
+        if c.status is CopyStatus.ORDERED:
+            c.released = True  # it still runs before the next compute; forgotten once it completes
+        else:
+            del self._copies[handle]
+
+    def pending(self) -> list[CopyHandle]:
+        """Handles that may still write, in submission order."""
+        return [h for h, c in self._copies.items() if c.status in (CopyStatus.PENDING, CopyStatus.ORDERED)]
+
+    def moves_of(self, handle: CopyHandle) -> tuple[Move, ...]:
+        return self._get(handle).moves

@@ -12,7 +12,7 @@ from __future__ import annotations
 from array import array
 from typing import Sequence
 
-from .copy_engine import CopyHandle, CopyStatus
+from .copy_engine import CopyHandle, CopyRegistry, CopyStatus
 from .errors import VTokenError
 from .token_table import Move
 
@@ -45,7 +45,7 @@ class _Copy:
         self.released = False
 
 
-class InMemoryCopyEngine:
+class InMemoryCopyEngine(CopyRegistry):
     """A copy engine over a ``TagStore``.
 
     With ``auto_complete`` (the default) a copy is DONE as soon as it is
@@ -55,17 +55,14 @@ class InMemoryCopyEngine:
     """
 
     def __init__(self, store: TagStore, auto_complete: bool = True) -> None:
+        super().__init__()
         self.store = store
         self.auto_complete = auto_complete
-        self._copies: dict[CopyHandle, _Copy] = {}
-        self._next = 1
         self.events = {"submitted": 0, "completed": 0, "failed": 0, "waited": 0}
 
     # ---- CopyEngine --------------------------------------------------------------
     def submit(self, moves: Sequence[Move], req_id: object = None) -> CopyHandle:
-        h = self._next
-        self._next += 1
-        self._copies[h] = _Copy(tuple(Move(*m) for m in moves))
+        h = self._add(_Copy(tuple(Move(*m) for m in moves)))
         self.events["submitted"] += 1
         if self.auto_complete:
             self._execute(h)
@@ -74,27 +71,12 @@ class InMemoryCopyEngine:
     def poll(self, handle: CopyHandle) -> CopyStatus:
         return self._get(handle).status
 
-    def order_before_compute(self, handle: CopyHandle) -> CopyStatus:
-        c = self._get(handle)
-        if c.status is CopyStatus.PENDING:
-            c.status = CopyStatus.ORDERED
-        return c.status
-
     def wait(self, handle: CopyHandle) -> CopyStatus:
         c = self._get(handle)
         self.events["waited"] += 1
         if c.status in (CopyStatus.PENDING, CopyStatus.ORDERED):
             self._execute(handle)
         return c.status
-
-    def release(self, handle: CopyHandle) -> None:
-        c = self._get(handle)
-        if not c.status.settled:
-            raise VTokenError(f"copy {handle} is still pending; only settled copies can be released")
-        if c.status is CopyStatus.ORDERED:
-            c.released = True  # it still runs before the next compute; forget it then
-        else:
-            del self._copies[handle]
 
     # ---- the simulated compute stream ---------------------------------------------
     def before_compute(self) -> None:
@@ -104,13 +86,6 @@ class InMemoryCopyEngine:
                 self._execute(h)
 
     # ---- test controls -------------------------------------------------------------
-    def pending(self) -> list[CopyHandle]:
-        """Handles that may still write, in submission order."""
-        return [h for h in sorted(self._copies) if self._copies[h].status in (CopyStatus.PENDING, CopyStatus.ORDERED)]
-
-    def moves_of(self, handle: CopyHandle) -> tuple[Move, ...]:
-        return self._get(handle).moves
-
     def complete(self, handle: CopyHandle) -> None:
         c = self._get(handle)
         if c.status not in (CopyStatus.PENDING, CopyStatus.ORDERED):
@@ -148,9 +123,3 @@ class InMemoryCopyEngine:
         values = [self.store.read(m.src_block * S + m.src_offset) for m in moves]  # read all first
         for m, v in zip(moves, values):
             self.store.write(m.dst_block * S + m.dst_offset, v)
-
-    def _get(self, handle: CopyHandle) -> _Copy:
-        try:
-            return self._copies[handle]
-        except KeyError:
-            raise VTokenError(f"unknown copy handle {handle!r}") from None

@@ -29,8 +29,8 @@ from typing import Sequence
 
 import torch
 
-from vtoken.core.copy_engine import CopyHandle, CopyStatus
-from vtoken.core.errors import DestinationError, VTokenError
+from vtoken.core.copy_engine import CopyHandle, CopyRegistry, CopyStatus
+from vtoken.core.errors import DestinationError
 from vtoken.core.token_table import Move
 
 from .kv_cache import PagedKVCache
@@ -49,14 +49,13 @@ class _Copy:
     keep: list = field(default_factory=list)  # tensors the relocation stream still reads
 
 
-class TorchCopyEngine:
+class TorchCopyEngine(CopyRegistry):
     def __init__(self, cache: PagedKVCache, verifier: Verifier | None = None) -> None:
+        super().__init__()
         self.cache = cache
         self.verifier = verifier or Verifier(cache)
         self.cuda = cache.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=cache.device) if self.cuda else None
-        self._copies: dict[CopyHandle, _Copy] = {}
-        self._next = 1
         self.launches = 0  # gather + scatter kernels issued (2 per storage group per copy)
         self.store = None  # a TensorTagStore when the core's checkers run over this engine (tests, fuzzer)
 
@@ -73,9 +72,8 @@ class TorchCopyEngine:
                                    f"the KV cache ({self.cache.num_blocks} blocks of {S})")
         if dst.unique().numel() != dst.numel():
             raise DestinationError(f"request {req_id!r}: two moves of one copy write the same slot")
-        h, self._next = self._next, self._next + 1
         c = _Copy(moves, req_id, dst)
-        self._copies[h] = c
+        h = self._add(c)
         verify = self.verifier.select()
         try:
             self._launch(c, src, verify)
@@ -91,12 +89,6 @@ class TorchCopyEngine:
             self._complete(c)
         return c.status
 
-    def order_before_compute(self, handle: CopyHandle) -> CopyStatus:
-        c = self._get(handle)
-        if c.status is CopyStatus.PENDING:
-            c.status = CopyStatus.ORDERED
-        return c.status
-
     def wait(self, handle: CopyHandle) -> CopyStatus:
         c = self._get(handle)
         if c.status in (CopyStatus.PENDING, CopyStatus.ORDERED):
@@ -104,15 +96,6 @@ class TorchCopyEngine:
                 c.event.synchronize()
             self._complete(c)
         return c.status
-
-    def release(self, handle: CopyHandle) -> None:
-        c = self._get(handle)
-        if not c.status.settled:
-            raise VTokenError(f"copy {handle} is still pending; only settled copies can be released")
-        if c.status is CopyStatus.ORDERED:
-            c.released = True  # forgotten once it completes (and is verified)
-        else:
-            del self._copies[handle]
 
     def before_compute(self) -> None:
         """Pre-attention hook: the compute stream waits for every ORDERED copy; finished ones are verified."""
@@ -164,15 +147,3 @@ class TorchCopyEngine:
                 c.status = CopyStatus.FAILED
                 return
         c.status = CopyStatus.DONE
-
-    def _get(self, handle: CopyHandle) -> _Copy:
-        try:
-            return self._copies[handle]
-        except KeyError:
-            raise VTokenError(f"unknown copy handle {handle!r}") from None
-
-    def moves_of(self, handle: CopyHandle) -> tuple[Move, ...]:
-        return self._get(handle).moves
-
-    def pending(self) -> list[CopyHandle]:
-        return [h for h, c in self._copies.items() if c.status in (CopyStatus.PENDING, CopyStatus.ORDERED)]
