@@ -38,6 +38,7 @@ from .errors import (
     ConfigError,
     DuplicateRequestError,
     InvariantViolation,
+    PlanConflictError,
     PoolExhaustedError,
     UnknownRequestError,
     VTokenError,
@@ -78,17 +79,18 @@ class VTokenRuntime:
         pool: the block allocator.
         engine: the copy engine.
         policy: the eviction policy (None: never evict, i.e. native full retention).
-        budget: fraction of a request's tokens the policy may keep, in (0, 1].
+        budget: live tokens a request may keep: a ratio of its tokens in (0, 1] (float) or a count (int).
         reclaim: the reclamation configuration (None: Naive-Evict, no reclamation).
         read_path: how attention reads KV.
         seed: passed to randomized policies.
     """
 
     def __init__(self, pool: BlockAllocator, engine: CopyEngine, policy: EvictionPolicy | None = None,
-                 budget: float = 1.0, reclaim: ReclaimConfig | None = None,
+                 budget: float | int = 1.0, reclaim: ReclaimConfig | None = None,
                  read_path: ReadPath = ReadPath.GATHER, seed: int = 0, score_window: int = 32) -> None:
-        if not 0.0 < budget <= 1.0:
-            raise ConfigError(f"budget must be in (0, 1], got {budget}")
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) \
+                or (isinstance(budget, float) and not 0.0 < budget <= 1.0) or (isinstance(budget, int) and budget < 1):
+            raise ConfigError(f"budget must be a ratio in (0, 1] (a float) or a token count >= 1 (an int), got {budget!r}")
         if not isinstance(read_path, ReadPath):
             raise ConfigError(f"read_path must be one of {[p.value for p in ReadPath]}, got {read_path!r}")
         if read_path is ReadPath.DENSE and policy is not None:
@@ -108,6 +110,9 @@ class VTokenRuntime:
         self.manager = ReclamationManager(pool, self.table, engine, reclaim or ReclaimConfig())
         self.iteration = 0
         self._last: StepInputs | None = None
+        # the name a policy sees (and seeds with) for a request, when its id is not reproducible
+        # (vLLM appends a random suffix to request ids)
+        self.policy_names: dict[object, object] = {}
 
     # ---- requests -----------------------------------------------------------------
     def can_admit(self, prompt_len: int) -> bool:
@@ -172,9 +177,7 @@ class VTokenRuntime:
                 f"with {self.pool.headroom} reserved; preempt a request first"
             )
         for r, n in appends.items():
-            blocks = self.pool.allocate(need[r], Purpose.ADMISSION)
-            self.table.sync_new_tokens(r, blocks, self.table.total_len(r) + n)
-            self.scores.extend(r, self.table.total_len(r))
+            self.sync(r, self.pool.allocate(need[r], Purpose.ADMISSION), self.table.total_len(r) + n)
         reqs = {}
         for r in self.table.request_ids():
             start = self.table.total_len(r) - appends.get(r, 0)
@@ -208,31 +211,75 @@ class VTokenRuntime:
                     f"{len(step.requests[r].read_tokens) if r in step.requests else 'no'} read tokens"
                 )
             rows[r] = weights
-        victims: dict[object, list[int]] = {}
-        if self.policy is not None:
-            for r in self.table.request_ids():
-                chosen = self._select(r)
-                if chosen:
-                    victims[r] = chosen
+        victims = self._choose_victims(self.table.request_ids())
         # -- validated; mutate --
         for r, weights in rows.items():
             self.scores.record(r, step.requests[r].read_tokens, weights)
+        self._evict_and_reclaim(victims)
+        self._last = None
+        return victims
+
+    # ---- for engines that allocate and schedule themselves (vLLM) -----------------------
+    def sync(self, req_id: object, new_blocks: Sequence[int], total_len: int) -> list[int]:
+        """Algorithm 1 line 1 with blocks the engine allocated: register tokens up to ``total_len``
+        (appending ``new_blocks`` to the block list); returns their write slots."""
+        slots = self.table.sync_new_tokens(req_id, new_blocks, total_len)
+        self.scores.extend(req_id, self.table.total_len(req_id))
+        return slots
+
+    def evict_and_reclaim(self, req_ids: Sequence[object]) -> dict[object, list[int]]:
+        """Algorithm 1 lines 2, 3 and 5 for ``req_ids`` after a forward whose attention the engine
+        does not report (score-free policies): select victims, evict, plan and launch reclamation.
+        Validated first: an invalid policy answer raises and changes nothing."""
+        unknown = [r for r in req_ids if r not in self.table]
+        if unknown:
+            raise UnknownRequestError(f"unknown request(s) {unknown[:5]}")
+        victims = self._choose_victims(req_ids)
+        self._evict_and_reclaim(victims)
+        return victims
+
+    def detach(self, req_id: object) -> list[int]:
+        """Forget a request whose blocks the engine frees itself (finish, abort, preemption).
+
+        Returns its block list. Only when no plan of it is in flight: a pending copy would still
+        touch those blocks (I5, I6), and only this runtime could hold them back.
+        """
+        if self.manager.in_flight(req_id) is not None:
+            raise PlanConflictError(f"request {req_id!r} has a plan in flight; its blocks cannot be handed back yet")
+        blocks = self.table.remove_request(req_id)
+        self.scores.remove_request(req_id)
+        return blocks
+
+    # ---- helpers ----------------------------------------------------------------------
+    def token_budget(self, total_len: int) -> int:
+        """Live tokens a request of ``total_len`` tokens may keep."""
+        if isinstance(self.budget, int):
+            return self.budget
+        return max(1, math.ceil(self.budget * total_len))
+
+    def _choose_victims(self, req_ids: Sequence[object]) -> dict[object, list[int]]:
+        victims: dict[object, list[int]] = {}
+        if self.policy is not None:
+            for r in req_ids:
+                chosen = self._select(r)
+                if chosen:
+                    victims[r] = chosen
+        return victims
+
+    def _evict_and_reclaim(self, victims: Mapping[object, list[int]]) -> None:
         for r, chosen in victims.items():
             for t in chosen:
                 self.table.evict_token(r, t)
         self._reclaim()
         self.manager.launch()
-        self._last = None
         self.iteration += 1
-        return victims
 
-    # ---- helpers ----------------------------------------------------------------------
     def _select(self, r: object) -> list[int]:
         live = self.table.live_token_ids(r)
         total = self.table.total_len(r)
         view = RequestView(
-            req_id=r, live=live, total_len=total,
-            budget=max(1, math.ceil(self.budget * total)),
+            req_id=self.policy_names.get(r, r), live=live, total_len=total,
+            budget=self.token_budget(total),
             accumulated=lambda t: self.scores.accumulated(r, t),
             persistence=lambda t: self.scores.persistence(r, t),
             seed=self.seed, step=self.iteration, protected=self._protected(r),

@@ -115,16 +115,18 @@ def test_scissorhands_prefers_persistence_over_accumulated_attention():
 
 
 # ---- Random ----------------------------------------------------------------------------------------
-def test_random_victims_are_fixed_per_seed_request_and_step():
-    def victims(seed=0, req="r", step=0):
-        return RandomPolicy().select_victims(view(range(10), budget=5, seed=seed, step=step, req_id=req))
+def test_random_victims_are_fixed_per_seed_request_and_length():
+    def victims(seed=0, req="r", total_len=10, step=0):
+        return RandomPolicy().select_victims(view(range(10), budget=5, total_len=total_len, seed=seed, step=step,
+                                                  req_id=req))
 
-    assert victims() == [2, 3, 6, 7, 8]
-    assert victims() == [2, 3, 6, 7, 8]  # same (seed, request, step): same victims
-    assert victims(step=1) == [1, 2, 3, 5, 6]
-    assert victims(step=2) == [1, 2, 3, 5, 8]
-    assert victims(seed=1) == [0, 1, 3, 6, 7]
-    assert victims(req="q") == [0, 3, 4, 5, 7]
+    assert victims() == [0, 1, 4, 7, 8]
+    assert victims() == [0, 1, 4, 7, 8]  # same (seed, request, length): same victims
+    assert victims(step=7) == victims()  # the engine's iteration does not matter
+    assert victims(total_len=11) == [0, 2, 3, 4, 7]
+    assert victims(total_len=12) == [0, 2, 3, 4, 8]
+    assert victims(seed=1) == [1, 2, 3, 7, 8]
+    assert victims(req="q") == [1, 2, 4, 6, 8]
 
 
 def test_random_never_evicts_the_newest_token_and_varies_across_steps():
@@ -132,11 +134,11 @@ def test_random_never_evicts_the_newest_token_and_varies_across_steps():
     seen = set()
     for seed in range(3):
         for step in range(30):
-            got = RandomPolicy().select_victims(view(live, budget=20, seed=seed, step=step))
+            got = RandomPolicy().select_victims(view(live, budget=20, total_len=40 + step, seed=seed))
             assert len(got) == 20 and got == sorted(set(got)), f"seed {seed} step {step}"
             assert 39 not in got, f"seed {seed} step {step}: evicted the newest token"
             seen.add(tuple(got))
-    assert len(seen) == 90  # every (seed, step) drew a different victim set
+    assert len(seen) == 90  # every (seed, length) drew a different victim set
 
 
 def test_random_evicts_only_what_is_left_when_the_candidates_run_short():

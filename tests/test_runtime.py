@@ -154,8 +154,8 @@ def test_dense_path_without_a_policy_needs_no_reclamation():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"budget": 0.0}, "budget must be in"),
-    ({"budget": 1.5}, "budget must be in"),
+    ({"budget": 0.0}, r"budget must be a ratio in \(0, 1\]"),
+    ({"budget": 1.5}, r"budget must be a ratio in \(0, 1\]"),
     ({"read_path": "dense"}, "read_path must be one of"),
 ])
 def test_runtime_config_errors(kwargs, match):

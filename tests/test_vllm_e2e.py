@@ -11,7 +11,7 @@ import vllm_harness as H  # noqa: E402
 
 from vtoken.integration.copy_engine import TorchCopyEngine  # noqa: E402
 from vtoken.integration.verify import RelocationMismatch  # noqa: E402
-from vtoken.integration.vllm.connector import VTokenConnector  # noqa: E402
+from vtoken.integration.vllm.worker_tokens import WorkerTokens  # noqa: E402
 
 DRILL = {"drill_every": 2, "strict_verify": "strict"}
 
@@ -47,11 +47,15 @@ def test_forced_relocations_in_the_multiprocess_engine(plain):
     assert stats["threads"] <= stats["cores"]
 
 
-def test_a_relocation_without_the_block_table_rewrite_changes_the_output(plain, monkeypatch):
-    """Planted bug: the copy happens, the worker keeps reading the old block (which vLLM reuses). The model is
-    sensitive to its KV cache, so the bit-identical assertions above have teeth."""
-    monkeypatch.setattr(VTokenConnector, "_rewrite_block_table", lambda self, *a: None)
-    out, _ = H.generate(DRILL, multiprocess=False)  # in-process, so the patch applies
+def test_a_relocation_without_the_block_table_rewrite_is_caught_or_changes_the_output(plain, monkeypatch):
+    """Planted bug: the copy happens, the worker keeps reading the old block (which vLLM reuses). Strict verify's
+    slot audit names it before anything is written; without strict verify the outputs change (the model is
+    sensitive to its KV cache, so the bit-identical assertions above have teeth)."""
+    monkeypatch.setattr(WorkerTokens, "_rewrite_index", lambda self, *a: None)
+    with pytest.raises(Exception) as info:
+        H.generate(DRILL, multiprocess=False)  # in-process, so the patch applies
+    assert "I3: request" in str(info.value) and "the worker writes slots" in str(info.value)
+    out, _ = H.generate({"drill_every": 2}, multiprocess=False)
     assert [lp for _, lp in out] != [lp for _, lp in plain]
 
 
@@ -79,3 +83,35 @@ def test_a_corrupted_copy_is_caught_naming_request_token_and_layer(monkeypatch):
     assert err is not None, f"expected RelocationMismatch, got {info.value!r}"
     assert "model.layers.1.self_attn.attn.V" in str(err) and "token 0" in str(err)
     assert "relocation of request" in str(err) and err.evidence["mismatches"][0]["plane"].endswith("layers.1.self_attn.attn.V")
+
+
+def test_quarantine_fails_only_the_corrupted_request_and_keeps_its_evidence(plain, tmp_path, monkeypatch):
+    """Planted corruption in every relocation of request 1 only; ``quarantine`` ends request 1 with an error,
+    writes the evidence, and requests 0 and 2 finish bit-identical to plain vLLM."""
+    real = TorchCopyEngine.submit
+
+    def corrupting(self, moves, req_id=None):
+        h = real(self, moves, req_id)
+        if str(req_id).startswith("1-"):
+            import torch
+            m = moves[0]
+            slot = torch.tensor([m.dst_block * self.cache.block_size + m.dst_offset])
+            name = "model.layers.0.self_attn.attn.K"
+            k = self.cache.read(name, slot)
+            k.view(torch.int32)[0, 0] ^= 1 << 20
+            self.cache.write(name, slot, k)
+        return h
+
+    monkeypatch.setattr(TorchCopyEngine, "submit", corrupting)
+    res = H.run({**DRILL, "on_mismatch": "quarantine", "evidence_dir": str(tmp_path)})
+    out = res["passes"][0]
+    assert out[1][2] == "error" and len(out[1][0]) < 40  # failed early, with an error finish reason
+    assert [o[:2] for i, o in enumerate(out) if i != 1] == [o for i, o in enumerate(plain) if i != 1]
+    assert [o[2] for i, o in enumerate(out) if i != 1] == ["length", "length"]
+    assert res["worker"]["mismatches"] >= 1
+    [quarantined] = res["scheduler"]["quarantined"]
+    assert quarantined.startswith("1-")
+    files = list(tmp_path.iterdir())
+    assert files and all("model.layers.0.self_attn.attn.K" in f.read_text() and quarantined in f.read_text()
+                         for f in files)
+    assert res["scheduler"]["free"] == res["scheduler"]["blocks"] - 1  # its blocks went back like any other's

@@ -41,13 +41,21 @@ def test_the_vtoken_block_installs_the_connector_and_nothing_else_does():
 @pytest.mark.parametrize("block, exc, message", [
     ({"strict_verify": "yes"}, SettingsError, "vtoken.strict_verify must be one of ['off', 'sampled', 'strict']"),
     ({"drill_every": -1}, SettingsError, "vtoken.drill_every must be an integer >= 0"),
-    ({"policy": "random", "budget": 0.5}, SettingsError, "eviction inside vLLM is not available yet"),
-    ({"on_mismatch": "quarantine"}, SettingsError, "'quarantine' is not available inside vLLM yet"),
+    ({"policy": "h2o"}, SettingsError, "needs attention scores"),
+    ({"policy": "random", "budget": 0}, SettingsError, "vtoken.budget must be a ratio in (0, 1]"),
+    ({"policy": "random", "reclaim": "compact"}, SettingsError, "use reclaim='densify', or read_path='gather'"),
 ])
 def test_bad_or_unbuilt_settings_fail_at_config_time(block, exc, message):
     with pytest.raises(exc) as e:
         config(block)
     assert message in str(e.value)
+
+
+def test_eviction_and_quarantine_settings_are_accepted():
+    c = config({"policy": "streaming_llm", "budget": 0.5, "reclaim": "densify", "strict_verify": "strict",
+                "on_mismatch": "quarantine"})
+    assert c.kv_transfer_config.kv_connector == "VTokenConnector"
+    assert c.additional_config["vtoken"]["policy"] == "streaming_llm"
 
 
 def test_another_kv_connector_is_refused():

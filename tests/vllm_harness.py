@@ -43,8 +43,8 @@ def worker_stats(worker) -> dict:
     conn = get_kv_transfer_group()
     c = conn.engine.verifier.counters
     return {"relocations": c.relocations, "verified": c.verified, "mismatches": c.mismatches,
-            "bytes_hashed": c.bytes_hashed, "tail_moves": conn.tail_moves,
-            "moved_twice": sum(n >= 2 for n in conn.moved.values()),
+            "bytes_hashed": c.bytes_hashed, "tail_moves": conn.worker.tail_moves,
+            "moved_twice": sum(n >= 2 for n in conn.worker.moved.values()), "audited": conn.worker.audited,
             "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0))}
 
 
@@ -53,7 +53,7 @@ def prompts(n: int = 3):
     return [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % 500 + 3 for j in range(40 + 23 * i)]) for i in range(n)]
 
 
-def make_llm(vtoken: dict | None, multiprocess: bool | None = None):
+def make_llm(vtoken: dict | None, multiprocess: bool | None = None, **overrides):
     """``multiprocess``: run the engine core in its own process (None: as the environment says). vLLM keeps
     the KV connector in a process-global, so two engines in one process must not mix vtoken and plain."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -64,6 +64,7 @@ def make_llm(vtoken: dict | None, multiprocess: bool | None = None):
     from vllm import LLM
     kw = dict(model=TINY, load_format="dummy", skip_tokenizer_init=True, dtype="float32", block_size=32,
               enforce_eager=True, max_model_len=2048, enable_prefix_caching=False, seed=0)
+    kw.update(overrides)
     if vtoken is not None:
         kw["additional_config"] = {"vtoken": vtoken}
     llm = LLM(**kw)
@@ -71,13 +72,198 @@ def make_llm(vtoken: dict | None, multiprocess: bool | None = None):
     return llm
 
 
+def raise_without_engine(err: BaseException):
+    """Re-raise ``err`` after the engine that raised it is gone. An in-process engine whose exception keeps
+    its frames alive is shut down by the garbage collector later, in the middle of the next engine's start,
+    and takes that engine's parallel state with it."""
+    import gc
+    import traceback
+    err.add_note("".join(traceback.format_exception(err)[-12:]))  # where it came from, without the frames
+    e = err
+    while e is not None:
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    gc.collect()
+    raise err
+
+
 def generate(vtoken: dict | None, max_tokens: int = 40, n: int = 3, multiprocess: bool | None = None):
     """(token ids, logprobs) per prompt, and the worker's verify counters."""
     from vllm import SamplingParams
     llm = make_llm(vtoken, multiprocess)
-    outs = llm.generate(prompts(n), SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, logprobs=0))
+    try:
+        outs = llm.generate(prompts(n), SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0,
+                                                       logprobs=0))
+    except Exception as e:
+        del llm
+        raise_without_engine(e)
     res = [(list(o.outputs[0].token_ids), [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
            for o in outs]
     stats = llm.collective_rpc(worker_stats)[0]
     del llm
     return res, stats
+
+
+# ---- the live-token attention reference (in-process engine only) ------------------------------------
+PROBE: dict = {}
+
+
+def scheduler_connector(llm):
+    """The scheduler-side ``VTokenConnector`` of an in-process engine."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def install_attention_probe(worker) -> int:
+    """Forward hooks on every attention layer that recompute, for each decode token, attention over the
+    tokens the scheduler's token table says are live, from K/V the probe recorded when each token was
+    computed (so the reference never reads vLLM's paged cache), in float64."""
+    from functools import partial
+    runner = worker.model_runner
+    PROBE.update(kv={}, checks=[], blocks=[])
+    n = 0
+    for name, mod in runner.model.named_modules():
+        if name.endswith(".attn") and hasattr(mod, "impl"):
+            mod.register_forward_hook(partial(_probe, name, runner))
+            n += 1
+    return n
+
+
+def _probe(layer, runner, mod, args, out):
+    import torch
+    q, k, v = args[:3]
+    tokens = PROBE["tokens"]
+    table = tokens.rt.table
+    batch = runner.input_batch
+    n = batch.num_reqs
+    qsl = runner.query_start_loc.np[: n + 1].tolist()
+    pos = runner.positions[: qsl[-1]].tolist()
+    H, KVH, D = mod.num_heads, mod.num_kv_heads, mod.head_size
+    out = out.view(-1, H, D)
+    for i, rid in enumerate(batch.req_ids[:n]):
+        # K/V are stored under the token's whole prefix, so a prefix-cache hit finds what another request computed
+        ids = batch.token_ids_cpu[i, : pos[qsl[i + 1] - 1] + 1].tolist()
+        keys, h = [], 0
+        for t in ids:
+            h = hash((h, t))
+            keys.append(h)
+        for j in range(qsl[i], qsl[i + 1]):
+            PROBE["kv"][(layer, keys[pos[j]])] = (k[j].view(KVH, D).double(), v[j].view(KVH, D).double())
+        store = _PrefixStore(layer, keys)
+        if qsl[i + 1] - qsl[i] != 1:
+            continue  # prompt steps: nothing is evicted before decoding starts
+        j, p = qsl[i], pos[qsl[i]]
+        live = table.live_token_ids(rid)
+        assert p == table.total_len(rid) - 1, f"{rid}: position {p} is not logical ({table.total_len(rid)} tokens)"
+        assert live[-1] == p, f"{rid}: the decode token {p} is not the newest live token {live[-1]}"
+        qh = q[j].view(H, D).double()
+
+        def attend(ids):
+            K = torch.stack([store[t][0] for t in ids]).repeat_interleave(H // KVH, dim=1)
+            V = torch.stack([store[t][1] for t in ids]).repeat_interleave(H // KVH, dim=1)
+            w = torch.softmax(torch.einsum("hd,lhd->hl", qh, K) * mod.impl.scale, dim=-1)
+            return torch.einsum("hl,lhd->hd", w, V)
+
+        got = out[j].double()
+        err = float((got - attend(live)).abs().max())
+        err_all = float((got - attend(list(range(p + 1)))).abs().max()) if len(live) < p + 1 else None
+        PROBE["checks"].append((rid, layer, p, len(live), err, err_all))
+        if layer.endswith("layers.0.self_attn.attn"):
+            PROBE["blocks"].append((rid, len(table.block_ids(rid)), -(-len(live) // tokens.block_size)))
+
+
+class _PrefixStore:
+    def __init__(self, layer, keys):
+        self.layer, self.keys = layer, keys
+
+    def __getitem__(self, t):
+        return PROBE["kv"][(self.layer, self.keys[t])]
+
+
+def probe_results(worker) -> dict:
+    return {"checks": PROBE["checks"], "blocks": PROBE["blocks"]}
+
+
+def outputs_of(outs) -> list:
+    """(token ids, logprobs, finish reason, prefix-cached prompt tokens) per request, in prompt order."""
+    return [(list(o.outputs[0].token_ids),
+             [d[t].logprob for d, t in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids)],
+             o.outputs[0].finish_reason, o.num_cached_tokens) for o in outs]
+
+
+def shared_prefix_prompts(n: int = 4, prefix: int = 70):
+    """Prompts that share their first ``prefix`` tokens (two full 32-token blocks and part of a third)."""
+    from vllm.inputs import TokensPrompt
+    head = [(11 * j) % 500 + 3 for j in range(prefix)]
+    return [TokensPrompt(prompt_token_ids=head + [(5 * i + 7 * j) % 500 + 3 for j in range(20 + 13 * i)])
+            for i in range(n)]
+
+
+def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int = 1, probe: bool = False,
+        multiprocess: bool = False, count_preemptions: bool = False, **overrides) -> dict:
+    """Generate ``passes`` times on one engine. In-process runs also return the scheduler's vtoken state
+    after the last pass (stats, pool accounting) and, with ``probe``, the attention probe's records."""
+    from vllm import SamplingParams
+    if probe:
+        overrides.setdefault("compilation_config", {"mode": 0})  # module hooks need the eager model
+    llm = make_llm(vtoken, multiprocess, **overrides)
+    res: dict = {"passes": []}
+    try:
+        conn = None if multiprocess or vtoken is None else scheduler_connector(llm)
+        if probe:
+            PROBE["tokens"] = conn.tokens
+            llm.collective_rpc(install_attention_probe)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, logprobs=0)
+        if count_preemptions:
+            res["preempted"] = preempted = []
+            sched = llm.llm_engine.engine_core.engine_core.scheduler
+            real = sched._preempt_request
+            sched._preempt_request = lambda request, *a, **k: (preempted.append(request.request_id.split("-")[0]),
+                                                               real(request, *a, **k))[1]
+        for _ in range(passes):
+            res["passes"].append(outputs_of(llm.generate(prompt_list or prompts(3), params)))
+        res["worker"] = llm.collective_rpc(worker_stats)[0]
+        if probe:
+            res["probe"] = llm.collective_rpc(probe_results)[0]
+        if conn is not None:
+            t = conn.tokens
+            t.allocator.check()
+            res["scheduler"] = dict(vars(t.stats), free=t.allocator.num_free, blocks=t.allocator.num_blocks,
+                                    tracked=len(t.rt.table.request_ids()), workers=vars(conn.workers),
+                                    quarantined=list(conn.quarantined))
+    except Exception as e:
+        del llm
+        raise_without_engine(e)
+    del llm
+    return res
+
+
+def run_aborting(vtoken: dict, prompt_list, abort: str, max_tokens: int = 40) -> dict:
+    """Drive the engine step by step; abort request ``abort`` (its prompt index) right after a step that left
+    copies planned for it, i.e. between the plan and the workers' copy. In-process only."""
+    from vllm import SamplingParams
+    llm = make_llm(vtoken, False)
+    res: dict = {"outputs": {}}
+    try:
+        eng, tokens = llm.llm_engine, scheduler_connector(llm).tokens
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, logprobs=0)
+        for i, p in enumerate(prompt_list):
+            eng.add_request(str(i), p, params)
+        aborted_at = None
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    res["outputs"][o.request_id] = outputs_of([o])[0]
+            planned = {str(r).split("-")[0] for _, r, _ in tokens.engine._outbox}
+            if aborted_at is None and abort in planned:
+                aborted_at = tokens.stats.steps
+                eng.abort_request([abort])
+        res["aborted_at"] = aborted_at
+        tokens.allocator.check()
+        res["scheduler"] = dict(vars(tokens.stats), free=tokens.allocator.num_free, blocks=tokens.allocator.num_blocks,
+                                tracked=len(tokens.rt.table.request_ids()))
+        res["worker"] = llm.collective_rpc(worker_stats)[0]
+    except Exception as e:
+        del llm
+        raise_without_engine(e)
+    del llm
+    return res

@@ -18,7 +18,7 @@ class RequestView:
         accumulated: token id -> accumulated attention (H2O).
         persistence: token id -> persistence of importance (Scissorhands).
         seed: the run's seed, for randomized policies.
-        step: the decode step, for randomized policies.
+        step: the engine's iteration.
         protected: tokens the runtime forbids evicting (e.g. shared-prefix tokens on the dense path).
     """
 

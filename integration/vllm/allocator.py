@@ -98,6 +98,7 @@ class VllmBlockAllocator:
             raise InvariantViolation("P1", f"blocks {bad[:5]} are in vLLM's free queue with references")
         if len(free) != self.num_free:
             raise InvariantViolation("P1", f"vLLM's free queue holds {len(free)} blocks, counter says {self.num_free}")
-        leaked = [b for b in range(1, self.num_blocks) if refs[b] == 0 and b not in set(free)]
+        free_set = set(free)
+        leaked = [b for b in range(1, self.num_blocks) if refs[b] == 0 and b not in free_set]
         if leaked:
             raise InvariantViolation("P1", f"blocks {leaked[:5]} have no reference and are not free (leaked)")

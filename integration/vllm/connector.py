@@ -1,52 +1,40 @@
 """``VTokenConnector``: vtoken's channel between vLLM's scheduler and its workers (a KV connector).
 
-vLLM 0.32 has no way to replace a block id in the middle of a running request; a KV connector gives
-vtoken a hook on each side of every step. This module is the one place that touches vLLM's
-private state; each touch names its vLLM file:
+vLLM 0.32 has no way to replace a block id in the middle of a running request, nor to read a
+request's KV through anything but a dense prefix; a KV connector gives vtoken a hook on each side of
+every step. The glue is here; the two halves are ``scheduler_tokens.SchedulerTokens`` (token
+tables, policy, densify, the block manager's sizing: ``manager_hooks``) and
+``worker_tokens.WorkerTokens`` (copies, block-table rewrites, slot mapping through the table).
 
-  scheduler side  ``bind_kv_cache_manager``: the ``KVCacheManager``; a request's blocks are
-                  ``coordinator.single_type_managers[0].req_to_blocks[req_id]``
-                  (``v1/core/single_type_kv_cache_manager.py``), allocated from and freed to vLLM's
-                  ``BlockPool`` through ``VllmBlockAllocator``.
+  scheduler side  ``bind_kv_cache_manager``: the ``KVCacheManager`` (``v1/core/kv_cache_manager.py``).
                   ``build_connector_meta`` runs after the step's allocation (``v1/core/sched/scheduler.py``):
-                  relocations planned there travel to the workers in ``SchedulerOutput``.
+                  the step's orders travel to the workers in ``SchedulerOutput``.
+                  ``update_connector_output`` runs after the forward, in ``update_from_output``, after
+                  finished requests were freed: copy reports come back, then evict + densify.
   worker side     ``register_kv_caches``: every layer's KV tensor; its caller is the model runner
                   (``v1/worker/gpu_model_runner.py``, asserted). ``handle_preemptions`` runs at the top of
-                  ``execute_model``, before ``_update_states`` and ``_prepare_inputs``: vtoken copies the
-                  blocks there (device layer, strict verify), then rewrites the request's block id in
-                  ``runner.requests[r].block_ids`` and in the ``input_batch.block_table`` row
-                  (``v1/worker/block_table.py``), so the step's attention and writes use the new block.
+                  ``execute_model``, before ``_update_states`` and ``_prepare_inputs``.
 
-Order within a step (no async scheduling, which ``compat`` refuses): the scheduler swaps block i of
-request r from ``old`` to ``new`` and frees ``old`` in ``build_connector_meta``; vLLM cannot hand
-``old`` out again before its next ``schedule()``, which comes after this step's ``execute_model``,
-whose first act is the copy. So the copy reads ``old`` before anything can reuse it (I5), and the
-forward reads ``new`` only after the copy (I3).
-
-Implemented so far (issue #6 in progress): the relocation path with strict verify, driven by the
-relocation drill (``drill_every``). Eviction policies and ``densify`` come next; ``plugin`` refuses
-them at start-up until then.
+Why the order is safe (no async scheduling, which ``compat`` refuses): blocks densify empties are freed
+in ``update_connector_output`` after step k-1; schedule k may hand them to another request, but the
+copies that read them run at the top of ``execute_model`` k, before ``_update_states`` zeroes new blocks
+and before the forward writes anything (I5). Copy destinations are the request's own holes; the
+forward reads them only after the copy (I3). A block densify writes into loses its prefix-cache hash
+before schedule k can hand it out (``manager_hooks.uncache``).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections import Counter
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                               KVConnectorWorkerMetadata)
 
-from vtoken.core.block_pool import Purpose
-from vtoken.core.copy_engine import CopyStatus
-from vtoken.core.token_table import Move
-
 from ..copy_engine import TorchCopyEngine
 from ..verify import Verifier, VerifyConfig
-from .allocator import VllmBlockAllocator
+from .scheduler_tokens import SchedulerTokens, StepOrders
 from .settings import VTokenSettings
-
-Relocation = tuple[str, int, int, int]
 
 
 def match_threads_to_cores() -> None:
@@ -61,34 +49,39 @@ def match_threads_to_cores() -> None:
 
     cores = len(os.sched_getaffinity(0))
     if torch.get_num_threads() > cores:
-        torch._C.set_num_threads(cores)  # (request, index in its block list, old block, new block)
+        torch._C.set_num_threads(cores)
 
 
 @dataclass
 class VTokenMeta(KVConnectorMetadata):
     step: int
-    relocations: list[Relocation] = field(default_factory=list)
+    orders: StepOrders = field(default_factory=StepOrders)
 
 
 @dataclass
 class VTokenWorkerMeta(KVConnectorWorkerMetadata):
-    relocated: int = 0
-    verified: int = 0
+    done: list[int] = field(default_factory=list)  # copy handles finished and verified per settings
+    failed: list[int] = field(default_factory=list)  # copy handles whose verification failed (quarantine)
+    failed_requests: list[str] = field(default_factory=list)  # drill relocations that failed (quarantine)
+    relocated: int = 0  # drill relocations
+    verified: int = 0  # token relocations hashed and compared
     mismatches: int = 0
+    audited: int = 0  # write slots checked against the scheduler's token tables
 
     def aggregate(self, other: VTokenWorkerMeta) -> VTokenWorkerMeta:
-        return VTokenWorkerMeta(self.relocated + other.relocated, self.verified + other.verified,
-                                self.mismatches + other.mismatches)
+        return VTokenWorkerMeta(self.done + other.done, self.failed + other.failed,
+                                self.failed_requests + other.failed_requests, self.relocated + other.relocated, self.verified + other.verified,
+                                self.mismatches + other.mismatches, self.audited + other.audited)
 
 
 @dataclass
-class SchedulerStats:
-    steps: int = 0
-    planned: int = 0  # relocations sent to the workers
-    skipped: int = 0  # blocks the drill could not move (shared, hashed, or new this step)
-    relocated: int = 0  # reported done by the workers
+class WorkerCounters:
+    """What the workers reported, summed on the scheduler side."""
+
+    relocated: int = 0
     verified: int = 0
     mismatches: int = 0
+    audited: int = 0
 
 
 class VTokenConnector(KVConnectorBase_V1):
@@ -98,13 +91,13 @@ class VTokenConnector(KVConnectorBase_V1):
         self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
         self.step = 0
-        self.stats = SchedulerStats()
-        self.allocator: VllmBlockAllocator | None = None
-        self.runner = None
+        self.tokens: SchedulerTokens | None = None  # scheduler side
+        self._scheduler = None
+        self.quarantined: list[str] = []
+        self.workers = WorkerCounters()
+        self.worker = None  # WorkerTokens, worker side
         self.engine: TorchCopyEngine | None = None
-        self._done = VTokenWorkerMeta()
-        self.moved: Counter = Counter()  # (request, block index) -> relocations (worker side)
-        self.tail_moves = 0
+        self._reported = VTokenWorkerMeta()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -113,7 +106,7 @@ class VTokenConnector(KVConnectorBase_V1):
     # ---- scheduler side ----------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        self.allocator = VllmBlockAllocator(kv_cache_manager.block_pool, self.block_size)
+        self.tokens = SchedulerTokens(self.settings, kv_cache_manager, self.block_size)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         return 0, False
@@ -122,47 +115,40 @@ class VTokenConnector(KVConnectorBase_V1):
         return None
 
     def build_connector_meta(self, scheduler_output) -> VTokenMeta:
+        if self._scheduler is None:  # the caller is ``Scheduler._build_kv_connector_meta``
+            from vllm.v1.core.sched.scheduler import Scheduler
+            self._scheduler = inspect.currentframe().f_back.f_locals.get("self")
+            assert isinstance(self._scheduler, Scheduler), f"build_connector_meta called by {self._scheduler!r}"
         self.step += 1
-        self.stats.steps += 1
-        relocations = []
         every = self.settings.drill_every
-        if every and self.step % every == 0:
-            relocations = self._drill(scheduler_output, self.step // every)
-        self.stats.planned += len(relocations)
-        return VTokenMeta(self.step, relocations)
-
-    def _drill(self, so, round_no: int) -> list[Relocation]:
-        """Relocate one block of every running request: block ``round_no mod n`` of its n written blocks, so
-        over rounds every block moves, the tail block (still being written) included, and blocks move twice."""
-        manager = self._kv_cache_manager.coordinator.single_type_managers[0]
-        cached = so.scheduled_cached_reqs
-        out = []
-        for rid, new_ids in zip(cached.req_ids, cached.new_block_ids):
-            if rid in cached.resumed_req_ids:
-                continue
-            blocks = manager.req_to_blocks[rid]
-            written = len(blocks) - (len(new_ids[0]) if new_ids else 0)  # the worker does not know new ones yet
-            if written <= 0:
-                continue
-            i = round_no % written
-            old = blocks[i]
-            if old.is_null or old.ref_cnt != 1 or old.block_hash is not None:
-                self.stats.skipped += 1  # shared or prefix-cached: never relocated
-                continue
-            [new_id] = self.allocator.allocate(1, Purpose.EVACUATION)
-            blocks[i] = self.allocator.pool.blocks[new_id]
-            self.allocator.free([old.block_id])
-            out.append((rid, i, old.block_id, new_id))
-        return out
+        drill = self.step // every if every and self.step % every == 0 else None
+        return VTokenMeta(self.step, self.tokens.on_schedule(scheduler_output, drill))
 
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, VTokenWorkerMeta):
-            self.stats.relocated += meta.relocated
-            self.stats.verified += meta.verified
-            self.stats.mismatches += meta.mismatches
+            corrupted = self.tokens.on_reports(meta.done, meta.failed) + meta.failed_requests
+            if corrupted:
+                self.fail_requests(corrupted)
+            w = self.workers
+            w.relocated += meta.relocated
+            w.verified += meta.verified
+            w.mismatches += meta.mismatches
+            w.audited += meta.audited
+        self.tokens.after_step()
+        if self.settings.strict_verify == "strict":
+            self.tokens.check()
+
+    def fail_requests(self, req_ids: list[str]) -> None:
+        """Quarantine: end these requests with an error at the next ``update_from_output``, which sends the
+        client a FINISHED_ERROR output; every other request keeps running. vLLM 0.32 has no connector API
+        for this; ``v1/core/sched/scheduler.py`` fails the requests in ``grammar_compile_error_reqs`` that
+        way, with no other effect, so vtoken adds its own there."""
+        self.quarantined.extend(req_ids)
+        self._scheduler.grammar_compile_error_reqs.update(req_ids)
 
     def request_finished(self, request, block_ids):
+        self.tokens.finished(request.request_id)
         return False, None
 
     # ---- worker side ----------------------------------------------------------------------------
@@ -170,56 +156,34 @@ class VTokenConnector(KVConnectorBase_V1):
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
         from .kv_bridge import paged_cache
+        from .worker_tokens import WorkerTokens
 
         runner = inspect.currentframe().f_back.f_locals.get("self")
         assert isinstance(runner, GPUModelRunner), f"register_kv_caches called by {type(runner).__name__}"
-        self.runner = runner
         match_threads_to_cores()
         cache = paged_cache(kv_caches, self.vllm_config)
         s = self.settings
         self.engine = TorchCopyEngine(cache, Verifier(cache, VerifyConfig(
             s.strict_verify, sample_every=s.sample_every, on_mismatch=s.on_mismatch,
             evidence_dir=s.evidence_dir, seed=s.seed)))
+        self.worker = WorkerTokens(runner, self.engine, self.block_size)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        meta = kv_connector_metadata
-        if not isinstance(meta, VTokenMeta) or not meta.relocations:
-            return
-        counters = self.engine.verifier.counters
-        verified, mismatches = counters.verified, counters.mismatches
-        for rid, i, old, new in meta.relocations:
-            self._copy_block(rid, old, new)
-            self._rewrite_block_table(rid, i, old, new)
-        self._done = VTokenWorkerMeta(self._done.relocated + len(meta.relocations),
-                                      self._done.verified + counters.verified - verified,
-                                      self._done.mismatches + counters.mismatches - mismatches)
-
-    def _copy_block(self, rid: str, old: int, new: int) -> None:
-        """Every slot of ``old`` to the same offset of ``new``, all layers, K and V; verified per settings."""
-        moves = [Move(o, old, o, new, o) for o in range(self.block_size)]
-        h = self.engine.submit(moves, req_id=rid)
-        status = self.engine.wait(h)  # CPU: already done; RelocationMismatch raises here under "raise"
-        assert status is CopyStatus.DONE, f"relocation of request {rid!r} block {old} -> {new}: {status.value}"
-        self.engine.release(h)
-
-    def _rewrite_block_table(self, rid: str, i: int, old: int, new: int) -> None:
-        r = self.runner
-        ids = r.requests[rid].block_ids[0]
-        assert ids[i] == old, f"worker has block {ids[i]} at index {i} of {rid!r}, scheduler moved {old}"
-        ids[i] = new
-        self.moved[(rid, i)] += 1
-        self.tail_moves += i == len(ids) - 1  # the block this step's new tokens are written into
-        row = r.input_batch.req_id_to_index.get(rid)
-        if row is not None:  # a request not in the batch rebuilds its row from block_ids when it returns
-            table = r.input_batch.block_table[0].block_table.np
-            assert table[row, i] == old
-            table[row, i] = new
+        if isinstance(kv_connector_metadata, VTokenMeta):
+            self.worker.apply(kv_connector_metadata.orders)
 
     def build_connector_worker_meta(self) -> VTokenWorkerMeta | None:
-        if not self._done.relocated:
+        w, c = self.worker, self.engine.verifier.counters
+        done, failed, failed_requests = w.take_reports()
+        now = VTokenWorkerMeta(done, failed, failed_requests, w.relocated, c.verified, c.mismatches, w.audited)
+        last, self._reported = self._reported, now
+        delta = VTokenWorkerMeta(done, failed, failed_requests, now.relocated - last.relocated,
+                                 now.verified - last.verified, now.mismatches - last.mismatches,
+                                 now.audited - last.audited)
+        if not (done or failed or failed_requests or delta.relocated or delta.verified or delta.mismatches
+                or delta.audited):
             return None  # nothing to report: no per-step traffic
-        done, self._done = self._done, VTokenWorkerMeta()
-        return done
+        return delta
 
     # the KV-transfer hooks vtoken does not use
     def start_load_kv(self, forward_context, **kwargs) -> None:

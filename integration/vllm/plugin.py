@@ -11,7 +11,7 @@ Without the block, vLLM runs exactly as if vtoken were not installed.
 from __future__ import annotations
 
 from .compat import UnsupportedConfigError
-from .settings import SettingsError, VTokenSettings
+from .settings import VTokenSettings
 
 CONNECTOR = "VTokenConnector"
 CONNECTOR_MODULE = "vtoken.integration.vllm.connector"
@@ -27,7 +27,6 @@ def register() -> None:
     def create_engine_config(self, *args, **kwargs):
         settings = VTokenSettings.from_additional_config(self.additional_config)
         if settings is not None:
-            refuse_not_yet_available(settings)
             install_connector(self)
         config = original(self, *args, **kwargs)
         if settings is not None:
@@ -48,13 +47,3 @@ def install_connector(engine_args) -> None:
                                      f"(found connector {getattr(current, 'kv_connector', current)!r})")
     engine_args.kv_transfer_config = KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
                                                       kv_role="kv_both")
-
-
-def refuse_not_yet_available(settings: VTokenSettings) -> None:
-    """Settings that are valid but not built inside vLLM yet (issue #6 in progress)."""
-    if settings.policy != "none":
-        raise SettingsError(f"vtoken.policy={settings.policy!r}: eviction inside vLLM is not available yet; "
-                            f"allowed now: ['none'] (indirection and the relocation drill, with strict verify)")
-    if settings.on_mismatch == "quarantine":
-        raise SettingsError("vtoken.on_mismatch='quarantine' is not available inside vLLM yet (failing one request "
-                            "from the worker is not wired); allowed now: ['raise']")

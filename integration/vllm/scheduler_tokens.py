@@ -1,0 +1,249 @@
+"""``SchedulerTokens``: the core's ``VTokenRuntime`` driven by vLLM's scheduler (scheduler process).
+
+vLLM allocates and schedules; vtoken keeps one token table per request in lockstep with vLLM's
+block list for it (``req_to_blocks[r]``, positional). One step k, with the connector hooks that
+drive it (``connector.py``):
+
+  schedule k            vLLM allocates blocks for step k's tokens, sized by physical tokens
+                        (``manager_hooks``: ``num_tokens - gap``).
+  build_connector_meta  ``on_schedule``: admit new/resumed requests, sync step k's tokens into the
+                        tables (Algorithm 1 line 1) at each request's cursor, run the relocation
+                        drill, and hand the workers: copies planned after step k-1, block lists
+                        those copies changed, each request's ``gap``, and (strict verify) the
+                        write slots the tables assigned, for the workers to audit.
+  execute_model k       the workers copy (before ``_prepare_inputs``), rewrite block tables, and
+                        map slots through the table: ``seq_len = live + new``, write slot of
+                        logical position p = position p - gap; ``positions`` stay logical (RoPE).
+  update_connector_output  ``after_step``: the workers' copy reports, then Algorithm 1 lines 2, 3
+                        and 5 (choose victims, evict, plan ``densify``) for requests past their
+                        prompt; plans commit at once (``WorkerCopyEngine``: ORDERED) and the
+                        emptied tail blocks go back to vLLM's pool before schedule k+1.
+
+Bridge invariants (asserted every step): for every tracked request the table's block list is a
+prefix of vLLM's ``req_to_blocks`` (equal after sync), and the table's length equals vLLM's
+``num_computed_tokens`` before sync.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from vtoken.core.block_pool import Purpose
+from vtoken.core.plan import PlanKind
+from vtoken.core.policies.random_policy import RandomPolicy
+from vtoken.core.policies.streaming_llm import StreamingLLM
+from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
+from vtoken.core.runtime import ReadPath, VTokenRuntime
+from vtoken.core.token_table import Move
+
+from . import manager_hooks
+from .allocator import VllmBlockAllocator
+from .settings import VTokenSettings
+from .worker_copies import WorkerCopyEngine
+
+POLICIES = {"none": None, "streaming_llm": StreamingLLM, "random": RandomPolicy}
+
+Relocation = tuple[str, int, int, int]  # (request, index in its block list, old block, new block)
+
+
+@dataclass
+class StepOrders:
+    """What the workers do at the top of step k (travels in ``VTokenMeta``)."""
+
+    copies: list[tuple[int, str, tuple[Move, ...]]] = field(default_factory=list)  # (handle, request, moves)
+    layouts: dict[str, list[int]] = field(default_factory=dict)  # block list before this step's new blocks
+    relocations: list[Relocation] = field(default_factory=list)  # drill: whole-block moves
+    gaps: dict[str, int] = field(default_factory=dict)  # logical position - physical position (> 0 only)
+    write_slots: dict[str, list[int]] = field(default_factory=dict)  # strict verify: the table's write slots
+
+
+@dataclass
+class TokenStats:
+    steps: int = 0
+    evicted: int = 0  # tokens
+    plans_committed: int = 0
+    plans_aborted: int = 0
+    moves: int = 0  # token moves sent to the workers
+    blocks_released: int = 0  # blocks densify returned to vLLM's pool
+    uncached: int = 0  # blocks whose prefix-cache hash was dropped because densify filled them
+    drill_planned: int = 0
+    drill_skipped: int = 0  # shared or prefix-cached blocks the drill must not move
+    copies_done: int = 0
+    copies_failed: int = 0
+    copies_dropped: int = 0  # planned for a request that left before the workers ran them
+    seconds: float = 0.0  # scheduler-side time spent in vtoken
+
+
+class SchedulerTokens:
+    def __init__(self, settings: VTokenSettings, kv_cache_manager, block_size: int) -> None:
+        [self.manager] = kv_cache_manager.coordinator.single_type_managers  # compat: one KV cache group
+        self.settings = settings
+        self.block_size = block_size
+        self.allocator = VllmBlockAllocator(kv_cache_manager.block_pool, block_size)
+        self.engine = WorkerCopyEngine()
+        policy = POLICIES[settings.policy]
+        self.rt = VTokenRuntime(self.allocator, self.engine, policy() if policy else None, settings.budget,
+                                ReclaimConfig(PlanKind.DENSIFY, ordering=Ordering.EVENT), ReadPath.DENSE,
+                                seed=settings.seed)
+        self.prompt_len: dict[str, int] = {}
+        self._admitted = 0
+        self.first_evicted: dict[str, int] = {}
+        self._layouts: dict[str, list[int]] = {}  # changed by commits since the last step's orders
+        self.stats = TokenStats()
+        manager_hooks.install(self.manager, self)
+
+    # ---- what the manager hooks ask ----------------------------------------------------------
+    def gap(self, req_id: str) -> int:
+        t = self.rt.table
+        return t.total_len(req_id) - t.write_pos(req_id) if req_id in t else 0
+
+    def intact_tokens(self, req_id: str) -> int | None:
+        return self.first_evicted.get(req_id)
+
+    def forget(self, req_id: str) -> None:
+        """Finish, abort or preemption: vLLM frees the blocks; the table and policy state go."""
+        if req_id not in self.rt.table:
+            return
+        self.rt.detach(req_id)
+        self.stats.copies_dropped += self.engine.drop_request(req_id)
+        self._layouts.pop(req_id, None)
+        self.first_evicted.pop(req_id, None)
+
+    def finished(self, req_id: str) -> None:
+        self.forget(req_id)
+        self.prompt_len.pop(req_id, None)
+        self.rt.policy_names.pop(req_id, None)
+
+    # ---- build_connector_meta ------------------------------------------------------------------
+    def on_schedule(self, so, drill_round: int | None = None) -> StepOrders:
+        t0 = time.perf_counter()
+        orders = StepOrders(copies=self.engine.take_outbox(), layouts=self._layouts)
+        self._layouts = {}
+        req_to_blocks = self.manager.req_to_blocks
+        t = self.rt.table
+        syncs: list[tuple[str, int, int]] = []  # (request, tokens computed before this step, scheduled)
+        for nr in so.scheduled_new_reqs:
+            n_prompt = len(nr.prompt_token_ids) if nr.prompt_token_ids is not None else len(nr.prompt_embeds)
+            self.prompt_len[nr.req_id] = n_prompt
+            self.rt.policy_names[nr.req_id] = self._admitted  # seeds follow arrival order, not vLLM's random ids
+            self._admitted += 1
+            self.rt.admit(nr.req_id)
+            syncs.append((nr.req_id, nr.num_computed_tokens, so.num_scheduled_tokens[nr.req_id]))
+        cached = so.scheduled_cached_reqs
+        for r, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            if r in cached.resumed_req_ids:
+                assert r not in t, f"resumed request {r!r} still has a token table"
+                self.rt.admit(r)
+            syncs.append((r, computed, so.num_scheduled_tokens[r]))
+        if drill_round is not None:
+            orders.relocations = self._drill(drill_round, [r for r, _, _ in syncs if r not in cached.resumed_req_ids
+                                                           and t.total_len(r) > 0])
+        for r, computed, scheduled in syncs:
+            held = req_to_blocks[r]
+            known = t.block_ids(r)
+            # new and resumed requests start empty: a prefix-cache hit arrives as computed tokens in held blocks
+            assert t.total_len(r) in (0, computed), \
+                f"request {r!r}: vLLM computed {computed} tokens, the token table has {t.total_len(r)}"
+            assert [b.block_id for b in held[:len(known)]] == known, \
+                f"request {r!r}: token table blocks {known} are not a prefix of vLLM's {[b.block_id for b in held]}"
+            slots = self.rt.sync(r, [b.block_id for b in held[len(known):]], computed + scheduled)
+            g = self.gap(r)
+            if g:
+                orders.gaps[r] = g
+            if self.settings.strict_verify == "strict":
+                orders.write_slots[r] = slots[len(slots) - scheduled:]  # a prefix hit's tokens are not rewritten
+        self.stats.steps += 1
+        self.stats.seconds += time.perf_counter() - t0
+        return orders
+
+    def _drill(self, round_no: int, req_ids: list[str]) -> list[Relocation]:
+        """Relocation drill (test hook): move block ``round_no mod n`` of each request's n blocks to a
+        fresh block, through the table, so every block moves over the rounds, the tail block (still
+        being written) and blocks moved twice included. Shared and prefix-cached blocks never move."""
+        t, S, pool = self.rt.table, self.block_size, self.allocator.pool
+        out = []
+        for r in req_ids:
+            blocks, cursor = t.block_ids(r), t.write_pos(r)
+            if not blocks:
+                continue
+            i = round_no % len(blocks)
+            old = blocks[i]
+            if pool.blocks[old].ref_cnt != 1 or manager_hooks.is_cached(pool, pool.blocks[old]):
+                self.stats.drill_skipped += 1
+                continue
+            [new] = self.allocator.allocate(1, Purpose.EVACUATION)
+            moves = [Move(tok, old, s % S, new, s % S) for tok, s in t.live_slots(r) if s // S == old]
+            t.set_layout(r, blocks[:i] + [new] + blocks[i:], cursor + S)  # attach before the cursor,
+            t.apply_moves(r, moves)  # move,
+            t.set_layout(r, blocks[:i] + [new] + blocks[i + 1:], cursor)  # drop the emptied source
+            self.manager.req_to_blocks[r][i] = pool.blocks[new]
+            self.allocator.free([old])
+            out.append((r, i, old, new))
+        self.stats.drill_planned += len(out)
+        return out
+
+    # ---- update_connector_output -----------------------------------------------------------
+    def on_reports(self, done: list[int], failed: list[int]) -> list[str]:
+        """The workers' copy results; returns the requests a failed copy corrupted (to be failed: the plan
+        committed when the copy was ordered, so the request's KV is wrong from here on)."""
+        for h in done:
+            self.engine.report(h, ok=True)
+        corrupted = []
+        for h in failed:
+            corrupted.append(self.engine.request_of(h))
+            self.engine.report(h, ok=False)
+        self.stats.copies_done += len(done)
+        self.stats.copies_failed += len(failed)
+        return corrupted
+
+    def after_step(self) -> dict[str, list[int]]:
+        """Evict and densify after a forward; returns each request's victims."""
+        t0 = time.perf_counter()
+        t = self.rt.table
+        decoding = [r for r in t.request_ids() if t.total_len(r) >= self.prompt_len[r]]
+        victims = self.rt.evict_and_reclaim(decoding)
+        for r, chosen in victims.items():
+            self.first_evicted[r] = min(self.first_evicted.get(r, chosen[0]), min(chosen))
+            self.stats.evicted += len(chosen)
+        for rec in self.rt.manager.settle():  # EVENT ordering: ORDERED copies commit at once
+            r = rec.plan.req_id
+            if rec.state is not PlanState.COMMITTED:
+                self.stats.plans_aborted += 1
+                continue
+            self.stats.plans_committed += 1
+            self.stats.moves += len(rec.plan.moves)
+            self.stats.blocks_released += len(rec.plan.src_blocks)
+            self.stats.uncached += manager_hooks.uncache(self.allocator.pool, {m.dst_block for m in rec.plan.moves})
+            self._mirror(r)
+        self.stats.seconds += time.perf_counter() - t0
+        return victims
+
+    def _mirror(self, r: str) -> None:
+        """Make vLLM's block list for ``r`` the table's (densify dropped emptied tail blocks)."""
+        held = self.manager.req_to_blocks[r]
+        blocks = self.rt.table.block_ids(r)
+        by_id = {b.block_id: b for b in held}
+        assert set(blocks) <= set(by_id), f"request {r!r}: table blocks {blocks} not all held by vLLM"
+        held[:] = [by_id[b] for b in blocks]
+        self._layouts[r] = list(blocks)
+
+    # ---- observability ---------------------------------------------------------------------------
+    def retained_vs_ideal(self) -> tuple[int, int]:
+        """Blocks the tracked requests hold, and the ideal ceil(live / S) summed over them."""
+        t, S = self.rt.table, self.block_size
+        ids = t.request_ids()
+        return sum(len(t.block_ids(r)) for r in ids), sum(-(-t.num_live(r) // S) for r in ids)
+
+    def check(self) -> None:
+        """Every step under strict verify: the core's invariant checks over the live state, and the bridge."""
+        from vtoken.core.errors import InvariantViolation
+
+        t = self.rt.table
+        for r in t.request_ids():
+            held = [b.block_id for b in self.manager.req_to_blocks.get(r, [])]
+            if held != t.block_ids(r):
+                raise InvariantViolation("B1", f"request {r!r}: vLLM holds blocks {held}, its token table {t.block_ids(r)}")
+            if t.write_pos(r) != t.num_live(r):
+                raise InvariantViolation("I7", f"request {r!r}: {t.num_live(r)} live tokens but cursor {t.write_pos(r)}")
+        self.allocator.check()

@@ -1,0 +1,79 @@
+"""``WorkerCopyEngine``: the core's ``CopyEngine`` as seen from vLLM's scheduler process.
+
+The scheduler plans; the copies run in the workers, at the top of the next ``execute_model``
+(``VTokenConnector.handle_preemptions``), before that step's inputs are prepared and before its
+forward. So a submitted copy is ORDERED the moment it is handed over: every later compute step is
+issued after it (vLLM runs steps one at a time here; ``compat`` refuses async scheduling and
+pipeline parallelism, which would break that). It becomes DONE or FAILED when the workers report
+back through ``update_connector_output``.
+
+``before_compute`` is a no-op for the same reason, and ``wait`` (the force-sync ablation) cannot
+block on another process: it is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from vtoken.core.copy_engine import CopyHandle, CopyRegistry, CopyStatus
+from vtoken.core.errors import VTokenError
+from vtoken.core.token_table import Move
+
+
+@dataclass
+class _Copy:
+    moves: tuple[Move, ...]
+    req_id: object
+    status: CopyStatus = CopyStatus.PENDING
+    released: bool = False
+
+
+class WorkerCopyEngine(CopyRegistry):
+    def __init__(self) -> None:
+        super().__init__()
+        self._outbox: list[tuple[CopyHandle, object, tuple[Move, ...]]] = []
+
+    # ---- CopyEngine -----------------------------------------------------------------------
+    def submit(self, moves: Sequence[Move], req_id: object = None) -> CopyHandle:
+        copy = _Copy(tuple(Move(*m) for m in moves), req_id)
+        h = self._add(copy)
+        self._outbox.append((h, req_id, copy.moves))
+        return h
+
+    def poll(self, handle: CopyHandle) -> CopyStatus:
+        return self._get(handle).status
+
+    def wait(self, handle: CopyHandle) -> CopyStatus:
+        raise VTokenError("force-sync cannot wait on vLLM's workers from the scheduler; use EVENT ordering")
+
+    def before_compute(self) -> None:
+        return None  # the workers copy before they prepare the step's inputs
+
+    # ---- the channel to the workers ------------------------------------------------------------
+    def take_outbox(self) -> list[tuple[CopyHandle, object, tuple[Move, ...]]]:
+        """The copies to send with the next step's metadata, in submission order."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def drop_request(self, req_id: object) -> int:
+        """The request left before its copies were sent (finished, aborted, preempted): its blocks went
+        back to vLLM, so they must not be written. Returns how many copies were dropped."""
+        keep = [c for c in self._outbox if c[1] != req_id]
+        dropped = [c for c in self._outbox if c[1] == req_id]
+        self._outbox = keep
+        for h, _, _ in dropped:
+            self.report(h, ok=True)  # nothing will run; nothing can race
+        return len(dropped)
+
+    def request_of(self, handle: CopyHandle) -> object:
+        return self._get(handle).req_id
+
+    def report(self, handle: CopyHandle, ok: bool) -> None:
+        """A worker finished (``ok``) or failed a copy."""
+        c = self._get(handle)
+        if c.status not in (CopyStatus.PENDING, CopyStatus.ORDERED):
+            raise VTokenError(f"copy {handle} reported twice")
+        c.status = CopyStatus.DONE if ok else CopyStatus.FAILED
+        if c.released:
+            del self._copies[handle]

@@ -1,0 +1,135 @@
+"""``WorkerTokens``: the worker half of vtoken inside vLLM (one per worker process).
+
+Touch points, each named with its vLLM 0.32 file:
+  ``v1/worker/gpu_model_runner.py``  ``runner.requests[r].block_ids``, ``runner.input_batch`` and the
+        ``_prepare_inputs`` method, wrapped on the runner instance: after it has computed positions,
+        ``seq_lens`` and write slots from logical positions, vtoken lowers ``seq_lens`` (and the
+        CPU-side upper bound) by each request's ``gap`` and recomputes the write slots from
+        ``positions - gap``. ``positions`` stay logical, so RoPE sees the true positions.
+  ``v1/worker/block_table.py``  ``BlockTable.add_row`` and ``compute_slot_mapping``, ``slot_mapping``.
+
+Per step (``apply``, called from ``handle_preemptions``, before ``_update_states``):
+  1. run the copies the scheduler planned after the previous forward (device layer, verified per
+     ``strict_verify``); a copy whose verification fails is reported FAILED;
+  2. install the block lists those copies changed (the worker's list and the block-table row);
+  3. run drill relocations (whole blocks, rewrite one index);
+  4. remember the step's gaps (and, under strict verify, the table's write slots to audit).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vtoken.core.copy_engine import CopyStatus
+from vtoken.core.errors import InvariantViolation
+from vtoken.core.token_table import Move
+
+from ..copy_engine import TorchCopyEngine
+
+
+class WorkerTokens:
+    def __init__(self, runner, engine: TorchCopyEngine, block_size: int) -> None:
+        assert len(runner.input_batch.block_table.block_tables) == 1, "one KV cache group (compat)"
+        self.runner = runner
+        self.engine = engine
+        self.block_size = block_size
+        self.gaps: dict[str, int] = {}
+        self.audit: dict[str, list[int]] = {}
+        self.done: list[int] = []
+        self.failed: list[int] = []
+        self.failed_requests: set[str] = set()
+        self.relocated = 0  # drill relocations
+        self.tail_moves = 0
+        self.audited = 0  # write slots checked against the scheduler's tables
+        self.moved: dict[tuple[str, int], int] = {}
+        self._wrap_prepare_inputs()
+
+    # ---- handle_preemptions ------------------------------------------------------------------
+    def apply(self, orders) -> None:
+        for handle, rid, moves in orders.copies:
+            (self.done if self._copy(rid, moves) else self.failed).append(handle)
+        for rid, blocks in orders.layouts.items():
+            self._install_layout(rid, blocks)
+        for rid, i, old, new in orders.relocations:
+            if not self._copy(rid, [Move(o, old, o, new, o) for o in range(self.block_size)]):
+                self.failed_requests.add(rid)  # quarantined: the scheduler fails the request
+            self._rewrite_index(rid, i, old, new)
+            self.relocated += 1
+        self.gaps = orders.gaps
+        self.audit = orders.write_slots
+
+    def _copy(self, rid: str, moves) -> bool:
+        h = self.engine.submit(moves, req_id=rid)
+        status = self.engine.wait(h)  # CPU: already done; a mismatch raises RelocationMismatch under "raise"
+        self.engine.release(h)
+        return status is CopyStatus.DONE
+
+    def _install_layout(self, rid: str, blocks: list[int]) -> None:
+        r = self.runner
+        ids = r.requests[rid].block_ids[0]
+        ids[:] = blocks
+        row = r.input_batch.req_id_to_index.get(rid)
+        if row is not None:  # not in the batch: its row is rebuilt from block_ids when it returns
+            r.input_batch.block_table[0].add_row(list(blocks), row)
+
+    def _rewrite_index(self, rid: str, i: int, old: int, new: int) -> None:
+        r = self.runner
+        ids = r.requests[rid].block_ids[0]
+        assert ids[i] == old, f"worker has block {ids[i]} at index {i} of {rid!r}, scheduler moved {old}"
+        ids[i] = new
+        self.moved[(rid, i)] = self.moved.get((rid, i), 0) + 1
+        self.tail_moves += i == len(ids) - 1
+        row = r.input_batch.req_id_to_index.get(rid)
+        if row is not None:
+            table = r.input_batch.block_table[0].block_table.np
+            assert table[row, i] == old
+            table[row, i] = new
+
+    # ---- the dense read path: slot mapping through the table ----------------------------------------
+    def _wrap_prepare_inputs(self) -> None:
+        runner = self.runner
+        prepare_inputs = runner._prepare_inputs
+
+        def _prepare_inputs(scheduler_output, num_scheduled_tokens):
+            out = prepare_inputs(scheduler_output, num_scheduled_tokens)
+            if self.gaps:
+                self._map_through_table(scheduler_output.total_num_scheduled_tokens)
+            if self.audit:
+                self._audit(scheduler_output.total_num_scheduled_tokens)
+            return out
+
+        runner._prepare_inputs = _prepare_inputs
+
+    def _map_through_table(self, num_tokens: int) -> None:
+        r = self.runner
+        batch = r.input_batch
+        n = batch.num_reqs
+        gap = np.zeros(n, dtype=np.int64)
+        for rid, g in self.gaps.items():
+            gap[batch.req_id_to_index[rid]] = g
+        gap_t = torch.from_numpy(gap)
+        r.seq_lens[:n] -= gap_t.to(r.seq_lens.device, r.seq_lens.dtype)
+        r.optimistic_seq_lens_cpu[:n] -= gap_t.to(r.optimistic_seq_lens_cpu.dtype)
+        per_token = torch.from_numpy(gap[r.req_indices.np[:num_tokens]]).to(r.positions.device)
+        physical = r.positions[:num_tokens] - per_token
+        batch.block_table.compute_slot_mapping(n, r.query_start_loc.gpu[: n + 1], physical)
+
+    def _audit(self, num_tokens: int) -> None:
+        """Strict verify: the write slots vLLM will use are exactly the ones the scheduler's table assigned."""
+        r = self.runner
+        batch = r.input_batch
+        slots = batch.block_table[0].slot_mapping.gpu[:num_tokens].cpu().tolist()
+        starts = r.query_start_loc.np
+        for rid, expected in self.audit.items():
+            i = batch.req_id_to_index[rid]
+            got = slots[starts[i]:starts[i + 1]]
+            if got != expected:
+                raise InvariantViolation("I3", f"request {rid!r}: the worker writes slots {got[:8]}, its token table "
+                                               f"assigned {expected[:8]}")
+            self.audited += len(got)
+
+    def take_reports(self) -> tuple[list[int], list[int], list[str]]:
+        done, failed, requests = self.done, self.failed, sorted(self.failed_requests)
+        self.done, self.failed, self.failed_requests = [], [], set()
+        return done, failed, requests
