@@ -26,9 +26,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--examples", type=int, default=25, help="examples per batch (default 25)")
     p.add_argument("--planner", nargs="+", choices=["compact", "densify", "off"], default=[])
     p.add_argument("--policy", nargs="+", choices=sorted(POLICIES) + ["none"], default=[])
-    p.add_argument("--target", choices=["core", "tensors"], default="core",
+    p.add_argument("--target", choices=["core", "tensors", "vllm"], default="core",
                    help="core: in-memory copies with late/failed/reordered completion (default); tensors: the "
-                        "torch device layer moving real K/V of several layers, dtypes and layouts, strict verify on")
+                        "torch device layer moving real K/V of several layers, dtypes and layouts, strict verify on; "
+                        "vllm: random request mixes through real vLLM on CPU (--replay takes an episode seed)")
     p.add_argument("--out", default="fuzz-out", help="output directory (reports, failures, example database)")
     p.add_argument("--keep-going", action="store_true", help="record failures and continue until the budget")
     p.add_argument("--replay", type=int, metavar="BATCH_SEED", help="rerun one batch from its seed")
@@ -53,6 +54,9 @@ def main(a: argparse.Namespace) -> int:
     if a.runs is not None and a.runs < 1:
         print(f"vtoken fuzz: --runs must be >= 1, got {a.runs}", file=sys.stderr)
         return 2
+    if a.target == "vllm":
+        from .vllm_campaign import main as vllm_main
+        return vllm_main(a)
     if a.self_test:
         return self_test(a)
     if a.replay is not None:

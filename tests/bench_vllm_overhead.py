@@ -1,5 +1,6 @@
-"""vtoken's overhead inside vLLM: plain vs vtoken on (indirection only) vs the relocation drill with strict
-verify, A/B/C interleaved in one run (the machines are noisy).
+"""vtoken's overhead inside vLLM: plain vs vtoken on (indirection only) vs eviction with densify (with and
+without strict verify) vs the relocation drill with strict verify, interleaved in one run (the machines are
+noisy).
 
     python tests/bench_vllm_overhead.py [--rounds 5] [--tokens 64]
 
@@ -21,6 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CONFIGS = {
     "plain vLLM": None,
     "vtoken on, no eviction": {"strict_verify": "off"},
+    "streaming_llm 0.5, densify": {"policy": "streaming_llm", "budget": 0.5},
+    "streaming_llm 0.5, densify, strict": {"policy": "streaming_llm", "budget": 0.5, "strict_verify": "strict"},
+    "random 0.5, densify": {"policy": "random", "budget": 0.5},
     "drill every 4, strict verify": {"drill_every": 4, "strict_verify": "strict"},
 }
 
@@ -48,7 +52,7 @@ def main() -> None:
     print(f"{a.requests} requests x {a.tokens} tokens, {a.rounds} interleaved rounds (median)")
     for name, ts in times.items():
         m = statistics.median(ts)
-        print(f"  {name:<32} {a.requests * a.tokens / m:8.1f} tok/s   {m:6.2f} s   x{base / m:5.3f} of plain "
+        print(f"  {name:<36} {a.requests * a.tokens / m:8.1f} tok/s   {m:6.2f} s   x{base / m:5.3f} of plain "
               f"(spread {min(ts):.2f}-{max(ts):.2f} s)")
 
 

@@ -87,3 +87,14 @@ def test_a_request_aborted_between_its_plan_and_the_copy_is_dropped_cleanly():
     assert [res["outputs"][k][:2] for k in ("0", "2")] == [ref["passes"][0][i][:2] for i in (0, 2)]
     s = res["scheduler"]
     assert s["free"] == s["blocks"] - 1 and s["tracked"] == 0
+
+
+def test_the_drill_waits_while_the_pool_is_full():
+    """Found by ``vtoken fuzz --target vllm`` (episodes 7000037, 7000067 of seed 7): the drill took a block from
+    a full pool and crashed the engine. Now it skips that round; outputs match the run with ample memory."""
+    ample = H.run({"strict_verify": "strict"}, _pressure_prompts(), max_tokens=120, max_model_len=256)
+    tight = H.run({"drill_every": 1, "strict_verify": "strict"}, _pressure_prompts(), max_tokens=120,
+                  max_model_len=256, num_gpu_blocks_override=12, count_preemptions=True)
+    assert tight["preempted"] and tight["scheduler"]["drill_skipped"] > 0 and tight["scheduler"]["drill_planned"] > 0
+    assert ids_and_logprobs(tight) == ids_and_logprobs(ample)
+    assert tight["scheduler"]["free"] == tight["scheduler"]["blocks"] - 1

@@ -82,6 +82,7 @@ class WorkerCounters:
     verified: int = 0
     mismatches: int = 0
     audited: int = 0
+    quarantined: int = 0
 
 
 class VTokenConnector(KVConnectorBase_V1):
@@ -145,7 +146,25 @@ class VTokenConnector(KVConnectorBase_V1):
         for this; ``v1/core/sched/scheduler.py`` fails the requests in ``grammar_compile_error_reqs`` that
         way, with no other effect, so vtoken adds its own there."""
         self.quarantined.extend(req_ids)
+        self.workers.quarantined += len(req_ids)
         self._scheduler.grammar_compile_error_reqs.update(req_ids)
+
+    def get_kv_connector_stats(self):
+        """vtoken's counters for vLLM's stats logging and Prometheus (``metrics.py``); scheduler side only."""
+        if self.tokens is None:
+            return None
+        from .metrics import VTokenStats
+        return VTokenStats(data=self.tokens.metrics(self.workers))
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        from .metrics import VTokenStats
+        return VTokenStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from .metrics import VTokenPromMetrics
+        return VTokenPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def request_finished(self, request, block_ids):
         self.tokens.finished(request.request_id)

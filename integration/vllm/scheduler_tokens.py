@@ -68,7 +68,7 @@ class TokenStats:
     blocks_released: int = 0  # blocks densify returned to vLLM's pool
     uncached: int = 0  # blocks whose prefix-cache hash was dropped because densify filled them
     drill_planned: int = 0
-    drill_skipped: int = 0  # shared or prefix-cached blocks the drill must not move
+    drill_skipped: int = 0  # shared or prefix-cached blocks the drill must not move, or no free block
     copies_done: int = 0
     copies_failed: int = 0
     copies_dropped: int = 0  # planned for a request that left before the workers ran them
@@ -160,7 +160,8 @@ class SchedulerTokens:
     def _drill(self, round_no: int, req_ids: list[str]) -> list[Relocation]:
         """Relocation drill (test hook): move block ``round_no mod n`` of each request's n blocks to a
         fresh block, through the table, so every block moves over the rounds, the tail block (still
-        being written) and blocks moved twice included. Shared and prefix-cached blocks never move."""
+        being written) and blocks moved twice included. Shared and prefix-cached blocks never move, and nothing
+        moves while vLLM's pool has no free block (the drill must not take what a request needs)."""
         t, S, pool = self.rt.table, self.block_size, self.allocator.pool
         out = []
         for r in req_ids:
@@ -169,7 +170,8 @@ class SchedulerTokens:
                 continue
             i = round_no % len(blocks)
             old = blocks[i]
-            if pool.blocks[old].ref_cnt != 1 or manager_hooks.is_cached(pool, pool.blocks[old]):
+            if pool.blocks[old].ref_cnt != 1 or manager_hooks.is_cached(pool, pool.blocks[old]) \
+                    or not self.allocator.can_allocate(1, Purpose.EVACUATION):  # a full pool: the drill waits
                 self.stats.drill_skipped += 1
                 continue
             [new] = self.allocator.allocate(1, Purpose.EVACUATION)
@@ -229,6 +231,22 @@ class SchedulerTokens:
         self._layouts[r] = list(blocks)
 
     # ---- observability ---------------------------------------------------------------------------
+    def metrics(self, workers) -> dict:
+        """Counters since the previous call (``metrics.COUNTERS``) and current gauges (``metrics.GAUGES``)."""
+        s, w = self.stats, workers
+        now = {"tokens_evicted": s.evicted, "plans_committed": s.plans_committed, "plans_aborted": s.plans_aborted,
+               "tokens_moved": s.moves, "blocks_released": s.blocks_released, "copies_verified": w.verified,
+               "mismatches": w.mismatches, "quarantined": w.quarantined, "write_slots_audited": w.audited,
+               "seconds": s.seconds}
+        last, self._reported = getattr(self, "_reported", {}), now
+        out = {k: v - last.get(k, 0) for k, v in now.items()}
+        retained, ideal = self.retained_vs_ideal()
+        allocated = self.allocator.num_blocks - 1 - self.allocator.num_free  # block 0 is vLLM's null block
+        live = self.rt.table.occupancy.live_slots
+        out.update(waste_ratio=1 - live / (allocated * self.block_size) if allocated else 0.0,
+                   retained_blocks=retained, ideal_blocks=ideal)
+        return out
+
     def retained_vs_ideal(self) -> tuple[int, int]:
         """Blocks the tracked requests hold, and the ideal ceil(live / S) summed over them."""
         t, S = self.rt.table, self.block_size
