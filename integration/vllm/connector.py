@@ -52,6 +52,9 @@ def match_threads_to_cores() -> None:
         torch._C.set_num_threads(cores)
 
 
+POOL_CHECK_EVERY = 64  # strict verify walks vLLM's whole pool (P1) once per this many steps: O(pool size)
+
+
 @dataclass
 class VTokenMeta(KVConnectorMetadata):
     step: int
@@ -138,7 +141,7 @@ class VTokenConnector(KVConnectorBase_V1):
             w.audited += meta.audited
         self.tokens.after_step()
         if self.settings.strict_verify == "strict":
-            self.tokens.check()
+            self.tokens.check(pool=self.step % POOL_CHECK_EVERY == 0)
 
     def fail_requests(self, req_ids: list[str]) -> None:
         """Quarantine: end these requests with an error at the next ``update_from_output``, which sends the

@@ -106,6 +106,7 @@ def _drive(llm, ep: Episode, SamplingParams, TokensPrompt) -> EpisodeResult:
             if out.finished and out.request_id in live:
                 del live[out.request_id]
                 res.finished += 1
+        conn.tokens.check()  # the connector checks the bridge every step under strict; the fuzzer the pool too
         step += 1
         assert step < limit, f"episode {ep.seed}: not finished after {limit} steps"
     res.steps = step

@@ -253,8 +253,9 @@ class SchedulerTokens:
         ids = t.request_ids()
         return sum(len(t.block_ids(r)) for r in ids), sum(-(-t.num_live(r) // S) for r in ids)
 
-    def check(self) -> None:
-        """Every step under strict verify: the core's invariant checks over the live state, and the bridge."""
+    def check(self, pool: bool = True) -> None:
+        """Under strict verify, after every step: the bridge (vLLM's block lists are the tables') and the dense
+        prefix, O(blocks held); with ``pool``, also P1 over vLLM's whole pool, O(pool size)."""
         from vtoken.core.errors import InvariantViolation
 
         t = self.rt.table
@@ -264,4 +265,5 @@ class SchedulerTokens:
                 raise InvariantViolation("B1", f"request {r!r}: vLLM holds blocks {held}, its token table {t.block_ids(r)}")
             if t.write_pos(r) != t.num_live(r):
                 raise InvariantViolation("I7", f"request {r!r}: {t.num_live(r)} live tokens but cursor {t.write_pos(r)}")
-        self.allocator.check()
+        if pool:
+            self.allocator.check()
