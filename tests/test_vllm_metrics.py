@@ -26,6 +26,7 @@ def test_counters_are_exported_to_prometheus():
     assert p["vllm:vtoken_copies_verified_total"] == w["verified"] > 0
     assert p["vllm:vtoken_write_slots_audited_total"] == w["audited"] > 0
     assert p["vllm:vtoken_mismatches_total"] == 0
+    assert 0 < p["vllm:vtoken_seconds_total"] and 0 < p["vllm:vtoken_worker_seconds_total"]
     assert p["vllm:vtoken_retained_blocks"] == 0 and p["vllm:vtoken_waste_ratio"] == 0  # all requests finished
 
 

@@ -62,3 +62,20 @@ def test_another_kv_connector_is_refused():
     other = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
     with pytest.raises(UnsupportedConfigError, match="remove --kv-transfer-config"):
         config({}, kv_transfer_config=other)
+
+
+def test_the_documented_vllm_serve_command_line_enables_vtoken():
+    """docs/staging.md's ``vllm serve ... --additional-config '{"vtoken": ...}'``, parsed by vLLM's own CLI parser."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    block = '{"vtoken": {"policy": "streaming_llm", "budget": 0.5, "reclaim": "densify", "strict_verify": "strict"}}'
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", TINY, "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32",
+                              "--block-size", "32", "--enforce-eager", "--additional-config", block])
+    c = EngineArgs.from_cli_args(args).create_engine_config()
+    assert c.kv_transfer_config.kv_connector == "VTokenConnector"
+    assert c.additional_config["vtoken"]["strict_verify"] == "strict"
+    bad = parser.parse_args(["--model", TINY, "--load-format", "dummy", "--block-size", "32",
+                             "--additional-config", '{"vtoken": {"budget": 2.5}}'])
+    with pytest.raises(SettingsError, match="vtoken.budget must be a ratio in"):
+        EngineArgs.from_cli_args(bad).create_engine_config()

@@ -70,11 +70,13 @@ class VTokenWorkerMeta(KVConnectorWorkerMetadata):
     verified: int = 0  # token relocations hashed and compared
     mismatches: int = 0
     audited: int = 0  # write slots checked against the scheduler's token tables
+    seconds: float = 0.0  # worker-side time in vtoken
 
     def aggregate(self, other: VTokenWorkerMeta) -> VTokenWorkerMeta:
         return VTokenWorkerMeta(self.done + other.done, self.failed + other.failed,
-                                self.failed_requests + other.failed_requests, self.relocated + other.relocated, self.verified + other.verified,
-                                self.mismatches + other.mismatches, self.audited + other.audited)
+                                self.failed_requests + other.failed_requests, self.relocated + other.relocated,
+                                self.verified + other.verified, self.mismatches + other.mismatches,
+                                self.audited + other.audited, max(self.seconds, other.seconds))
 
 
 @dataclass
@@ -86,6 +88,7 @@ class WorkerCounters:
     mismatches: int = 0
     audited: int = 0
     quarantined: int = 0
+    seconds: float = 0.0
 
 
 class VTokenConnector(KVConnectorBase_V1):
@@ -139,6 +142,7 @@ class VTokenConnector(KVConnectorBase_V1):
             w.verified += meta.verified
             w.mismatches += meta.mismatches
             w.audited += meta.audited
+            w.seconds += meta.seconds
         self.tokens.after_step()
         if self.settings.strict_verify == "strict":
             self.tokens.check(pool=self.step % POOL_CHECK_EVERY == 0)
@@ -197,13 +201,14 @@ class VTokenConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> VTokenWorkerMeta | None:
         w, c = self.worker, self.engine.verifier.counters
         done, failed, failed_requests = w.take_reports()
-        now = VTokenWorkerMeta(done, failed, failed_requests, w.relocated, c.verified, c.mismatches, w.audited)
+        now = VTokenWorkerMeta(done, failed, failed_requests, w.relocated, c.verified, c.mismatches, w.audited,
+                               w.seconds)
         last, self._reported = self._reported, now
         delta = VTokenWorkerMeta(done, failed, failed_requests, now.relocated - last.relocated,
                                  now.verified - last.verified, now.mismatches - last.mismatches,
-                                 now.audited - last.audited)
+                                 now.audited - last.audited, now.seconds - last.seconds)
         if not (done or failed or failed_requests or delta.relocated or delta.verified or delta.mismatches
-                or delta.audited):
+                or delta.audited or delta.seconds):
             return None  # nothing to report: no per-step traffic
         return delta
 

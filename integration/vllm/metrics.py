@@ -25,6 +25,7 @@ COUNTERS = {
     "quarantined": "requests failed by quarantine",
     "write_slots_audited": "write slots checked against the token tables",
     "seconds": "scheduler-side seconds spent in vtoken",
+    "worker_seconds": "worker-side seconds spent in vtoken (copies, verification, slot mapping; slowest worker)",
 }
 # the latest value (not summed)
 GAUGES = {

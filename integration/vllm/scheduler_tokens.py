@@ -237,7 +237,7 @@ class SchedulerTokens:
         now = {"tokens_evicted": s.evicted, "plans_committed": s.plans_committed, "plans_aborted": s.plans_aborted,
                "tokens_moved": s.moves, "blocks_released": s.blocks_released, "copies_verified": w.verified,
                "mismatches": w.mismatches, "quarantined": w.quarantined, "write_slots_audited": w.audited,
-               "seconds": s.seconds}
+               "seconds": s.seconds, "worker_seconds": w.seconds}
         last, self._reported = getattr(self, "_reported", {}), now
         out = {k: v - last.get(k, 0) for k, v in now.items()}
         retained, ideal = self.retained_vs_ideal()

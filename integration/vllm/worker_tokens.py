@@ -18,6 +18,8 @@ Per step (``apply``, called from ``handle_preemptions``, before ``_update_states
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -42,11 +44,13 @@ class WorkerTokens:
         self.relocated = 0  # drill relocations
         self.tail_moves = 0
         self.audited = 0  # write slots checked against the scheduler's tables
+        self.seconds = 0.0  # worker-side time spent in vtoken (copies, verification, slot mapping, audit)
         self.moved: dict[tuple[str, int], int] = {}
         self._wrap_prepare_inputs()
 
     # ---- handle_preemptions ------------------------------------------------------------------
     def apply(self, orders) -> None:
+        t0 = time.perf_counter()
         for handle, rid, moves in orders.copies:
             (self.done if self._copy(rid, moves) else self.failed).append(handle)
         for rid, blocks in orders.layouts.items():
@@ -58,6 +62,7 @@ class WorkerTokens:
             self.relocated += 1
         self.gaps = orders.gaps
         self.audit = orders.write_slots
+        self.seconds += time.perf_counter() - t0
 
     def _copy(self, rid: str, moves) -> bool:
         h = self.engine.submit(moves, req_id=rid)
@@ -93,10 +98,12 @@ class WorkerTokens:
 
         def _prepare_inputs(scheduler_output, num_scheduled_tokens):
             out = prepare_inputs(scheduler_output, num_scheduled_tokens)
+            t0 = time.perf_counter()
             if self.gaps:
                 self._map_through_table(scheduler_output.total_num_scheduled_tokens)
             if self.audit:
                 self._audit(scheduler_output.total_num_scheduled_tokens)
+            self.seconds += time.perf_counter() - t0
             return out
 
         runner._prepare_inputs = _prepare_inputs
