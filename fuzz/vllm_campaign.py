@@ -54,7 +54,8 @@ def main(a: argparse.Namespace) -> int:
         i += 1
         ep = Episode.draw(s)
         head = (f"episode {s}: {len(ep.requests)} requests, policy {ep.vtoken['policy']} budget {ep.vtoken['budget']}"
-                f", drill {ep.vtoken['drill_every']}, prefix caching {'on' if ep.prefix_caching else 'off'}, "
+                f", {ep.vtoken['read_path']}/{ep.vtoken['reclaim']}, drill {ep.vtoken['drill_every']}, "
+                f"prefix caching {'on' if ep.prefix_caching else 'off'}, "
                 f"{ep.num_blocks or 'ample'} blocks")
         started = time.monotonic()
         try:

@@ -21,8 +21,10 @@ def args(out, **kw) -> argparse.Namespace:
 def test_episodes_are_a_function_of_their_seed():
     assert Episode.draw(42) == Episode.draw(42)
     assert Episode.draw(42) != Episode.draw(43)
-    policies = {Episode.draw(episode_seed(1, i)).vtoken["policy"] for i in range(20)}
-    assert policies == {"none", "streaming_llm", "random"}
+    drawn = [Episode.draw(episode_seed(1, i)).vtoken for i in range(40)]
+    assert {v["policy"] for v in drawn} == {"none", "streaming_llm", "random"}
+    assert {(v["read_path"], v["reclaim"]) for v in drawn} == {("dense", "densify"), ("gather", "compact"),
+                                                               ("gather", "off"), ("gather", "densify")}
 
 
 def test_a_short_campaign_through_vllm_is_clean(tmp_path):

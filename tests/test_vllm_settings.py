@@ -36,13 +36,18 @@ def test_the_documented_block_parses():
     ({"seed": "x"}, "vtoken.seed must be an integer"),
     ({"stict_verify": "strict"}, "unknown vtoken setting(s) ['stict_verify']; known: ['policy', 'budget'"),
     ({"policy": "random", "reclaim": "off"}, "vtoken.reclaim='off' with read_path='dense'"),
-    ({"read_path": "gather"}, "read_path='gather' is not available yet"),
+    ({"read_path": "sparse"}, "vtoken.read_path must be one of ['dense', 'gather'], got 'sparse'"),
     ({"policy": "h2o"}, "vtoken.policy='h2o' needs attention scores"),
 ])
 def test_a_bad_setting_names_the_key_and_the_allowed_values(block, message):
     with pytest.raises(SettingsError) as e:
         parse(**block)
     assert message in str(e.value)
+
+
+def test_the_gather_path_takes_every_reclaim_mode():
+    for reclaim in ("compact", "off", "densify"):
+        assert parse(read_path="gather", policy="random", budget=0.5, reclaim=reclaim).reclaim == reclaim
 
 
 def test_the_block_itself_must_be_a_mapping():

@@ -267,3 +267,8 @@ def run_aborting(vtoken: dict, prompt_list, abort: str, max_tokens: int = 40) ->
         raise_without_engine(e)
     del llm
     return res
+
+
+def is_evicting(res: dict) -> bool:
+    """Every decode check of the probe attended to fewer tokens than the request had."""
+    return all(c[5] is not None for c in res["probe"]["checks"])

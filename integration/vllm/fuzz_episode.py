@@ -43,7 +43,11 @@ class Episode:
             reqs.append({"id": str(i), "prompt": prompt, "max_tokens": rng.randint(1, 60), "arrive": arrive,
                          "abort": abort})
         num_blocks = rng.choice([None, None, rng.randint(9, 24)])  # >= 9: one 256-token request must fit
-        return cls(seed, vt, rng.random() < 0.5, num_blocks, reqs)
+        prefix_caching = rng.random() < 0.5
+        vt["read_path"] = rng.choice(["dense", "gather"])  # drawn last: earlier seeds keep their episodes
+        vt["reclaim"] = "densify" if vt["read_path"] == "dense" else rng.choice(["compact", "off", "densify"])
+        vt["theta_f"] = rng.choice([0.0, 0.1, 0.3, 0.6])
+        return cls(seed, vt, prefix_caching, num_blocks, reqs)
 
     def describe(self) -> dict:
         return asdict(self)

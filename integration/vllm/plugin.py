@@ -36,6 +36,10 @@ def register() -> None:
 
     create_engine_config.vtoken_wrapped = True
     EngineArgs.create_engine_config = create_engine_config
+    from vllm.platforms import current_platform
+    if current_platform.is_cpu():  # the gather read path's backend (stock unless an engine selects it)
+        from . import gather_backend
+        gather_backend.register()
 
 
 def install_connector(engine_args) -> None:

@@ -44,6 +44,16 @@ from .worker_copies import WorkerCopyEngine
 
 POLICIES = {"none": None, "streaming_llm": StreamingLLM, "random": RandomPolicy}
 
+
+def reclaim_config(settings: VTokenSettings) -> ReclaimConfig | None:
+    """EVENT ordering: the workers run a step's copies before its forward (``worker_copies``)."""
+    if settings.reclaim == "off":
+        return None  # Naive-Evict: tokens are evicted, blocks are never compacted
+    if settings.reclaim == "densify":
+        return ReclaimConfig(PlanKind.DENSIFY, ordering=Ordering.EVENT)
+    return ReclaimConfig(PlanKind.COMPACT, theta_f=settings.theta_f, max_sources=settings.max_sources,
+                         ordering=Ordering.EVENT)
+
 Relocation = tuple[str, int, int, int]  # (request, index in its block list, old block, new block)
 
 
@@ -56,6 +66,7 @@ class StepOrders:
     relocations: list[Relocation] = field(default_factory=list)  # drill: whole-block moves
     gaps: dict[str, int] = field(default_factory=dict)  # logical position - physical position (> 0 only)
     write_slots: dict[str, list[int]] = field(default_factory=dict)  # strict verify: the table's write slots
+    read: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # gather: live slots, token ids
 
 
 @dataclass
@@ -83,9 +94,9 @@ class SchedulerTokens:
         self.allocator = VllmBlockAllocator(kv_cache_manager.block_pool, block_size)
         self.engine = WorkerCopyEngine()
         policy = POLICIES[settings.policy]
+        self.read_path = ReadPath(settings.read_path)
         self.rt = VTokenRuntime(self.allocator, self.engine, policy() if policy else None, settings.budget,
-                                ReclaimConfig(PlanKind.DENSIFY, ordering=Ordering.EVENT), ReadPath.DENSE,
-                                seed=settings.seed)
+                                reclaim_config(settings), self.read_path, seed=settings.seed)
         self.prompt_len: dict[str, int] = {}
         self._admitted = 0
         self.first_evicted: dict[str, int] = {}
@@ -153,6 +164,8 @@ class SchedulerTokens:
                 orders.gaps[r] = g
             if self.settings.strict_verify == "strict":
                 orders.write_slots[r] = slots[len(slots) - scheduled:]  # a prefix hit's tokens are not rewritten
+            if self.read_path is ReadPath.GATHER:
+                orders.read[r] = (t.attention_slots(r), t.live_token_ids(r))
         self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - t0
         return orders
@@ -215,19 +228,19 @@ class SchedulerTokens:
                 continue
             self.stats.plans_committed += 1
             self.stats.moves += len(rec.plan.moves)
-            self.stats.blocks_released += len(rec.plan.src_blocks)
+            self.stats.blocks_released += len(rec.plan.src_blocks) - len(set(rec.plan.dst_blocks) & set(self.rt.table.block_ids(r)))
             self.stats.uncached += manager_hooks.uncache(self.allocator.pool, {m.dst_block for m in rec.plan.moves})
             self._mirror(r)
         self.stats.seconds += time.perf_counter() - t0
         return victims
 
     def _mirror(self, r: str) -> None:
-        """Make vLLM's block list for ``r`` the table's (densify dropped emptied tail blocks)."""
+        """Make vLLM's block list for ``r`` the table's, after a commit."""
         held = self.manager.req_to_blocks[r]
         blocks = self.rt.table.block_ids(r)
-        by_id = {b.block_id: b for b in held}
-        assert set(blocks) <= set(by_id), f"request {r!r}: table blocks {blocks} not all held by vLLM"
-        held[:] = [by_id[b] for b in blocks]
+        pool = self.allocator.pool
+        assert all(pool.blocks[b].ref_cnt >= 1 for b in blocks), f"request {r!r}: table lists a free block"
+        held[:] = [pool.blocks[b] for b in blocks]  # densify drops tail blocks; compact swaps in destinations
         self._layouts[r] = list(blocks)
 
     # ---- observability ---------------------------------------------------------------------------
@@ -263,7 +276,7 @@ class SchedulerTokens:
             held = [b.block_id for b in self.manager.req_to_blocks.get(r, [])]
             if held != t.block_ids(r):
                 raise InvariantViolation("B1", f"request {r!r}: vLLM holds blocks {held}, its token table {t.block_ids(r)}")
-            if t.write_pos(r) != t.num_live(r):
+            if self.read_path is ReadPath.DENSE and t.write_pos(r) != t.num_live(r):
                 raise InvariantViolation("I7", f"request {r!r}: {t.num_live(r)} live tokens but cursor {t.write_pos(r)}")
         if pool:
             self.allocator.check()

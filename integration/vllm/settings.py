@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from vtoken.core.errors import ConfigError
 
 POLICIES = ("none", "streaming_llm", "random", "h2o", "scissorhands")
-SCORE_POLICIES = ("h2o", "scissorhands")  # need attention scores: the gather read path (vLLM integration II)
+SCORE_POLICIES = ("h2o", "scissorhands")  # need attention scores (vLLM integration II, not built yet)
 RECLAIM = ("densify", "compact", "off")
 READ_PATHS = ("dense", "gather")
 VERIFY = ("off", "sampled", "strict")
@@ -69,12 +69,9 @@ class VTokenSettings:
             raise SettingsError(f"vtoken.reclaim={self.reclaim!r} with read_path='dense': stock attention kernels "
                                 f"read a dense prefix, so evicted tokens must be compacted away: use "
                                 f"reclaim='densify', or read_path='gather'")
-        if self.read_path == "gather":
-            raise SettingsError("vtoken.read_path='gather' is not available yet (vLLM integration II); "
-                                "allowed now: ['dense']")
         if self.policy in SCORE_POLICIES:
             raise SettingsError(f"vtoken.policy={self.policy!r} needs attention scores, which vLLM's fused kernels "
-                                f"do not return; it arrives with the gather read path. Allowed now: "
+                                f"do not return; score collection is not built yet. Allowed now: "
                                 f"{[p for p in POLICIES if p not in SCORE_POLICIES]}")
 
     @classmethod

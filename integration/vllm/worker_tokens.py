@@ -19,6 +19,7 @@ Per step (``apply``, called from ``handle_preemptions``, before ``_update_states
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,6 +31,12 @@ from vtoken.core.token_table import Move
 from ..copy_engine import TorchCopyEngine
 
 
+@dataclass
+class ReadPlan:
+    cache: object  # PagedKVCache
+    requests: list  # (query start, query end, live slots, their token ids, query positions), batch order
+
+
 class WorkerTokens:
     def __init__(self, runner, engine: TorchCopyEngine, block_size: int) -> None:
         assert len(runner.input_batch.block_table.block_tables) == 1, "one KV cache group (compat)"
@@ -37,6 +44,8 @@ class WorkerTokens:
         self.engine = engine
         self.block_size = block_size
         self.gaps: dict[str, int] = {}
+        self.read: dict[str, tuple[list[int], list[int]]] = {}
+        self.read_plan: ReadPlan | None = None  # gather read path: what attention reads this step
         self.audit: dict[str, list[int]] = {}
         self.done: list[int] = []
         self.failed: list[int] = []
@@ -62,6 +71,7 @@ class WorkerTokens:
             self.relocated += 1
         self.gaps = orders.gaps
         self.audit = orders.write_slots
+        self.read = orders.read
         self.seconds += time.perf_counter() - t0
 
     def _copy(self, rid: str, moves) -> bool:
@@ -103,6 +113,7 @@ class WorkerTokens:
                 self._map_through_table(scheduler_output.total_num_scheduled_tokens)
             if self.audit:
                 self._audit(scheduler_output.total_num_scheduled_tokens)
+            self.read_plan = self._read_plan(scheduler_output.total_num_scheduled_tokens) if self.read else None
             self.seconds += time.perf_counter() - t0
             return out
 
@@ -121,6 +132,20 @@ class WorkerTokens:
         per_token = torch.from_numpy(gap[r.req_indices.np[:num_tokens]]).to(r.positions.device)
         physical = r.positions[:num_tokens] - per_token
         batch.block_table.compute_slot_mapping(n, r.query_start_loc.gpu[: n + 1], physical)
+
+    def _read_plan(self, num_tokens: int) -> ReadPlan:
+        """Per request in batch order: its query rows, live slots and their logical ids, query positions."""
+        r = self.runner
+        batch = r.input_batch
+        starts = r.query_start_loc.np[: batch.num_reqs + 1].tolist()
+        positions = r.positions[:num_tokens]
+        reqs = []
+        for i, rid in enumerate(batch.req_ids[: batch.num_reqs]):
+            slots, ids = self.read[rid]
+            qs, qe = starts[i], starts[i + 1]
+            reqs.append((qs, qe, torch.tensor(slots, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
+                         positions[qs:qe].to(torch.int64)))
+        return ReadPlan(self.engine.cache, reqs)
 
     def _audit(self, num_tokens: int) -> None:
         """Strict verify: the write slots vLLM will use are exactly the ones the scheduler's table assigned."""
