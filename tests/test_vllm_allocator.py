@@ -101,3 +101,19 @@ def test_the_reclamation_manager_runs_on_vllms_pool():
     assert done.state.value == "committed" and a.num_free == free_before + 2
     assert table.block_ids("r") == list(rec.plan.dst_blocks) and all(a.ref_count(b) == 0 for b in blocks)
     a.check()
+
+
+def test_a_reserve_keeps_vllm_out_of_the_headroom_and_lets_evacuation_in():
+    from vtoken.integration.vllm.manager_hooks import Reserve
+    pool = VllmPool(N, enable_caching=True, hash_block_size=S)
+    a = VllmBlockAllocator(pool, S, 2, Reserve(pool, 2))
+    assert pool.get_num_free_blocks() == 7 and a.num_free == 9  # vLLM's scheduler sees 7; vtoken sees all 9
+    pool.get_new_blocks(7)  # vLLM takes everything it can see
+    with pytest.raises(ValueError, match="Cannot get 1 free blocks"):
+        pool.get_new_blocks(1)  # and no more: the headroom is not vLLM's
+    assert not a.can_allocate(1, ADM)
+    got = a.allocate(2, EVAC)  # compaction destinations come out of the headroom
+    assert len(got) == 2 and a.num_free == 0 and pool.get_num_free_blocks() == 0
+    a.free(got)
+    assert pool.get_num_free_blocks() == 0 and a.num_free == 2  # back in the headroom, still hidden from vLLM
+    a.check()

@@ -37,6 +37,8 @@ def test_the_documented_block_parses():
     ({"stict_verify": "strict"}, "unknown vtoken setting(s) ['stict_verify']; known: ['policy', 'budget'"),
     ({"policy": "random", "reclaim": "off"}, "vtoken.reclaim='off' with read_path='dense'"),
     ({"read_path": "sparse"}, "vtoken.read_path must be one of ['dense', 'gather'], got 'sparse'"),
+    ({"headroom": -1}, "vtoken.headroom must be an integer >= 0 (blocks), got -1"),
+    ({"headroom": 2}, "vtoken.headroom reserves blocks for compaction destinations; it needs reclaim='compact'"),
     ({"policy": "h2o"}, "vtoken.policy='h2o' needs attention scores"),
 ])
 def test_a_bad_setting_names_the_key_and_the_allowed_values(block, message):

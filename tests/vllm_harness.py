@@ -272,3 +272,24 @@ def run_aborting(vtoken: dict, prompt_list, abort: str, max_tokens: int = 40) ->
 def is_evicting(res: dict) -> bool:
     """Every decode check of the probe attended to fewer tokens than the request had."""
     return all(c[5] is not None for c in res["probe"]["checks"])
+
+
+def capacity(vtoken: dict | None, num_blocks: int, prompt_len: int = 32, max_tokens: int = 224,
+             limit: int = 16) -> tuple[int, dict]:
+    """The largest number of concurrent requests (``max_num_seqs``) that a pool of ``num_blocks`` blocks runs
+    to the end without a single preemption, by bisection over [1, limit]; and the runs' preemption counts."""
+    from vllm.inputs import TokensPrompt
+    seen: dict[int, int] = {}
+
+    def ok(c: int) -> bool:
+        ps = [TokensPrompt(prompt_token_ids=[(13 * i + 7 * j) % 500 + 3 for j in range(prompt_len)]) for i in range(c)]
+        res = run(vtoken, ps, max_tokens=max_tokens, max_model_len=prompt_len + max_tokens, max_num_seqs=c,
+                  num_gpu_blocks_override=num_blocks, count_preemptions=True)
+        seen[c] = len(res["preempted"])
+        return not res["preempted"]
+
+    lo, hi = 0, limit + 1  # ok(lo) holds (vacuously for 0); ok(hi) is assumed false
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo, seen

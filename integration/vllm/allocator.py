@@ -26,7 +26,7 @@ from vtoken.core.errors import (BlockOutOfRangeError, ConfigError, DoubleFreeErr
 class VllmBlockAllocator:
     """``BlockAllocator`` over a vLLM ``BlockPool``; ``headroom`` blocks are reserved for evacuation."""
 
-    def __init__(self, pool, block_size: int, headroom: int = 0) -> None:
+    def __init__(self, pool, block_size: int, headroom: int = 0, reserve=None) -> None:
         if block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {block_size}")
         if not 0 <= headroom < pool.num_gpu_blocks - 1:
@@ -36,11 +36,12 @@ class VllmBlockAllocator:
         self.block_size = block_size
         self.num_blocks = pool.num_gpu_blocks
         self.headroom = headroom
+        self.reserve = reserve  # manager_hooks.Reserve: vLLM sees the headroom as taken; this allocator does not
 
     # ---- queries -------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return self.pool.get_num_free_blocks()
+        return self.reserve.true_free() if self.reserve else self.pool.get_num_free_blocks()
 
     def can_allocate(self, n: int, purpose: Purpose) -> bool:
         reserve = self.headroom if purpose is Purpose.ADMISSION else 0
@@ -58,7 +59,15 @@ class VllmBlockAllocator:
                 raise HeadroomReservedError(f"admission of {n} blocks would leave {self.num_free - n} free, "
                                             f"below the evacuation headroom of {self.headroom}")
             raise PoolExhaustedError(f"{purpose.value} needs {n} blocks, {self.num_free} free")
-        return [b.block_id for b in self.pool.get_new_blocks(n)] if n else []
+        if not n:
+            return []
+        if self.reserve is None or purpose is Purpose.ADMISSION:
+            return [b.block_id for b in self.pool.get_new_blocks(n)]
+        self.reserve.lifted = True  # evacuation may use the headroom vLLM is kept out of
+        try:
+            return [b.block_id for b in self.pool.get_new_blocks(n)]
+        finally:
+            self.reserve.lifted = False
 
     def share(self, block_id: int) -> None:
         block = self._block(block_id)

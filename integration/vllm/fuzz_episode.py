@@ -47,6 +47,7 @@ class Episode:
         vt["read_path"] = rng.choice(["dense", "gather"])  # drawn last: earlier seeds keep their episodes
         vt["reclaim"] = "densify" if vt["read_path"] == "dense" else rng.choice(["compact", "off", "densify"])
         vt["theta_f"] = rng.choice([0.0, 0.1, 0.3, 0.6])
+        vt["headroom"] = rng.choice([0, 1, 2]) if vt["reclaim"] == "compact" else 0
         return cls(seed, vt, prefix_caching, num_blocks, reqs)
 
     def describe(self) -> dict:

@@ -69,3 +69,18 @@ def uncache(pool, block_ids) -> int:
 def is_cached(pool, block) -> bool:
     """Whether prefix caching can hand ``block`` to another request. ``v1/core/block_pool.py``."""
     return block.block_hash is not None or block.block_id in pool.cached_block_hashes_by_block
+
+
+class Reserve:
+    """Evacuation headroom inside vLLM's pool (``v1/core/block_pool.py``): ``get_num_free_blocks``, which vLLM's
+    scheduler reads for admission and growth (``kv_cache_manager.allocate_slots``) and ``get_new_blocks``
+    checks, reports ``blocks`` fewer free blocks, except while vtoken takes compaction destinations
+    (``lifted``). So vLLM preempts before it would take the last ``blocks`` blocks, and compaction, which
+    gives more blocks back than it takes, can still run when the pool is otherwise full."""
+
+    def __init__(self, pool, blocks: int) -> None:
+        self.blocks = blocks
+        self.lifted = False
+        self.true_free = pool.get_num_free_blocks
+        pool.get_num_free_blocks = lambda: max(0, self.true_free() - (0 if self.lifted else self.blocks))
+

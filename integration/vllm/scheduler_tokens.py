@@ -91,7 +91,9 @@ class SchedulerTokens:
         [self.manager] = kv_cache_manager.coordinator.single_type_managers  # compat: one KV cache group
         self.settings = settings
         self.block_size = block_size
-        self.allocator = VllmBlockAllocator(kv_cache_manager.block_pool, block_size)
+        pool = kv_cache_manager.block_pool
+        reserve = manager_hooks.Reserve(pool, settings.headroom) if settings.headroom else None
+        self.allocator = VllmBlockAllocator(pool, block_size, settings.headroom, reserve)
         self.engine = WorkerCopyEngine()
         policy = POLICIES[settings.policy]
         self.read_path = ReadPath(settings.read_path)

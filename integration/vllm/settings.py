@@ -34,6 +34,7 @@ class VTokenSettings:
     read_path: str = "dense"
     theta_f: float = 0.0  # reclaim when the waste ratio F exceeds this (compact only)
     max_sources: int = 8  # B: source blocks per compact plan
+    headroom: int = 0  # blocks of vLLM's pool kept free for compaction destinations (compact only)
     strict_verify: str = "off"
     sample_every: int = 16
     on_mismatch: str = "raise"
@@ -58,6 +59,11 @@ class VTokenSettings:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SettingsError(f"vtoken.{key} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.headroom, int) or isinstance(self.headroom, bool) or self.headroom < 0:
+            raise SettingsError(f"vtoken.headroom must be an integer >= 0 (blocks), got {self.headroom!r}")
+        if self.headroom and self.reclaim != "compact":
+            raise SettingsError(f"vtoken.headroom reserves blocks for compaction destinations; it needs "
+                                f"reclaim='compact', got reclaim={self.reclaim!r}")
         if not isinstance(self.drill_every, int) or isinstance(self.drill_every, bool) or self.drill_every < 0:
             raise SettingsError(f"vtoken.drill_every must be an integer >= 0 (0: off), got {self.drill_every!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
