@@ -227,14 +227,22 @@ class VTokenRuntime:
         self.scores.extend(req_id, self.table.total_len(req_id))
         return slots
 
-    def evict_and_reclaim(self, req_ids: Sequence[object]) -> dict[object, list[int]]:
-        """Algorithm 1 lines 2, 3 and 5 for ``req_ids`` after a forward whose attention the engine
-        does not report (score-free policies): select victims, evict, plan and launch reclamation.
-        Validated first: an invalid policy answer raises and changes nothing."""
-        unknown = [r for r in req_ids if r not in self.table]
+    def evict_and_reclaim(self, req_ids: Sequence[object],
+                          attention: Mapping[object, tuple[Sequence[int], Sequence[float]]] | None = None
+                          ) -> dict[object, list[int]]:
+        """Algorithm 1 lines 2, 3 and 5 for ``req_ids`` after a forward: select victims (from earlier steps'
+        scores), record this step's attention rows (request -> (token ids read, weights)), evict, plan and
+        launch reclamation. Validated first: a bad row or an invalid policy answer raises and changes nothing."""
+        unknown = [r for r in list(req_ids) + list(attention or {}) if r not in self.table]
         if unknown:
             raise UnknownRequestError(f"unknown request(s) {unknown[:5]}")
+        for r, (ids, weights) in (attention or {}).items():
+            if len(ids) != len(weights) or any(not 0 <= t < self.table.total_len(r) for t in ids):
+                raise VTokenError(f"request {r!r}: attention row of {len(weights)} weights for {len(ids)} tokens "
+                                  f"(ids must be < {self.table.total_len(r)})")
         victims = self._choose_victims(req_ids)
+        for r, (ids, weights) in (attention or {}).items():
+            self.scores.record(r, ids, weights)
         self._evict_and_reclaim(victims)
         return victims
 

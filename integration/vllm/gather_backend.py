@@ -3,7 +3,9 @@
 vLLM's stock kernels read a dense prefix [0, seq_len) through the block table, so holes left by eviction
 would be read. With ``read_path: gather`` vtoken's backend reads instead the slots the scheduler's token
 table lists for the request (``attention_slots``, logical order), and masks causally by *logical* token
-id, so lazy ``compact`` reclamation (and none at all, Naive-Evict) is safe.
+id, so lazy ``compact`` reclamation (and none at all, Naive-Evict) is safe. For H2O and Scissorhands it also
+records each request's attention row (the newest query's softmax weights, mean over heads and layers) and
+the workers send it to the scheduler's ``TokenScores``.
 
 Touch points (vllm 0.32): ``v1/attention/backends/registry.py`` (``register_backend`` overrides
 ``CPU_ATTN``), ``v1/attention/backends/cpu_attn.py`` (the stock backend and impl this subclasses; K/V are
@@ -62,7 +64,7 @@ class VTokenGatherImpl(CPUAttentionBackendImpl):
         group = H // KVH
         cache = plan.cache
         k_name, v_name = f"{layer.layer_name}.K", f"{layer.layer_name}.V"
-        for qs, qe, slots, ids, qpos in plan.requests:
+        for i, (qs, qe, slots, ids, qpos) in enumerate(plan.requests):
             k = cache.read(k_name, slots).view(-1, KVH, D)
             v = cache.read(v_name, slots).view(-1, KVH, D)
             if group > 1:
@@ -70,6 +72,11 @@ class VTokenGatherImpl(CPUAttentionBackendImpl):
             q = query[qs:qe].reshape(-1, H, D)
             s = torch.einsum("mhd,nhd->hmn", q, k) * self.scale
             s.masked_fill_(ids.view(1, 1, -1) > qpos.view(1, -1, 1), float("-inf"))  # causal, by logical id
-            o = torch.einsum("hmn,nhd->mhd", torch.softmax(s, dim=-1), v)
+            w = torch.softmax(s, dim=-1)
+            o = torch.einsum("hmn,nhd->mhd", w, v)
             output[qs:qe] = o.reshape(output[qs:qe].shape).to(output.dtype)
+            if plan.rows is not None:  # score-based policies: the newest query's weights, mean over heads
+                plan.rows[i] += w[:, -1, :].mean(dim=0).to(torch.float64)
+        if plan.rows is not None:
+            plan.layers += 1
         return output

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 
 from vtoken.core.block_pool import Purpose
 from vtoken.core.plan import PlanKind
+from vtoken.core.policies.h2o import H2O
 from vtoken.core.policies.random_policy import RandomPolicy
+from vtoken.core.policies.scissorhands import Scissorhands
 from vtoken.core.policies.streaming_llm import StreamingLLM
 from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
@@ -42,7 +44,8 @@ from .allocator import VllmBlockAllocator
 from .settings import VTokenSettings
 from .worker_copies import WorkerCopyEngine
 
-POLICIES = {"none": None, "streaming_llm": StreamingLLM, "random": RandomPolicy}
+POLICIES = {"none": None, "streaming_llm": StreamingLLM, "random": RandomPolicy, "h2o": H2O,
+            "scissorhands": Scissorhands}
 
 
 def reclaim_config(settings: VTokenSettings) -> ReclaimConfig | None:
@@ -83,6 +86,7 @@ class TokenStats:
     copies_done: int = 0
     copies_failed: int = 0
     copies_dropped: int = 0  # planned for a request that left before the workers ran them
+    attention_rows: int = 0  # per-request attention rows recorded for score-based policies
     seconds: float = 0.0  # scheduler-side time spent in vtoken
 
 
@@ -214,12 +218,15 @@ class SchedulerTokens:
         self.stats.copies_failed += len(failed)
         return corrupted
 
-    def after_step(self) -> dict[str, list[int]]:
-        """Evict and densify after a forward; returns each request's victims."""
+    def after_step(self, attention: dict | None = None) -> dict[str, list[int]]:
+        """Evict and reclaim after a forward; ``attention``: the workers' rows for score-based policies (requests
+        that left meanwhile are dropped). Returns each request's victims."""
         t0 = time.perf_counter()
         t = self.rt.table
         decoding = [r for r in t.request_ids() if t.total_len(r) >= self.prompt_len[r]]
-        victims = self.rt.evict_and_reclaim(decoding)
+        rows = {r: row for r, row in (attention or {}).items() if r in t}
+        victims = self.rt.evict_and_reclaim(decoding, rows)
+        self.stats.attention_rows += len(rows)
         for r, chosen in victims.items():
             self.first_evicted[r] = min(self.first_evicted.get(r, chosen[0]), min(chosen))
             self.stats.evicted += len(chosen)

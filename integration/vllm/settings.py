@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from vtoken.core.errors import ConfigError
 
 POLICIES = ("none", "streaming_llm", "random", "h2o", "scissorhands")
-SCORE_POLICIES = ("h2o", "scissorhands")  # need attention scores (vLLM integration II, not built yet)
+SCORE_POLICIES = ("h2o", "scissorhands")  # need attention scores: only the gather backend records them
 RECLAIM = ("densify", "compact", "off")
 READ_PATHS = ("dense", "gather")
 VERIFY = ("off", "sampled", "strict")
@@ -75,10 +75,10 @@ class VTokenSettings:
             raise SettingsError(f"vtoken.reclaim={self.reclaim!r} with read_path='dense': stock attention kernels "
                                 f"read a dense prefix, so evicted tokens must be compacted away: use "
                                 f"reclaim='densify', or read_path='gather'")
-        if self.policy in SCORE_POLICIES:
+        if self.policy in SCORE_POLICIES and self.read_path != "gather":
             raise SettingsError(f"vtoken.policy={self.policy!r} needs attention scores, which vLLM's fused kernels "
-                                f"do not return; score collection is not built yet. Allowed now: "
-                                f"{[p for p in POLICIES if p not in SCORE_POLICIES]}")
+                                f"do not return: use read_path='gather' (vtoken's backend records them); the "
+                                f"dense path allows {[p for p in POLICIES if p not in SCORE_POLICIES]}")
 
     @classmethod
     def from_additional_config(cls, additional_config: dict | None) -> VTokenSettings | None:

@@ -35,13 +35,16 @@ from ..copy_engine import TorchCopyEngine
 class ReadPlan:
     cache: object  # PagedKVCache
     requests: list  # (query start, query end, live slots, their token ids, query positions), batch order
+    rows: list | None = None  # score-based policies: per request, attention summed over layers (float64)
+    layers: int = 0
 
 
 class WorkerTokens:
-    def __init__(self, runner, engine: TorchCopyEngine, block_size: int) -> None:
+    def __init__(self, runner, engine: TorchCopyEngine, block_size: int, want_scores: bool = False) -> None:
         assert len(runner.input_batch.block_table.block_tables) == 1, "one KV cache group (compat)"
         self.runner = runner
         self.engine = engine
+        self.want_scores = want_scores  # H2O, Scissorhands: the gather backend records attention rows
         self.block_size = block_size
         self.gaps: dict[str, int] = {}
         self.read: dict[str, tuple[list[int], list[int]]] = {}
@@ -145,7 +148,19 @@ class WorkerTokens:
             qs, qe = starts[i], starts[i + 1]
             reqs.append((qs, qe, torch.tensor(slots, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
                          positions[qs:qe].to(torch.int64)))
-        return ReadPlan(self.engine.cache, reqs)
+        rows = [torch.zeros(len(ids), dtype=torch.float64) for _, _, _, ids, _ in reqs] if self.want_scores else None
+        return ReadPlan(self.engine.cache, reqs, rows)
+
+    def take_attention(self) -> dict[str, tuple[list[int], list[float]]]:
+        """This step's attention rows (token ids read, weights summing to 1), for the scheduler's scores."""
+        plan = self.read_plan
+        if plan is None or plan.rows is None or not plan.layers:
+            return {}
+        batch = self.runner.input_batch
+        out = {rid: (ids.tolist(), (row / plan.layers).tolist())
+               for rid, (_, _, _, ids, _), row in zip(batch.req_ids, plan.requests, plan.rows)}
+        plan.rows, plan.layers = None, 0  # reported once
+        return out
 
     def _audit(self, num_tokens: int) -> None:
         """Strict verify: the write slots vLLM will use are exactly the ones the scheduler's table assigned."""
