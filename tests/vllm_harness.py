@@ -73,16 +73,13 @@ def make_llm(vtoken: dict | None, multiprocess: bool | None = None, **overrides)
 
 
 def raise_without_engine(err: BaseException):
-    """Re-raise ``err`` after the engine that raised it is gone. An in-process engine whose exception keeps
-    its frames alive is shut down by the garbage collector later, in the middle of the next engine's start,
-    and takes that engine's parallel state with it."""
+    """Re-raise ``err`` after the engine that raised it is gone (``fuzz_episode.drop_frames``: an in-process
+    engine kept alive by its exception's frames is shut down later by the garbage collector, in the middle
+    of the next engine's start)."""
     import gc
-    import traceback
-    err.add_note("".join(traceback.format_exception(err)[-12:]))  # where it came from, without the frames
-    e = err
-    while e is not None:
-        e.__traceback__ = None
-        e = e.__cause__ or e.__context__
+
+    from vtoken.integration.vllm.fuzz_episode import drop_frames
+    drop_frames(err)
     gc.collect()
     raise err
 

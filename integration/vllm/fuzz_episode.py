@@ -82,7 +82,7 @@ def run_episode(ep: Episode) -> EpisodeResult:
         return _drive(llm, ep, SamplingParams, TokensPrompt)
     except BaseException as e:
         del llm
-        _drop_frames(e)
+        drop_frames(e)
         raise
     finally:
         import gc
@@ -127,7 +127,7 @@ def _drive(llm, ep: Episode, SamplingParams, TokensPrompt) -> EpisodeResult:
     return res
 
 
-def _drop_frames(err: BaseException) -> None:
+def drop_frames(err: BaseException) -> None:
     """Keep the message and a short traceback, drop the frames: they hold the engine, which must be shut down
     now and not by a later garbage collection in the middle of the next episode's engine start."""
     import traceback
