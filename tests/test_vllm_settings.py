@@ -39,7 +39,8 @@ def test_the_documented_block_parses():
     ({"read_path": "sparse"}, "vtoken.read_path must be one of ['dense', 'gather'], got 'sparse'"),
     ({"headroom": -1}, "vtoken.headroom must be an integer >= 0 (blocks), got -1"),
     ({"headroom": 2}, "vtoken.headroom reserves blocks for compaction destinations; it needs reclaim='compact'"),
-    ({"policy": "h2o"}, "vtoken.policy='h2o' needs attention scores"),
+    ({"score_layers": -1}, "vtoken.score_layers must be an integer >= 0 (the last N layers; 0: all), got -1"),
+    ({"score_layers": 1.5}, "vtoken.score_layers must be an integer >= 0"),
 ])
 def test_a_bad_setting_names_the_key_and_the_allowed_values(block, message):
     with pytest.raises(SettingsError) as e:

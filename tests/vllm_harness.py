@@ -18,10 +18,22 @@ TINY = str(Path(compat.__file__).parent / "models" / "tiny-llama")
 
 
 def reinit_weights(worker, seed: int = 1234) -> str:
+    """Seeded random weights in every layer (fan-in scaled normal; norms 1). The dummy loader's weights are
+    near zero, so attention would be uniform; and vLLM's CPU backend packs linear weights for its GEMM
+    kernels and leaves ``weight`` empty, so those layers get a fresh weight and are packed again by vLLM's
+    own ``process_weights_after_loading`` (the stock CPU GEMM path stays in use)."""
     import torch
     g = torch.Generator().manual_seed(seed)
+    model = worker.model_runner.model
+    packed = []
+    for name, mod in sorted(model.named_modules()):
+        w = getattr(mod, "weight", None)
+        if hasattr(mod, "cpu_linear") and w is not None and w.numel() == 0:
+            shape = (mod.output_size_per_partition, mod.input_size_per_partition)
+            mod.weight = torch.nn.Parameter(torch.empty(shape, dtype=w.dtype), requires_grad=False)
+            packed.append(mod)
     with torch.no_grad():
-        for name, p in sorted(worker.model_runner.model.named_parameters()):
+        for name, p in sorted(model.named_parameters()):
             if p.numel() == 0 or p.dim() == 0 or not p.dtype.is_floating_point:
                 continue
             if "norm" in name:
@@ -30,6 +42,8 @@ def reinit_weights(worker, seed: int = 1234) -> str:
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    for mod in packed:
+        mod.quant_method.process_weights_after_loading(mod)
     return "ok"
 
 
@@ -113,7 +127,8 @@ def scheduler_connector(llm):
 def install_attention_probe(worker) -> int:
     """Forward hooks on every attention layer that recompute, for each decode token, attention over the
     tokens the scheduler's token table says are live, from K/V the probe recorded when each token was
-    computed (so the reference never reads vLLM's paged cache), in float64."""
+    computed (so the reference never reads vLLM's paged cache), in float64. A check records the largest
+    error relative to the largest |V| read, and the same for attention over every token instead."""
     from functools import partial
     runner = worker.model_runner
     PROBE.update(kv={}, checks=[], blocks=[])
@@ -161,8 +176,9 @@ def _probe(layer, runner, mod, args, out):
             return torch.einsum("hl,lhd->hd", w, V)
 
         got = out[j].double()
-        err = float((got - attend(live)).abs().max())
-        err_all = float((got - attend(list(range(p + 1)))).abs().max()) if len(live) < p + 1 else None
+        scale = max(float(store[t][1].abs().max()) for t in live)  # errors relative to the largest |V| read
+        err = float((got - attend(live)).abs().max()) / scale
+        err_all = float((got - attend(list(range(p + 1)))).abs().max()) / scale if len(live) < p + 1 else None
         PROBE["checks"].append((rid, layer, p, len(live), err, err_all))
         if layer.endswith("layers.0.self_attn.attn"):
             PROBE["blocks"].append((rid, len(table.block_ids(rid)), -(-len(live) // tokens.block_size)))
@@ -196,9 +212,10 @@ def shared_prefix_prompts(n: int = 4, prefix: int = 70):
 
 
 def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int = 1, probe: bool = False,
-        multiprocess: bool = False, count_preemptions: bool = False, **overrides) -> dict:
+        multiprocess: bool = False, count_preemptions: bool = False, rows: bool = False, **overrides) -> dict:
     """Generate ``passes`` times on one engine. In-process runs also return the scheduler's vtoken state
-    after the last pass (stats, pool accounting) and, with ``probe``, the attention probe's records."""
+    after the last pass (stats, pool accounting), with ``probe`` the attention probe's records, and with
+    ``rows`` every attention row the scheduler's scores recorded: (request by arrival, token ids, weights)."""
     from vllm import SamplingParams
     if probe:
         overrides.setdefault("compilation_config", {"mode": 0})  # module hooks need the eager model
@@ -210,6 +227,11 @@ def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int
             PROBE["tokens"] = conn.tokens
             llm.collective_rpc(install_attention_probe)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, logprobs=0)
+        if rows:
+            res["rows"] = recorded = []
+            scores, names = conn.tokens.rt.scores, conn.tokens.rt.policy_names
+            record = scores.record
+            scores.record = lambda r, ids, w: (recorded.append((names[r], list(ids), list(w))), record(r, ids, w))[1]
         if count_preemptions:
             res["preempted"] = preempted = []
             sched = llm.llm_engine.engine_core.engine_core.scheduler

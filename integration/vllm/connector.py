@@ -195,7 +195,11 @@ class VTokenConnector(KVConnectorBase_V1):
             s.strict_verify, sample_every=s.sample_every, on_mismatch=s.on_mismatch,
             evidence_dir=s.evidence_dir, seed=s.seed)))
         from .settings import SCORE_POLICIES
-        self.worker = WorkerTokens(runner, self.engine, self.block_size, want_scores=s.policy in SCORE_POLICIES)
+        from vllm.model_executor.models.utils import extract_layer_index
+        layers = sorted(kv_caches, key=extract_layer_index)  # the model's attention layers, in order
+        scored = frozenset(layers[-s.score_layers:] if s.score_layers else layers) if s.policy in SCORE_POLICIES \
+            else frozenset()
+        self.worker = WorkerTokens(runner, self.engine, self.block_size, scored)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         if isinstance(kv_connector_metadata, VTokenMeta):

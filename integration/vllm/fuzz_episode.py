@@ -48,8 +48,9 @@ class Episode:
         vt["reclaim"] = "densify" if vt["read_path"] == "dense" else rng.choice(["compact", "off", "densify"])
         vt["theta_f"] = rng.choice([0.0, 0.1, 0.3, 0.6])
         vt["headroom"] = rng.choice([0, 1, 2]) if vt["reclaim"] == "compact" else 0
-        if vt["read_path"] == "gather" and vt["policy"] != "none" and rng.random() < 0.5:
-            vt["policy"] = rng.choice(["h2o", "scissorhands"])  # scores come from the gather backend
+        if vt["policy"] != "none" and rng.random() < 0.5:
+            vt["policy"] = rng.choice(["h2o", "scissorhands"])  # scores: the gather backend or the score pass
+            vt["score_layers"] = rng.choice([0, 1, 2])
         return cls(seed, vt, prefix_caching, num_blocks, reqs)
 
     def describe(self) -> dict:

@@ -41,7 +41,7 @@ from vtoken.core.token_table import Move
 
 from . import manager_hooks
 from .allocator import VllmBlockAllocator
-from .settings import VTokenSettings
+from .settings import SCORE_POLICIES, VTokenSettings
 from .worker_copies import WorkerCopyEngine
 
 POLICIES = {"none": None, "streaming_llm": StreamingLLM, "random": RandomPolicy, "h2o": H2O,
@@ -69,7 +69,7 @@ class StepOrders:
     relocations: list[Relocation] = field(default_factory=list)  # drill: whole-block moves
     gaps: dict[str, int] = field(default_factory=dict)  # logical position - physical position (> 0 only)
     write_slots: dict[str, list[int]] = field(default_factory=dict)  # strict verify: the table's write slots
-    read: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # gather: live slots, token ids
+    read: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # gather, scores: live slots, ids
 
 
 @dataclass
@@ -170,7 +170,7 @@ class SchedulerTokens:
                 orders.gaps[r] = g
             if self.settings.strict_verify == "strict":
                 orders.write_slots[r] = slots[len(slots) - scheduled:]  # a prefix hit's tokens are not rewritten
-            if self.read_path is ReadPath.GATHER:
+            if self.read_path is ReadPath.GATHER or self.settings.policy in SCORE_POLICIES:
                 orders.read[r] = (t.attention_slots(r), t.live_token_ids(r))
         self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - t0

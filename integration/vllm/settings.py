@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from vtoken.core.errors import ConfigError
 
 POLICIES = ("none", "streaming_llm", "random", "h2o", "scissorhands")
-SCORE_POLICIES = ("h2o", "scissorhands")  # need attention scores: only the gather backend records them
+SCORE_POLICIES = ("h2o", "scissorhands")  # need attention scores: vtoken's attention backend records them
 RECLAIM = ("densify", "compact", "off")
 READ_PATHS = ("dense", "gather")
 VERIFY = ("off", "sampled", "strict")
@@ -35,6 +35,7 @@ class VTokenSettings:
     theta_f: float = 0.0  # reclaim when the waste ratio F exceeds this (compact only)
     max_sources: int = 8  # B: source blocks per compact plan
     headroom: int = 0  # blocks of vLLM's pool kept free for compaction destinations (compact only)
+    score_layers: int = 1  # H2O, Scissorhands: the newest query's attention on the last N layers; 0: all layers
     strict_verify: str = "off"
     sample_every: int = 16
     on_mismatch: str = "raise"
@@ -55,6 +56,9 @@ class VTokenSettings:
                                 f"(e.g. 512), got {b!r}")
         if not isinstance(self.theta_f, (int, float)) or isinstance(self.theta_f, bool) or not 0 <= self.theta_f < 1:
             raise SettingsError(f"vtoken.theta_f must be a number in [0, 1), got {self.theta_f!r}")
+        if not isinstance(self.score_layers, int) or isinstance(self.score_layers, bool) or self.score_layers < 0:
+            raise SettingsError(f"vtoken.score_layers must be an integer >= 0 (the last N layers; 0: all), got "
+                                f"{self.score_layers!r}")
         for key in ("max_sources", "sample_every"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -75,10 +79,6 @@ class VTokenSettings:
             raise SettingsError(f"vtoken.reclaim={self.reclaim!r} with read_path='dense': stock attention kernels "
                                 f"read a dense prefix, so evicted tokens must be compacted away: use "
                                 f"reclaim='densify', or read_path='gather'")
-        if self.policy in SCORE_POLICIES and self.read_path != "gather":
-            raise SettingsError(f"vtoken.policy={self.policy!r} needs attention scores, which vLLM's fused kernels "
-                                f"do not return: use read_path='gather' (vtoken's backend records them); the "
-                                f"dense path allows {[p for p in POLICIES if p not in SCORE_POLICIES]}")
 
     @classmethod
     def from_additional_config(cls, additional_config: dict | None) -> VTokenSettings | None:

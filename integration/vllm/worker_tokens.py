@@ -32,19 +32,40 @@ from ..copy_engine import TorchCopyEngine
 
 
 @dataclass
+class DecodeBatch:
+    """The step's one-query (decode) requests, padded to the longest live list, so attention over them is
+    one gather and one batched product per layer instead of one per request."""
+    index: list[int]  # their positions in ``ReadPlan.requests``
+    rows: torch.Tensor  # int64 [R]: their query rows in the step's batch
+    slots: torch.Tensor  # int64 [R, N]: live slots in logical order, padded with slot 0 (never attended)
+    valid: torch.Tensor  # bool [R, N]: a live token at or before the query's position
+
+
+@dataclass
 class ReadPlan:
     cache: object  # PagedKVCache
     requests: list  # (query start, query end, live slots, their token ids, query positions), batch order
     rows: list | None = None  # score-based policies: per request, attention summed over layers (float64)
+    scored_layers: frozenset = frozenset()  # names of the layers whose attention feeds the rows
     layers: int = 0
+    decode: DecodeBatch | None = None  # the one-query requests, batched; the others are read one by one
+
+    def scores(self, layer_name: str) -> bool:
+        return self.rows is not None and layer_name in self.scored_layers
+
+    def multi_query(self):
+        """(index, request) of the requests not in the decode batch (prefill chunks)."""
+        batched = set(self.decode.index) if self.decode is not None else set()
+        return [(i, r) for i, r in enumerate(self.requests) if i not in batched]
 
 
 class WorkerTokens:
-    def __init__(self, runner, engine: TorchCopyEngine, block_size: int, want_scores: bool = False) -> None:
+    def __init__(self, runner, engine: TorchCopyEngine, block_size: int,
+                 scored_layers: frozenset = frozenset()) -> None:
         assert len(runner.input_batch.block_table.block_tables) == 1, "one KV cache group (compat)"
         self.runner = runner
         self.engine = engine
-        self.want_scores = want_scores  # H2O, Scissorhands: the gather backend records attention rows
+        self.scored_layers = scored_layers  # H2O, Scissorhands: the layers whose attention rows are recorded
         self.block_size = block_size
         self.gaps: dict[str, int] = {}
         self.read: dict[str, tuple[list[int], list[int]]] = {}
@@ -104,7 +125,7 @@ class WorkerTokens:
             assert table[row, i] == old
             table[row, i] = new
 
-    # ---- the dense read path: slot mapping through the table ----------------------------------------
+    # ---- slot mapping through the table (dense read path); what attention reads (gather, scores) ----------------------------------------
     def _wrap_prepare_inputs(self) -> None:
         runner = self.runner
         prepare_inputs = runner._prepare_inputs
@@ -148,8 +169,8 @@ class WorkerTokens:
             qs, qe = starts[i], starts[i + 1]
             reqs.append((qs, qe, torch.tensor(slots, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
                          positions[qs:qe].to(torch.int64)))
-        rows = [torch.zeros(len(ids), dtype=torch.float64) for _, _, _, ids, _ in reqs] if self.want_scores else None
-        return ReadPlan(self.engine.cache, reqs, rows)
+        rows = [torch.zeros(len(ids), dtype=torch.float64) for _, _, _, ids, _ in reqs] if self.scored_layers else None
+        return ReadPlan(self.engine.cache, reqs, rows, self.scored_layers, decode=_decode_batch(reqs))
 
     def take_attention(self) -> dict[str, tuple[list[int], list[float]]]:
         """This step's attention rows (token ids read, weights summing to 1), for the scheduler's scores."""
@@ -180,3 +201,19 @@ class WorkerTokens:
         done, failed, requests = self.done, self.failed, sorted(self.failed_requests)
         self.done, self.failed, self.failed_requests = [], [], set()
         return done, failed, requests
+
+
+def _decode_batch(reqs: list) -> DecodeBatch | None:
+    index = [i for i, (qs, qe, _, _, _) in enumerate(reqs) if qe - qs == 1]
+    if not index:
+        return None
+    n = max(len(reqs[i][2]) for i in index)
+    slots = torch.zeros(len(index), n, dtype=torch.int64)
+    ids = torch.full((len(index), n), torch.iinfo(torch.int64).max, dtype=torch.int64)
+    for b, i in enumerate(index):
+        _, _, s, t, _ = reqs[i]
+        slots[b, : len(s)] = s
+        ids[b, : len(t)] = t
+    qpos = torch.stack([reqs[i][4][0] for i in index])
+    return DecodeBatch(index, torch.tensor([reqs[i][0] for i in index], dtype=torch.int64), slots,
+                       ids <= qpos.view(-1, 1))
