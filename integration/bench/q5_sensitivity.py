@@ -1,0 +1,121 @@
+"""Q5 (seed §4, question 5), simulator part: sensitivity to eviction ratio, theta_F and block size.
+
+One factor at a time around the default point (H2O, eviction ratio 0.5,
+theta_F 0.25, block size 16) on the chat workload:
+
+    eviction_ratio  0.3 ... 0.7 (fraction of tokens evicted; the budget keeps 1 - ratio)
+    theta_f         0.05 ... 0.90 (compact only: the others never read it; the review asks for the extremes)
+    block_size      16, 32, 64, 128 tokens
+
+Measured (median, spread over seeds): waste ratio F, retained blocks and
+retained slots (blocks x S, comparable across block sizes) per request,
+committed plans and committed token moves. Throughput and latency, the
+paper's other axes, need the vLLM half.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .context import BenchContext
+from .plots import line_with_spread, pyplot, save
+from .policy_grid import run_point
+from .stats import fmt_spread, summarize
+from .systems import COLORS, EVICTING, LABELS, SYSTEMS
+
+KEY = "q5"
+TITLE = "Sensitivity: eviction ratio, theta_F and block size vs F, retained blocks, plans and moves"
+PAPER = {"eviction_ratio": [0.3, 0.7], "theta_f": [0.20, 0.25, 0.35], "block_size": [16, 32, 48],
+         "source": "paper §5.6: retained KV capacity drops substantially as the eviction ratio grows; theta_F "
+                   "has only mild effects; block size 16 is best, larger blocks trade away reclaimable capacity"}
+METRICS = ("waste_ratio_F", "retained_blocks_per_request", "retained_slots_per_request", "plans_committed",
+           "moves_committed")
+
+
+def _sweeps(ctx: BenchContext) -> dict[str, list[tuple[float, str, dict]]]:
+    """sweep -> [(value, system, SimConfig overrides)]."""
+    s = ctx.settings
+    return {
+        "eviction_ratio": [(r, x, {"budget": round(1 - r, 6)}) for r in s.q5_eviction_ratios for x in EVICTING],
+        "theta_f": [(t, "vtoken_compact", {"theta_f": t}) for t in s.q5_theta_fs],
+        "block_size": [(b, x, {"block_size": b}) for b in s.q5_block_sizes for x in SYSTEMS],
+    }
+
+
+def run(ctx: BenchContext) -> dict:
+    s = ctx.settings
+    spec = s.q5_workload
+    sweeps = _sweeps(ctx)
+    bar = ctx.progress("q5 sensitivity", s.repeats * (1 + sum(len(v) for v in sweeps.values())))
+    runs = []
+    for seed in s.seeds:
+        for sweep, points in [("reference", [(0, "native", {})])] + list(sweeps.items()):
+            for value, system, over in points:
+                rec = run_point(ctx, spec, seed, system, None if system == "native" else s.q5_policy, **over)
+                runs.append({"sweep": sweep, "value": value, **rec})
+                bar.advance(f"{sweep}={value} {system} seed {seed}")
+    bar.close()
+    summary: dict = {}
+    for sweep, points in sweeps.items():
+        out = summary[sweep] = {}
+        for value, system, _ in points:
+            mine = [r for r in runs if r["sweep"] == sweep and r["value"] == value and r["system"] == system]
+            out.setdefault(system, {})[str(value)] = {m: summarize([r[m] for r in mine]) for m in METRICS}
+    ref = [r for r in runs if r["sweep"] == "reference"]
+    summary["native_reference"] = {m: summarize([r[m] for r in ref]) for m in METRICS}
+    return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs, "summary": summary, "notes": [
+        f"Workload: {spec.name}, {spec.num_requests} requests; policy {s.q5_policy}; other factors at their "
+        f"defaults (eviction ratio {1 - s.budget:.1f}, theta_F {s.theta_f}, block size {s.block_size}).",
+        "Only vtoken compact reads theta_F; Naive-Evict and densify are the eviction-ratio sweep's 0.5 point.",
+    ]}
+
+
+def table(report: dict) -> list[str]:
+    sm = report["summary"]
+    lines = []
+    for sweep, label in (("eviction_ratio", "eviction ratio"), ("theta_f", "θ_F"), ("block_size", "block size")):
+        systems = [x for x in SYSTEMS if x in sm[sweep]]
+        head = " | ".join(f"F {LABELS[x]}" for x in systems) + " | " + " | ".join(
+            f"slots/req {LABELS[x]}" for x in systems) + " | " + " | ".join(
+            f"plans / moves {LABELS[x]}" for x in systems if x.startswith("vtoken"))
+        lines += [f"{label}:", "", f"| {label} | {head} |", "|---" * (1 + 2 * len(systems)
+                                                                      + sum(x.startswith('vtoken') for x in systems))
+                  + "|"]
+        for value in sm[sweep][systems[0]]:
+            cells = [fmt_spread(sm[sweep][x][value]["waste_ratio_F"]) for x in systems]
+            cells += [fmt_spread(sm[sweep][x][value]["retained_slots_per_request"], "{:.0f}") for x in systems]
+            cells += [f"{fmt_spread(sm[sweep][x][value]['plans_committed'], '{:.0f}')} / "
+                      f"{fmt_spread(sm[sweep][x][value]['moves_committed'], '{:.0f}')}"
+                      for x in systems if x.startswith("vtoken")]
+            lines.append(f"| {value} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    sm = report["summary"]
+    rows = (("waste_ratio_F", "waste ratio F", False),
+            ("retained_slots_per_request", "retained slots / request", False),
+            ("plans_committed", "plans committed", True), ("moves_committed", "token moves committed", True))
+    cols = (("eviction_ratio", "eviction ratio"), ("theta_f", "θ_F (compact)"), ("block_size", "block size"))
+    fig, axes = plt.subplots(len(rows), len(cols), figsize=(14, 12), squeeze=False)
+    for c, (sweep, xlabel) in enumerate(cols):
+        for r, (metric, ylabel, log) in enumerate(rows):
+            ax = axes[r][c]
+            for system, by_value in sm[sweep].items():
+                xs = [float(v) for v in by_value]
+                summaries = [by_value[v][metric] for v in by_value]
+                if log and all(x["median"] == 0 for x in summaries):
+                    continue
+                line_with_spread(ax, xs, summaries, COLORS[system], LABELS[system])
+            if log:
+                ax.set_yscale("symlog")
+            if sweep == "block_size":
+                ax.set_xscale("log", base=2)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Q5 sensitivity, H2O on chat (median, min–max over seeds)")
+    save(fig, path)

@@ -1,0 +1,45 @@
+"""Run the selected questions and write each one's JSON and PNG into the output folder."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import TextIO
+
+from vtoken.core.errors import ConfigError
+
+from .context import BenchContext
+from .plots import pyplot
+from .report import machine, write_report
+from .settings import BenchSettings
+
+
+def prepare_out_dir(out: str | Path) -> Path:
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {str(path)!r} exists and is not a directory")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run_questions(questions: list[ModuleType], settings: BenchSettings, out_dir: Path, command: str,
+                  stream: TextIO | None = None, tables: TextIO | None = None) -> dict[str, dict]:
+    """Run each question in order; returns key -> report. Tables (markdown) go to ``tables`` (default stdout)."""
+    pyplot()  # fail before any work if matplotlib is missing
+    ctx = BenchContext(settings, out_dir, command, stream or sys.stderr)
+    tables = tables or sys.stdout
+    reports = {}
+    for q in questions:
+        started = time.monotonic()
+        report = q.run(ctx)
+        report.update(command=command, settings=settings.describe(), machine=machine(),
+                      duration_s=round(time.monotonic() - started, 2))
+        write_report(out_dir / f"{q.KEY}.json", report)
+        q.plot(report, out_dir / f"{q.KEY}.png")
+        tables.write(f"\n## {q.KEY.upper()}: {q.TITLE} ({report['duration_s']:.0f} s)\n\n")
+        tables.write("\n".join(q.table(report)) + "\n")
+        tables.flush()
+        reports[q.KEY] = report
+    return reports
