@@ -12,6 +12,7 @@ from vtoken.core.errors import ConfigError
 from .questions import QUESTIONS, select_questions
 from .runner import prepare_out_dir, run_questions
 from .settings import MIN_REPEATS, bench_settings
+from .vllm_cli import register_vllm
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--check-invariants", action="store_true",
                      help="check every invariant after every simulated step (slow)")
     sim.set_defaults(run=run_sim)
+    register_vllm(bench_sub)
     p.set_defaults(run=lambda a: (p.print_help(), 2)[1])
 
 

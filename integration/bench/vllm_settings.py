@@ -1,0 +1,75 @@
+"""What ``vtoken bench vllm`` runs: the full evaluation, or ``--quick`` (same question, smaller scale).
+
+Scales are chosen for vLLM's CPU build on 2 cores with the shipped byte-level model
+(``integration/vllm/models/byte-llama``): an engine starts in ~2 s and a decode step of a few
+requests takes a few ms, so the cost is dominated by engine starts (one per system and budget; one
+per seed for Random, whose victims depend on the seed). ``--quick`` keeps every system, every
+policy and >= 5 repeats at budget 0.5 only, with fewer and shorter generations. Repeat i uses seed
+``seed + i`` for the held-out prompt windows and for vtoken's ``seed`` (Random's victims).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from vtoken.core.errors import ConfigError
+
+from .settings import MIN_REPEATS
+
+POLICIES = ("streaming_llm", "random", "h2o", "scissorhands")
+
+
+@dataclass(frozen=True)
+class VllmBenchSettings:
+    quick: bool
+    repeats: int = MIN_REPEATS
+    seed: int = 0
+    prompts: int = 8  # held-out windows per seed
+    prompt_len: int = 64  # bytes (= tokens)
+    max_tokens: int = 160  # generated greedily, ignore_eos
+    budgets: tuple[float, ...] = (0.3, 0.5, 0.7)  # live tokens kept per request (ratio)
+    policies: tuple[str, ...] = POLICIES
+    score_layers: int = 1  # H2O, Scissorhands: attention rows from the last layer (the dense score pass)
+    block_size: int = 32
+    threads: int = 1  # torch threads in the (in-process) engine; 2 OpenMP threads stall on a shared 2-core box
+    min_repeats: int = MIN_REPEATS  # the CLI never lowers it; tests may, explicitly
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, v: object, lo: int = 1) -> None:
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"{name} must be an int >= {lo}, got {v!r}")
+
+        positive_int("min_repeats", self.min_repeats)
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < self.min_repeats:
+            raise ConfigError(f"repeats must be an int >= {self.min_repeats} (median and spread need them), "
+                              f"got {self.repeats!r}")
+        positive_int("seed", self.seed, 0)
+        for name in ("prompts", "prompt_len", "max_tokens", "threads", "score_layers", "block_size"):
+            positive_int(name, getattr(self, name))
+        if not self.budgets or any(isinstance(b, bool) or not isinstance(b, float) or not 0.0 < b < 1.0
+                                   for b in self.budgets):
+            raise ConfigError(f"budgets must be ratios in (0, 1) (floats), got {self.budgets!r}")
+        if not self.policies:
+            raise ConfigError("policies must name at least one eviction policy")
+        bad = [p for p in self.policies if p not in POLICIES]
+        if bad:
+            raise ConfigError(f"unknown policies {bad}; choose from {list(POLICIES)}")
+
+    @property
+    def seeds(self) -> list[int]:
+        return list(range(self.seed, self.seed + self.repeats))
+
+    def describe(self) -> dict:
+        """JSON-ready, as recorded in every question's output."""
+        return asdict(self)
+
+
+FULL = VllmBenchSettings(quick=False)
+QUICK = VllmBenchSettings(quick=True, prompts=4, max_tokens=96, budgets=(0.5,))
+
+
+def vllm_bench_settings(quick: bool, repeats: int | None = None, seed: int = 0,
+                        threads: int | None = None) -> VllmBenchSettings:
+    base = QUICK if quick else FULL
+    return replace(base, repeats=MIN_REPEATS if repeats is None else repeats, seed=seed,
+                   threads=base.threads if threads is None else threads)
