@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 import time
 
 from vtoken.core.errors import ConfigError
 
 from .questions import QUESTIONS, select_questions
-from .runner import prepare_out_dir, run_questions
+from .runner import command_line, prepare_out_dir, run_questions
 from .settings import MIN_REPEATS, bench_settings
 from .vllm_cli import register_vllm
 
@@ -34,20 +33,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=lambda a: (p.print_help(), 2)[1])
 
 
-def command_line(a: argparse.Namespace) -> str:
-    """The canonical command that reproduces this run (recorded in every JSON)."""
-    parts = ["vtoken", "bench", "sim"] + (["--quick"] if a.quick else []) + ["--out", a.out]
-    if a.questions:
-        parts += ["--questions", *a.questions]
-    if a.repeats is not None:
-        parts += ["--repeats", str(a.repeats)]
-    if a.seed:
-        parts += ["--seed", str(a.seed)]
-    if a.check_invariants:
-        parts.append("--check-invariants")
-    return " ".join(shlex.quote(x) for x in parts)
-
-
 def run_sim(a: argparse.Namespace) -> int:
     try:
         settings = bench_settings(a.quick, a.repeats, a.seed, a.check_invariants)
@@ -57,7 +42,7 @@ def run_sim(a: argparse.Namespace) -> int:
         print(f"vtoken bench sim: {e}", file=sys.stderr)
         return 2
     started = time.monotonic()
-    run_questions(questions, settings, out_dir, command_line(a))
+    run_questions(questions, settings, out_dir, command_line("sim", a, ("repeats", "seed", "check_invariants")))
     print(f"\nvtoken bench sim: {len(questions)} question(s) in {time.monotonic() - started:.0f} s; "
           f"JSON and PNG in {out_dir}/", file=sys.stderr)
     return 0

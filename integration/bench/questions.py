@@ -18,11 +18,13 @@ QUESTIONS: dict[str, ModuleType] = {m.KEY: m for m in (q1_trapped_capacity, q2_p
                                                          q3_capacity_frontier, q5_sensitivity, q7_bookkeeping_cost)}
 
 
-def select_questions(keys: list[str] | None) -> list[ModuleType]:
-    """The modules for ``keys`` (None: all), in the registry's order; a specific error for an unknown key."""
+def select_questions(keys: list[str] | None, registry: dict[str, ModuleType] = QUESTIONS,
+                     half: str = "") -> list[ModuleType]:
+    """The modules of ``registry`` for ``keys`` (None: all), in the registry's order; a specific error for an
+    unknown key (``half`` names the registry in it)."""
     if not keys:
-        return list(QUESTIONS.values())
-    unknown = [k for k in keys if k not in QUESTIONS]
+        return list(registry.values())
+    unknown = [k for k in keys if k not in registry]
     if unknown:
-        raise ConfigError(f"unknown question(s) {unknown}; choose from {list(QUESTIONS)}")
-    return [m for k, m in QUESTIONS.items() if k in keys]
+        raise ConfigError(f"unknown question(s) {unknown}{half}; choose from {list(registry)}")
+    return [m for k, m in registry.items() if k in keys]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -14,6 +16,21 @@ from .context import BenchContext
 from .plots import pyplot
 from .report import machine, write_report
 from .settings import BenchSettings
+
+
+def command_line(target: str, a: argparse.Namespace, options: tuple[str, ...]) -> str:
+    """The canonical ``vtoken bench <target>`` command that reproduces this run (recorded in every JSON):
+    ``--quick``, ``--out``, ``--questions``, then each of ``options`` that is set (a seed of 0 is the default)."""
+    parts = ["vtoken", "bench", target] + (["--quick"] if a.quick else []) + ["--out", a.out]
+    if a.questions:
+        parts += ["--questions", *a.questions]
+    for name in options:
+        value = getattr(a, name)
+        if value is None or value is False or (name == "seed" and value == 0):
+            continue
+        flag = "--" + name.replace("_", "-")
+        parts += [flag] if value is True else [flag, str(value)]
+    return " ".join(shlex.quote(x) for x in parts)
 
 
 def prepare_out_dir(out: str | Path) -> Path:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import time
 from types import ModuleType
@@ -19,20 +18,12 @@ from types import ModuleType
 from vtoken.core.errors import ConfigError
 
 from . import q6_quality
-from .runner import prepare_out_dir, run_questions
+from .questions import select_questions
+from .runner import command_line, prepare_out_dir, run_questions
 from .settings import MIN_REPEATS
 from .vllm_settings import vllm_bench_settings
 
 VLLM_QUESTIONS: dict[str, ModuleType] = {m.KEY: m for m in (q6_quality,)}
-
-
-def select_vllm_questions(keys: list[str] | None) -> list[ModuleType]:
-    if not keys:
-        return list(VLLM_QUESTIONS.values())
-    unknown = [k for k in keys if k not in VLLM_QUESTIONS]
-    if unknown:
-        raise ConfigError(f"unknown question(s) {unknown} for the vLLM half; choose from {list(VLLM_QUESTIONS)}")
-    return [m for k, m in VLLM_QUESTIONS.items() if k in keys]
 
 
 def register_vllm(bench_sub: argparse._SubParsersAction) -> None:
@@ -48,23 +39,10 @@ def register_vllm(bench_sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_vllm)
 
 
-def command_line(a: argparse.Namespace) -> str:
-    parts = ["vtoken", "bench", "vllm"] + (["--quick"] if a.quick else []) + ["--out", a.out]
-    if a.questions:
-        parts += ["--questions", *a.questions]
-    if a.repeats is not None:
-        parts += ["--repeats", str(a.repeats)]
-    if a.seed:
-        parts += ["--seed", str(a.seed)]
-    if a.threads is not None:
-        parts += ["--threads", str(a.threads)]
-    return " ".join(shlex.quote(x) for x in parts)
-
-
 def run_vllm(a: argparse.Namespace) -> int:
     try:
         settings = vllm_bench_settings(a.quick, a.repeats, a.seed, a.threads)
-        questions = select_vllm_questions(a.questions)
+        questions = select_questions(a.questions, VLLM_QUESTIONS, " for the vLLM half")
         out_dir = prepare_out_dir(a.out)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # before vLLM configures its loggers
         import vllm  # noqa: F401
@@ -75,7 +53,7 @@ def run_vllm(a: argparse.Namespace) -> int:
         print(f"vtoken bench vllm: {e}", file=sys.stderr)
         return 2
     started = time.monotonic()
-    run_questions(questions, settings, out_dir, command_line(a))
+    run_questions(questions, settings, out_dir, command_line("vllm", a, ("repeats", "seed", "threads")))
     print(f"\nvtoken bench vllm: {len(questions)} question(s) in {time.monotonic() - started:.0f} s; "
           f"JSON and PNG in {out_dir}/", file=sys.stderr)
     return 0
