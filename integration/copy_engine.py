@@ -49,6 +49,18 @@ class _Copy:
     keep: list = field(default_factory=list)  # tensors the relocation stream still reads
 
 
+def warm_pinned_memory(largest: int = 1 << 20, per_size: int = 4) -> None:
+    """Fill torch's pinned-host cache with ``per_size`` blocks of every power-of-two size up to ``largest``
+    bytes. ``submit`` stages its slot lists through pinned memory; a block the cache lacks is allocated
+    with cudaHostAlloc, which waits for the whole device, so without this the first copies of each size
+    would block the host behind the running forward (seen on an H200: a submit waited out a 0.1 s kernel)."""
+    size, held = 1, []
+    while size <= largest:
+        held += [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(per_size)]
+        size *= 2
+    del held  # back to the cache, which keeps them for reuse
+
+
 class TorchCopyEngine(CopyRegistry):
     def __init__(self, cache: PagedKVCache, verifier: Verifier | None = None) -> None:
         super().__init__()
@@ -56,6 +68,9 @@ class TorchCopyEngine(CopyRegistry):
         self.verifier = verifier or Verifier(cache)
         self.cuda = cache.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=cache.device) if self.cuda else None
+        if self.cuda:
+            warm_pinned_memory()
+            self._warm_kernels()
         self.launches = 0  # gather + scatter kernels issued (2 per storage group per copy)
         self.store = None  # a TensorTagStore when the core's checkers run over this engine (tests, fuzzer)
 
@@ -111,6 +126,22 @@ class TorchCopyEngine(CopyRegistry):
                 del self._copies[h]
 
     # ---- helpers ---------------------------------------------------------------------------------
+    def _warm_kernels(self) -> None:
+        """Launch every kernel a copy and its verification use once, now, before serving. CUDA loads a
+        kernel's module at its first launch (lazy loading, the default) and that load waits for the whole
+        device: the first submit would block the host behind the running forward (268 ms on an H200)."""
+        slot = torch.zeros(1, dtype=torch.int64).pin_memory().to(self.cache.device)
+        with torch.cuda.stream(self.stream):
+            values = self.cache.gather(slot)
+            self.cache.scatter(slot, values)  # slot 0 onto itself: changes nothing
+            digests = self.verifier.source_digests(values)
+            [d.cpu() for d in digests.per_group]
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        torch.cuda.current_stream(self.cache.device).wait_event(event)
+        event.query()
+        self.stream.synchronize()
+
     def _launch(self, c: _Copy, src: torch.Tensor, verify: bool) -> None:
         if not self.cuda:
             values = self.cache.gather(src)
@@ -139,10 +170,11 @@ class TorchCopyEngine(CopyRegistry):
         c.keep = []
         if c.src_digests is not None:
             src, c.src_digests = c.src_digests, None
-            ctx = torch.cuda.stream(self.stream) if self.cuda else nullcontext()
-            with ctx:
+            # digested AND read back on the relocation stream: the read-back must follow the digest kernels
+            # (read on the compute stream, it raced them and reported false mismatches, seen on an H200)
+            with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
                 dst = self.verifier.destination_digests(c.dst_slots)
-            evidence = self.verifier.compare(c.req_id, c.moves, src, dst)
+                evidence = self.verifier.compare(c.req_id, c.moves, src, dst)
             if evidence is not None and not was_ordered_and_committed:
                 c.status = CopyStatus.FAILED
                 return

@@ -145,6 +145,34 @@ def check_strict_verify_on_cuda_detects_a_flip():
         raise AssertionError("the flipped element was not detected")
 
 
+def check_strict_verify_reads_its_digests_after_they_are_computed():
+    """Destination digests are computed on the relocation stream when the copy is seen complete; reading
+    them back must wait for those kernels. A long kernel queued on that stream after the copy makes a
+    read-back on any other stream see unfinished digests: false mismatches (found on an H200)."""
+    cache = cuda_cache(torch.float16)
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict")))
+    h = eng.submit(moves_with_chain(300, 4), req_id="r")
+    with torch.cuda.stream(eng.stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s, after the copy's event, before the destination digests
+    assert eng.wait(h) is CopyStatus.DONE
+    c = eng.verifier.counters
+    assert (c.verified, c.mismatches) == (1, 0), (c.verified, c.mismatches)
+
+
+def check_submit_does_not_wait_for_the_device():
+    """A submit while the compute stream runs a long kernel returns at once (slot lists are staged through
+    pinned memory the engine warmed; a fresh cudaHostAlloc would wait for the whole device)."""
+    cache = cuda_cache(torch.float32)
+    eng = TorchCopyEngine(cache)
+    torch.cuda._sleep(400_000_000)  # ~0.2 s on the compute stream
+    t = time.perf_counter()
+    for n in (2, 3, 17, 129, 500):  # lists of many sizes
+        eng.submit(moves_with_chain(n, n))
+    took = time.perf_counter() - t
+    torch.cuda.synchronize()
+    assert took < 0.05, f"5 submits blocked the host for {took:.3f} s"
+
+
 def check_cuda_graph_reads_relocations_through_an_updated_slot_buffer():
     """A captured graph reads K through a fixed device slot buffer; after a relocation, an in-place update
     of that buffer makes the graph read the token at its new slot, with no re-capture."""
@@ -179,16 +207,46 @@ def check_cuda_graph_reads_relocations_through_an_updated_slot_buffer():
 
 CHECKS = [check_moves_exact_on_cuda, check_pre_attention_hook_orders_compute_after_the_copy,
           check_force_sync_waits_on_the_host, check_strict_verify_on_cuda_detects_a_flip,
+          check_strict_verify_reads_its_digests_after_they_are_computed, check_submit_does_not_wait_for_the_device,
           check_cuda_graph_reads_relocations_through_an_updated_slot_buffer]
 
 
-def main() -> int:
+def bench(out: str | None, quick: bool, gpu: bool = True) -> dict:
+    """Q4's device half (``vtoken bench device --gpu``): JSON (and PNG where matplotlib is installed) in ``out``."""
+    from vtoken.integration.bench import q4_device
+    from vtoken.integration.bench.context import BenchContext
+    from vtoken.integration.bench.device_settings import device_bench_settings
+    from vtoken.integration.bench.report import machine, write_report
+    out_dir = Path(out or tempfile.mkdtemp(prefix="vtoken-device-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = device_bench_settings(gpu, quick)
+    started = time.monotonic()
+    report = q4_device.run(BenchContext(settings, out_dir, "python tests/device_check.py"))
+    report.update(command=f"python tests/device_check.py{' --quick' if quick else ''} --out DIR",
+                  settings=settings.describe(), machine=machine(), duration_s=round(time.monotonic() - started, 2))
+    write_report(out_dir / f"{q4_device.KEY}.json", report)
+    print("\n".join(q4_device.table(report)))
+    try:
+        q4_device.plot(report, out_dir / f"{q4_device.KEY}.png")
+    except Exception as e:  # a GPU box without matplotlib: the JSON is what matters, plot it elsewhere
+        print(f"(no plot: {e})")
+    print(f"q4_device: {report['duration_s']:.0f} s, JSON in {out_dir}/")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(description="CUDA checks of the device layer, then Q4's device benchmark")
+    ap.add_argument("--out", help="folder for q4_device.json (default: a temporary folder)")
+    ap.add_argument("--quick", action="store_true", help="the benchmark at its quick scale")
+    ap.add_argument("--bench-only", action="store_true", help="skip the checks")
+    a = ap.parse_args(argv if argv is not None else [])
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 2
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     failed = 0
-    for check in CHECKS:
+    for check in [] if a.bench_only else CHECKS:
         t = time.perf_counter()
         try:
             check()
@@ -197,15 +255,11 @@ def main() -> int:
             failed += 1
             status = "FAILED\n" + traceback.format_exc()
         print(f"{check.__name__:<72} {time.perf_counter() - t:6.2f} s  {status}", flush=True)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_device import print_table, run
-    print()
-    print_table(run("cuda"))
-    print()
-    print_table(run("cpu", quick=True))
-    print(f"\n{len(CHECKS) - failed}/{len(CHECKS)} CUDA checks passed")
+    if not a.bench_only:
+        print(f"\n{len(CHECKS) - failed}/{len(CHECKS)} CUDA checks passed", flush=True)
+    bench(a.out, a.quick)
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

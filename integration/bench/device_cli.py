@@ -1,0 +1,57 @@
+"""``vtoken bench device``: Q4's device half (``q4_device``) on CUDA with ``--gpu``, or a CPU smoke run.
+
+Needs torch only (no vLLM). On a GPU box without an install, ``python tests/device_check.py`` runs the
+CUDA checks and this benchmark straight from the checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from vtoken.core.errors import ConfigError
+
+from . import q4_device
+from .device_settings import device_bench_settings
+from .runner import command_line, prepare_out_dir, run_questions
+from .settings import MIN_REPEATS
+
+
+def register_device(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser("device", help="Q4 on the device: relocation throughput, async vs force-sync, "
+                                            "contention (--gpu for CUDA)",
+                             description=q4_device.__doc__.splitlines()[0])
+    p.add_argument("--gpu", action="store_true", help="run on CUDA at Llama-3.1-8B's KV geometry (needs a GPU)")
+    p.add_argument("--quick", action="store_true", help="fewer and shorter requests")
+    p.add_argument("--out", default="bench-device-out", help="output folder for q4_device.json and .png")
+    p.add_argument("--repeats", type=int, help=f"seeds (default and minimum {MIN_REPEATS})")
+    p.add_argument("--seed", type=int, default=0, help="first seed; repeat i uses seed + i")
+    p.set_defaults(run=run_device, questions=None)
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def run_device(a: argparse.Namespace) -> int:
+    try:
+        if a.gpu and not cuda_available():
+            raise ConfigError("--gpu: no CUDA device visible to torch (torch.cuda.is_available() is False)")
+        settings = device_bench_settings(a.gpu, a.quick, a.repeats, a.seed)
+        out_dir = prepare_out_dir(a.out)
+    except ImportError:
+        print("vtoken bench device: needs torch: pip install -e '.[torch,bench]'", file=sys.stderr)
+        return 2
+    except ConfigError as e:
+        print(f"vtoken bench device: {e}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    run_questions([q4_device], settings, out_dir, command_line("device", a, ("gpu", "repeats", "seed")))
+    print(f"\nvtoken bench device: done in {time.monotonic() - started:.0f} s; JSON and PNG in {out_dir}/",
+          file=sys.stderr)
+    return 0
