@@ -3,6 +3,23 @@
 Stage 1 (eligibility): the global waste ratio F (Eq. 1) is an O(1) read of
 pool-wide occupancy; a round runs every ``check_every`` iterations when
 F > theta_F and free blocks are at or below the low watermark.
+
+The adaptive trigger (``burst_df``, off by default) keeps that lazy cadence on
+quiet steps and reacts to an eviction burst at once. It reads F on every
+iteration (O(1), as the K = 1 trigger does) and remembers the previous
+iteration's reading (re-read after each plan: the destinations a plan reserves
+count as waste until it commits, and are no burst). A *burst* is F rising by
+at least ``burst_df`` within one iteration: steady eviction moves F by a
+fraction of a token per request per step, a burst by the evicted share of
+every request at once. A burst starts
+*burst mode*, in which a round runs on every iteration, whatever the K
+cadence, while F > theta_F; burst mode ends once F <= theta_F, or when a round
+makes no plan and none is in flight (compaction has nothing left to gain).
+theta_F and the low watermark gate burst rounds exactly as they gate cadence
+rounds. A slow rise of F is left to the cadence. Either way the trigger only
+decides *when* ``plan_round`` runs; every plan is made, launched, committed or
+aborted by the same code whenever it runs, so I1-I7 hold whatever the trigger
+decides (the fuzzer draws both triggers; docs/spec.md).
 Stage 2 (headroom): destinations come from the evacuation headroom; while a
 plan is in flight and the headroom is borrowed, admission is closed
 (backpressure).
@@ -56,6 +73,7 @@ class ReclaimConfig:
     max_sources: int = 8  # B: source blocks per compact plan
     max_plans_per_round: int = 16
     ordering: Ordering = Ordering.POLL
+    burst_df: float | None = None  # adaptive trigger: a rise of F by this within one iteration (None: off)
 
     def __post_init__(self) -> None:
         if not isinstance(self.planner, PlanKind):
@@ -69,6 +87,10 @@ class ReclaimConfig:
         for name in ("check_every", "max_sources", "max_plans_per_round"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.burst_df is not None and (isinstance(self.burst_df, bool) or not isinstance(self.burst_df, (int, float))
+                                          or not 0.0 < self.burst_df <= 1.0):
+            raise ConfigError(f"burst_df must be None (adaptive trigger off) or a number in (0, 1], "
+                              f"got {self.burst_df!r}")
 
 
 @dataclass
@@ -90,6 +112,8 @@ class ReclaimStats:
     moves_committed: int = 0
     moves_dropped: int = 0  # tokens evicted while their move was in flight
     blocks_released: int = 0  # net blocks returned by committed plans
+    bursts: int = 0  # bursts the adaptive trigger detected
+    burst_rounds: int = 0  # rounds it ran off the K cadence
 
 
 class ReclamationManager:
@@ -102,6 +126,8 @@ class ReclamationManager:
         self.inflight: dict[object, PlanRecord] = {}  # req_id -> its one in-flight plan (I4)
         self.orphans: list[PlanRecord] = []  # plans whose request left while the copy ran
         self.stats = ReclaimStats()
+        self.burst = False  # adaptive trigger: in burst mode (rounds on every iteration while F > theta_F)
+        self._f_prev: float | None = None  # adaptive trigger: F read at the previous call of should_reclaim
 
     # ---- Stage 1: eligibility -------------------------------------------------------
     def waste_ratio(self) -> float:
@@ -112,12 +138,35 @@ class ReclamationManager:
         return 1.0 - self.table.occupancy.live_slots / (allocated * self.pool.block_size)
 
     def should_reclaim(self, iteration: int) -> bool:
+        """Whether a round runs now. Call once per iteration (the runtime does, after evicting).
+
+        Fixed trigger: every K-th iteration, when F > theta_F and free blocks <= the low watermark.
+        With ``burst_df`` it also tracks bursts (module docstring), so it must see every iteration.
+        """
         c = self.config
-        if iteration % c.check_every:
-            return False
+        assert isinstance(iteration, int) and iteration >= 0, f"iteration must be an int >= 0, got {iteration!r}"
+        if c.burst_df is None:
+            if iteration % c.check_every:
+                return False
+            if c.low_watermark is not None and self.pool.num_free > c.low_watermark:
+                return False
+            return self.waste_ratio() > c.theta_f
+        f = self.waste_ratio()
+        assert 0.0 <= f <= 1.0, f"waste ratio {f} out of [0, 1]"
+        if self._f_prev is not None and f - self._f_prev >= c.burst_df and f > c.theta_f and not self.burst:
+            self.burst = True
+            self.stats.bursts += 1
+        self._f_prev = f
+        if self.burst and f <= c.theta_f:
+            self.burst = False  # caught up: back to the cadence
         if c.low_watermark is not None and self.pool.num_free > c.low_watermark:
             return False
-        return self.waste_ratio() > c.theta_f
+        if f <= c.theta_f:
+            return False
+        on_cadence = iteration % c.check_every == 0
+        if not on_cadence and self.burst:
+            self.stats.burst_rounds += 1
+        return on_cadence or self.burst
 
     # ---- Stage 2: headroom-aware admission ---------------------------------------------
     def admission_open(self) -> bool:
@@ -140,6 +189,9 @@ class ReclamationManager:
             rec = self.plan_request(r)
             if isinstance(rec, PlanRecord):
                 made.append(rec)
+        if self.burst and not made and not self.inflight:
+            self.burst = False  # nothing left to gain: back to the cadence
+        assert len(made) <= self.config.max_plans_per_round
         return made
 
     def plan_request(self, req_id: object) -> PlanRecord | NoPlan:
@@ -164,6 +216,8 @@ class ReclamationManager:
         rec = PlanRecord(plan)
         self.inflight[req_id] = rec
         self.stats.plans_made += 1
+        if self._f_prev is not None:
+            self._f_prev = self.waste_ratio()  # destinations in flight count as waste; a plan's own are no burst
         return rec
 
     # ---- Stage 4: copy, commit, abort ------------------------------------------------------

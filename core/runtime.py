@@ -50,6 +50,13 @@ from .scores import TokenScores
 from .token_table import NO_SLOT, TokenTable
 
 
+def check_budget(budget: object) -> None:
+    """A ``ConfigError`` naming the value unless ``budget`` is a ratio in (0, 1] (float) or a count >= 1 (int)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) \
+            or (isinstance(budget, float) and not 0.0 < budget <= 1.0) or (isinstance(budget, int) and budget < 1):
+        raise ConfigError(f"budget must be a ratio in (0, 1] (a float) or a token count >= 1 (an int), got {budget!r}")
+
+
 class ReadPath(enum.Enum):
     GATHER = "gather"
     DENSE = "dense"
@@ -88,9 +95,7 @@ class VTokenRuntime:
     def __init__(self, pool: BlockAllocator, engine: CopyEngine, policy: EvictionPolicy | None = None,
                  budget: float | int = 1.0, reclaim: ReclaimConfig | None = None,
                  read_path: ReadPath = ReadPath.GATHER, seed: int = 0, score_window: int = 32) -> None:
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) \
-                or (isinstance(budget, float) and not 0.0 < budget <= 1.0) or (isinstance(budget, int) and budget < 1):
-            raise ConfigError(f"budget must be a ratio in (0, 1] (a float) or a token count >= 1 (an int), got {budget!r}")
+        check_budget(budget)
         if not isinstance(read_path, ReadPath):
             raise ConfigError(f"read_path must be one of {[p.value for p in ReadPath]}, got {read_path!r}")
         if read_path is ReadPath.DENSE and policy is not None:
@@ -113,6 +118,13 @@ class VTokenRuntime:
         # the name a policy sees (and seeds with) for a request, when its id is not reproducible
         # (vLLM appends a random suffix to request ids)
         self.policy_names: dict[object, object] = {}
+
+    def set_budget(self, budget: float) -> None:
+        """Change the eviction budget from the next victim selection on (checked as at construction; a bad
+        value raises ``ConfigError`` and changes nothing). Lowering it makes every request evict its new
+        excess at once: an eviction burst."""
+        check_budget(budget)
+        self.budget = budget
 
     # ---- requests -----------------------------------------------------------------
     def can_admit(self, prompt_len: int) -> bool:
@@ -364,4 +376,4 @@ class VTokenRuntime:
         self.manager.on_request_removed(req_id, blocks)
 
 
-__all__ = ["ReadPath", "StepInputs", "StepRequest", "VTokenRuntime", "AdmissionClosedError", "NO_SLOT"]
+__all__ = ["ReadPath", "StepInputs", "StepRequest", "VTokenRuntime", "AdmissionClosedError", "NO_SLOT", "check_budget"]

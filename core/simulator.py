@@ -23,7 +23,7 @@ from .metrics import measure
 from .plan import PlanKind
 from .policies import make_policy
 from .reclamation import Ordering, ReclaimConfig
-from .runtime import ReadPath, VTokenRuntime
+from .runtime import ReadPath, VTokenRuntime, check_budget
 
 RECLAIM_MODES = ("off", "compact", "densify")
 
@@ -59,17 +59,41 @@ class SimConfig:
     theta_f: float = 0.25
     low_watermark: int | None = None
     check_every: int = 1
+    burst_df: float | None = None  # the adaptive trigger (ReclaimConfig.burst_df); None: the fixed one
     max_sources: int = 8
     copy_delay: int = 0  # steps a copy stays in flight before it completes
     max_running: int = 64
     seed: int = 0
     check_invariants: bool = False
+    # (from step, budget) pairs, steps increasing: from that step on the budget is that value (``budget``
+    # before the first); a drop makes every running request evict its new excess at once (an eviction burst)
+    budget_schedule: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.reclaim not in RECLAIM_MODES:
             raise ConfigError(f"reclaim must be one of {list(RECLAIM_MODES)}, got {self.reclaim!r}")
         if self.copy_delay < 0 or self.max_running < 1:
             raise ConfigError(f"copy_delay must be >= 0 and max_running >= 1, got {self.copy_delay}, {self.max_running}")
+        prev = -1
+        for entry in self.budget_schedule:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], int)
+                    and not isinstance(entry[0], bool) and entry[0] > prev):
+                raise ConfigError(f"budget_schedule must be (step, budget) pairs with int steps >= 0 in increasing "
+                                  f"order, got {entry!r} after step {prev}")
+            try:
+                check_budget(entry[1])
+            except ConfigError as e:
+                raise ConfigError(f"budget_schedule at step {entry[0]}: {e}") from None
+            prev = entry[0]
+
+    def budget_at(self, step: int) -> float:
+        """The budget in force at ``step`` under ``budget_schedule``."""
+        budget = self.budget
+        for start, b in self.budget_schedule:
+            if start > step:
+                break
+            budget = b
+        return budget
 
 
 @dataclass
@@ -138,6 +162,7 @@ def build_runtime(cfg: SimConfig) -> tuple[VTokenRuntime, InMemoryCopyEngine]:
         reclaim = ReclaimConfig(
             planner=PlanKind(cfg.reclaim), theta_f=cfg.theta_f, low_watermark=cfg.low_watermark,
             check_every=cfg.check_every, max_sources=cfg.max_sources, ordering=Ordering(cfg.ordering),
+            burst_df=cfg.burst_df,
         )
     policy = make_policy(cfg.policy) if cfg.policy else None
     rt = VTokenRuntime(pool, engine, policy, cfg.budget, reclaim, ReadPath(cfg.read_path), cfg.seed)
@@ -173,6 +198,10 @@ class Simulator:
 
     def step(self, step: int) -> None:
         rt, S = self.rt, self.cfg.block_size
+        if self.cfg.budget_schedule:
+            budget = self.cfg.budget_at(step)
+            if budget != rt.budget:
+                rt.set_budget(budget)
         while self.pending and self.pending[0].arrival <= step:
             spec = self.pending.pop(0)
             self.waiting.append((spec.req_id, spec.prompt_len))

@@ -28,10 +28,15 @@ both distributions and the prompt/output ratio. ``output_scale`` (default:
 keeping LongBench's absolute output lengths, so that decoding still lasts
 tens of steps. Arrivals are one request every ``arrival_gap`` steps (0: all
 at step 0).
+
+``burst_schedule`` is the eviction side of a workload: a budget schedule for
+``SimConfig.budget_schedule`` with long quiet stretches (budget 1.0: nothing
+is evicted) and bursts in which every running request's budget drops at once.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -140,3 +145,38 @@ def make_workload(name: str, num_requests: int, seed: int, **kwargs) -> list[Req
     except KeyError:
         raise ConfigError(f"workload must be one of {sorted(WORKLOADS)}, got {name!r}") from None
     return gen(num_requests, seed, **kwargs)
+
+
+def burst_schedule(cycles: int, first_quiet: int, burst: int, quiet: int, low: float, high: float = 1.0,
+                   jitter: int = 0, seed: int = 0) -> tuple[tuple[int, float], ...]:
+    """A bursty-eviction budget schedule: ``first_quiet`` steps at ``high``, then ``cycles`` times a burst of
+    ``burst`` steps at ``low`` followed by ``quiet`` steps at ``high``. Burst i nominally starts at
+    ``first_quiet + i * (burst + quiet)`` and is delayed by a seeded 0 .. ``jitter`` - 1 steps (its length
+    stays ``burst``), so that bursts do not always fall on the same phase of a reclamation cadence.
+    Returns ``(step, budget)`` pairs, the first ``(0, high)``."""
+    _require_int("cycles", cycles, 1)
+    _require_int("first_quiet (steps before the first burst)", first_quiet, 1)
+    _require_int("burst (steps per burst)", burst, 1)
+    _require_int("quiet (steps between bursts)", quiet, 1)
+    _require_int("jitter", jitter, 0)
+    _require_int("seed", seed, None)
+    _require_scale("low (the budget during a burst)", low)
+    _require_scale("high (the budget between bursts)", high)
+    if not low < high:
+        raise ConfigError(f"a burst lowers the budget: low must be < high, got low {low}, high {high}")
+    if jitter > quiet:
+        raise ConfigError(f"jitter must be <= quiet so that bursts never overlap, got jitter {jitter}, quiet {quiet}")
+    rng = random.Random(f"burst:{seed}")
+    schedule: list[tuple[int, float]] = [(0, high)]
+    for i in range(cycles):
+        start = first_quiet + i * (burst + quiet) + (rng.randrange(jitter) if jitter else 0)
+        schedule += [(start, low), (start + burst, high)]
+    assert all(a[0] < b[0] for a, b in itertools.pairwise(schedule)), schedule
+    return tuple(schedule)
+
+
+def burst_windows(schedule: tuple[tuple[int, float], ...]) -> list[tuple[int, int | None]]:
+    """The [start, end) steps of each burst of a budget schedule: where the budget drops, to its next change
+    (None: the schedule ends in the burst)."""
+    return [(step, schedule[i + 1][0] if i + 1 < len(schedule) else None)
+            for i, (step, budget) in enumerate(schedule) if i and budget < schedule[i - 1][1]]

@@ -99,9 +99,10 @@ class VTokenMachine(RuleBasedStateMachine):
         check_every=st.integers(1, 3),
         max_sources=st.integers(1, 8),
         low_watermark=st.one_of(st.none(), st.integers(0, 12)),
+        burst_df=st.sampled_from([None, None, 0.05, 0.2]),  # None: the fixed trigger; else the adaptive one
     )
     def setup(self, profile, policy, block_size, num_blocks, headroom, budget, theta_f, check_every,
-              max_sources, low_watermark):
+              max_sources, low_watermark, burst_df):
         prof: Profile = PROFILES[profile]
         self.profile = prof
         headroom = min(headroom, num_blocks - 1)
@@ -111,7 +112,8 @@ class VTokenMachine(RuleBasedStateMachine):
         reclaim = None
         if prof.planner is not None:
             reclaim = ReclaimConfig(planner=prof.planner, theta_f=theta_f, low_watermark=low_watermark,
-                                    check_every=check_every, max_sources=max_sources, ordering=prof.ordering)
+                                    check_every=check_every, max_sources=max_sources, ordering=prof.ordering,
+                                    burst_df=burst_df)
         self.policy = FuzzPolicy(None if policy == "none" else make_policy(policy))
         self.rt = VTokenRuntime(self.pool, self.engine, self.policy, budget, reclaim, prof.read_path, seed=0)
         self.S = block_size
@@ -294,6 +296,25 @@ class VTokenMachine(RuleBasedStateMachine):
             EVENTS["evictions"] += len(ts)
         EVENTS["steps"] += 1
         return True
+
+    @precondition(lambda self: self.rt is not None)
+    @rule(budget=st.sampled_from([0.3, 0.5, 0.75, 1.0, 2, 0.0, 1.5, True]))
+    def set_budget(self, budget):
+        """Change the eviction budget: a drop is an eviction burst at the next end_step (the adaptive trigger's
+        case); a bad value must raise ConfigError and change nothing."""
+        if budget is True or budget in (0.0, 1.5):
+            before = (self.state(), self.rt.budget)
+            try:
+                self.rt.set_budget(budget)
+            except E.ConfigError:
+                pass
+            else:
+                raise AssertionError(f"set_budget({budget!r}) was accepted; expected ConfigError")
+            assert (self.state(), self.rt.budget) == before, f"rejected set_budget({budget!r}) changed the state"
+            EVENTS["rejected_calls"] += 1
+            return
+        self.rt.set_budget(budget)
+        EVENTS["budget_changes"] += 1
 
     @precondition(lambda self: self.rt is not None and self.profile.read_path is ReadPath.GATHER)
     @rule(req=requests, index=st.integers(0, 2**16), moving=st.booleans())
@@ -493,6 +514,8 @@ class VTokenMachine(RuleBasedStateMachine):
             EVENTS["plans_committed"] += stats.plans_committed
             EVENTS["plans_aborted"] += sum(stats.plans_aborted.values())
             EVENTS["moves_committed"] += stats.moves_committed
+            EVENTS["bursts_detected"] += stats.bursts
+            EVENTS["burst_rounds"] += stats.burst_rounds
 
 
 class TensorMachine(VTokenMachine):

@@ -18,9 +18,10 @@ import pytest
 from vtoken.core.cli import main as vtoken_main
 from vtoken.core.errors import ConfigError
 from vtoken.core.simulator import SimConfig
-from vtoken.core.workloads import (CHAT_OUTPUT, CHAT_PROMPT, LONG_PROMPT, LengthModel, chat_workload,
-                                   fixed_workload, long_context_workload, make_workload)
+from vtoken.core.workloads import (CHAT_OUTPUT, CHAT_PROMPT, LONG_PROMPT, LengthModel, burst_schedule, burst_windows,
+                                   chat_workload, fixed_workload, long_context_workload, make_workload)
 from vtoken.integration.bench import q3_capacity_frontier as q3
+from vtoken.integration.bench import q8_bursty_eviction as q8
 from vtoken.integration.bench.context import BenchContext
 from vtoken.integration.bench.measure import measure_run, pool_for
 from vtoken.integration.bench.questions import QUESTIONS, select_questions
@@ -40,6 +41,8 @@ TINY = replace(
     q5_eviction_ratios=(0.3, 0.7), q5_theta_fs=(0.05, 0.9), q5_block_sizes=(16, 64),
     q7_sizes=(4, 16), q7_prompt_len=8, q7_warmup_steps=1, q7_timed_steps=2,
 )
+# Q8 reads its scale from its own module (QUICK / FULL); the tiny runs swap QUICK for this: 3 requests, one burst
+TINY_Q8 = q8.Q8Setup(num_requests=3, first_quiet=16, burst=64, quiet=32, cycles=1)
 
 
 # ---- workloads ---------------------------------------------------------------------------------
@@ -77,6 +80,17 @@ def test_lengths_are_clipped_and_arrivals_follow_the_gap():
     assert fixed_workload(3, 10, 20, first_id=100)[2].req_id == 102
 
 
+def test_burst_schedule_quiet_then_bursts_with_seeded_jitter():
+    assert burst_schedule(2, 10, 5, 7, 0.4) == ((0, 1.0), (10, 0.4), (15, 1.0), (22, 0.4), (27, 1.0))
+    assert burst_windows(burst_schedule(2, 10, 5, 7, 0.4)) == [(10, 15), (22, 27)]
+    jittered = [burst_windows(burst_schedule(3, 10, 5, 7, 0.4, jitter=7, seed=seed)) for seed in range(20)]
+    assert all(10 <= w[0][0] < 17 and 22 <= w[1][0] < 29 and 34 <= w[2][0] < 41 and all(e - a == 5 for a, e in w)
+               for w in jittered)
+    assert len({w[0][0] for w in jittered}) > 3  # the phase does move with the seed
+    assert burst_schedule(3, 10, 5, 7, 0.4, jitter=7, seed=4) == burst_schedule(3, 10, 5, 7, 0.4, jitter=7, seed=4)
+    assert burst_windows(((0, 1.0), (5, 0.5))) == [(5, None)]
+
+
 @pytest.mark.parametrize("call, named", [
     (lambda: chat_workload(0, 1), "num_requests"),
     (lambda: chat_workload(3, "1"), "seed"),
@@ -87,6 +101,11 @@ def test_lengths_are_clipped_and_arrivals_follow_the_gap():
     (lambda: make_workload("sharegpt", 3, 1), "workload must be one of ['chat', 'long_context']"),
     (lambda: LengthModel(mean=0, sigma=1.0), "mean > 0"),
     (lambda: fixed_workload(2, 0, 5), "prompt_len"),
+    (lambda: burst_schedule(0, 10, 5, 5, 0.4), "cycles"),
+    (lambda: burst_schedule(1, 0, 5, 5, 0.4), "first_quiet"),
+    (lambda: burst_schedule(1, 10, 5, 5, 1.0), "low must be < high"),
+    (lambda: burst_schedule(1, 10, 5, 5, 0.0), "low"),
+    (lambda: burst_schedule(2, 10, 5, 4, 0.4, jitter=5), "jitter must be <= quiet"),
 ])
 def test_bad_workload_arguments_name_what_is_wrong(call, named):
     with pytest.raises(ConfigError, match=named.replace("[", r"\[").replace("]", r"\]")):
@@ -142,13 +161,15 @@ def test_q3_tiny_frontier_native_le_naive_lt_compact_lt_densify(tmp_path):
 def tiny_reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     tables = io.StringIO()
-    reports = run_questions(select_questions(None), TINY, out, "vtoken bench sim (test)", io.StringIO(), tables)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(q8, "QUICK", TINY_Q8)
+        reports = run_questions(select_questions(None), TINY, out, "vtoken bench sim (test)", io.StringIO(), tables)
     return out, reports, tables.getvalue()
 
 
 def test_every_question_writes_json_with_the_documented_fields_and_a_png(tiny_reports):
     out, reports, _ = tiny_reports
-    assert list(reports) == ["q1", "q2", "q3", "q5", "q7"] == list(QUESTIONS)
+    assert list(reports) == ["q1", "q2", "q3", "q5", "q7", "q8"] == list(QUESTIONS)
     for key in reports:
         data = json.loads((out / f"{key}.json").read_text())
         assert set(REPORT_FIELDS) <= set(data), key
@@ -187,6 +208,41 @@ def test_q5_q7_shapes(tiny_reports):
     assert set(q7) == set(SYSTEMS)
     assert all(q7[x]["by_requests"]["16"]["us_per_step"]["median"] > 0 for x in SYSTEMS)
     assert all(math.isfinite(q7[x]["scaling_exponent"]["median"]) for x in SYSTEMS)
+
+
+def test_q8_adaptive_trigger_meets_the_burst_the_fixed_one_waits_for_the_cadence(tiny_reports):
+    """3 requests, one burst (budget 1.0 -> 0.4) starting 16-47 steps in, 5 seeds; lag = iterations until F <= theta_F."""
+    _, reports, tables = tiny_reports
+    q = reports["q8"]
+    sm = q["summary"]
+    assert len(q["runs"]) == 5 * 11  # seeds x (Naive-Evict + 2 theta x (3 fixed K + 2 adaptive K))
+    assert sm["adaptive_vs_fixed_lag"]["0.5/32"] == {"fixed": 13.0, "adaptive": 1.0}
+    assert sm["adaptive_vs_fixed_lag"]["0.25/32"] == {"fixed": 45.0, "adaptive": 4.0}
+    assert sm["adaptive_vs_fixed_lag"]["0.5/8"] == {"fixed": 5.0, "adaptive": 1.0}
+    by = sm["by_system"]
+    for theta in (0.25, 0.5):
+        lags = [by[f"fixed/{theta}/{k}"]["lag_mean"]["median"] for k in (1, 8, 32)]
+        assert lags == sorted(lags) and lags[0] < lags[-1]  # the longer the cadence, the longer the lag
+        assert by[f"adaptive/{theta}/32"]["lag_mean"]["median"] == by[f"fixed/{theta}/1"]["lag_mean"]["median"]
+        assert by[f"adaptive/{theta}/32"]["bursts_detected"]["min"] >= 1
+        assert by[f"fixed/{theta}/32"]["burst_rounds"]["max"] == by[f"fixed/{theta}/32"]["bursts_detected"]["max"] == 0
+        # reclaiming sooner holds fewer blocks while catching up
+        assert by[f"adaptive/{theta}/32"]["trapped_block_iterations"]["median"] \
+            < by[f"fixed/{theta}/32"]["trapped_block_iterations"]["median"]
+    assert by["naive_evict"]["censored"]["min"] == 1 and by["naive_evict"]["plans_made"]["max"] == 0
+    assert sm["max_quiet_rise_F"] < TINY_Q8.burst_df  # no ordinary step looks like a burst
+    run = q["runs"][0]
+    assert run["trace"]["first_step"] == -min(q8.PRE, run["windows"][0][0])
+    assert len(run["trace"]["F"]) == run["windows"][0][1] - max(0, run["windows"][0][0] - q8.PRE)
+    assert "| adaptive | 0.5 | 32 | 1.0 |" in tables and "| fixed | 0.5 | 32 | 13.0 (1.0–17.0) |" in tables
+
+
+def test_q8_scales_fit_their_time_budget_shape():
+    for setup in (q8.QUICK, q8.FULL):
+        assert setup.jitter <= setup.quiet and setup.burst > max(setup.check_everys)  # K=32 can catch up in a window
+        assert setup.steps == setup.first_quiet + setup.cycles * (setup.burst + setup.quiet) + setup.jitter
+    names = [c["name"] for c in q8.configs(q8.QUICK)]
+    assert names[0] == "naive_evict" and len(names) == 11 and "adaptive/0.25/1" not in names
 
 
 # ---- settings and the command line ----------------------------------------------------------------------

@@ -28,6 +28,7 @@ from vtoken.core.reclamation import (
     ReclaimConfig,
     ReclamationManager,
 )
+from vtoken.core.policies import make_policy
 from vtoken.core.runtime import VTokenRuntime
 from vtoken.core.token_table import NO_SLOT, Move, TokenTable
 
@@ -513,6 +514,151 @@ def test_admission_is_open_below_headroom_without_a_plan():
     assert s.manager.admission_open()
 
 
+# ---- the adaptive trigger (burst_df): liveness only -----------------------------------------------
+def quiet(**cfg) -> System:
+    """Request "a" with 14 tokens in blocks [0, 1, 2, 3], nothing evicted (F = 1 - 14/16 = 0.125), and
+    iterations 0-2 of quiet: the trigger has read F before (a burst is a rise against the previous reading)."""
+    s = System(config=ReclaimConfig(**cfg))
+    s.append("a", 14)
+    assert s.manager.waste_ratio() == 0.125
+    assert [s.manager.should_reclaim(i) for i in range(3)] == [False] * 3
+    return s
+
+
+def burst(s: System) -> None:
+    """Evict 8 of the 14 tokens at once: F 0.125 -> 0.625, a rise of 0.5 within one iteration."""
+    for t in EVICT:
+        s.table.evict_token("a", t)
+    assert s.manager.waste_ratio() == 0.625
+
+
+@pytest.mark.parametrize("burst_df, first_round", [(None, 8), (0.25, 3), (0.5, 3), (0.51, 8)])
+def test_burst_at_iteration_3_with_k_8_fixed_reclaims_at_8_adaptive_at_3(burst_df, first_round):
+    s = quiet(check_every=8, burst_df=burst_df)
+    burst(s)
+    decisions = [False] * 3 + [s.manager.should_reclaim(i) for i in range(3, 10)]
+    assert decisions.index(True) == first_round
+    adaptive = burst_df is not None and burst_df <= 0.5
+    # nothing is planned here, so F stays above theta_F: burst mode asks for a round on every iteration
+    assert decisions == ([False] * 3 + [True] * 7 if adaptive else [False] * 8 + [True, False])
+    assert (s.manager.stats.bursts, s.manager.stats.burst_rounds) == ((1, 6) if adaptive else (0, 0))
+    assert s.manager.stats.rounds == 0  # should_reclaim decides; plan_round does the work
+
+
+def test_burst_mode_ends_once_a_round_brings_f_to_theta():
+    s = quiet(check_every=8, burst_df=0.25)
+    burst(s)
+    assert s.manager.should_reclaim(3) and s.manager.burst
+    (rec,) = s.manager.plan_round(["a"])
+    s.manager.launch()
+    s.engine.complete(rec.handle)
+    s.manager.settle()
+    assert s.table.block_ids("a") == [4, 3] and s.manager.waste_ratio() == 0.25  # 6 live in 2 blocks
+    assert not s.manager.should_reclaim(4) and not s.manager.burst  # F <= theta_F: back to the cadence
+    s.table.evict_token("a", 12)  # F 0.3125 > theta_F, a rise of 0.0625 < burst_df: no new burst
+    assert [s.manager.should_reclaim(i) for i in (5, 6, 7, 8)] == [False, False, False, True]
+    assert s.manager.stats.bursts == 1
+    s.check()
+
+
+def test_burst_mode_ends_when_a_round_makes_no_plan_and_none_is_in_flight():
+    s = quiet(check_every=8, burst_df=0.1, theta_f=0.15)
+    for t in (1, 5):  # blocks 0 and 1 keep 3 of 4: F 0.25, but 6 tokens need 2 blocks, no strict decrease
+        s.table.evict_token("a", t)
+    assert s.manager.should_reclaim(3) and s.manager.burst
+    assert s.manager.plan_round(["a"]) == [] and not s.manager.inflight
+    assert not s.manager.burst  # nothing left to gain
+    assert [s.manager.should_reclaim(i) for i in range(4, 9)] == [False, False, False, False, True]
+    assert s.manager.stats.no_plan[NoPlanReason.NO_STRICT_DECREASE] == 1
+
+
+def test_burst_mode_survives_a_round_that_finds_every_request_in_flight():
+    s = quiet(check_every=8, burst_df=0.25)
+    burst(s)
+    assert s.manager.should_reclaim(3)
+    s.manager.plan_round(["a"])
+    s.manager.launch()  # the copy stays pending
+    assert s.manager.should_reclaim(4)  # F still > theta_F (the destination counts as waste)
+    assert s.manager.plan_round(["a"]) == [] and s.manager.inflight
+    assert s.manager.burst  # in flight: the burst is still being absorbed
+
+
+def test_a_slow_rise_is_left_to_the_cadence():
+    s = quiet(check_every=8, burst_df=0.1)
+    decisions = []
+    for i, t in enumerate(EVICT[:6]):  # one token per iteration: F rises by 1/16 = 0.0625 each time
+        s.table.evict_token("a", t)
+        decisions.append(s.manager.should_reclaim(i + 3))
+    assert s.manager.waste_ratio() == 0.5 and s.manager.stats.bursts == 0
+    assert decisions == [False] * 5 + [True]  # iteration 8, on the cadence
+
+
+def test_the_low_watermark_gates_burst_rounds_too():
+    s = quiet(check_every=8, burst_df=0.25, low_watermark=1)
+    burst(s)
+    assert s.pool.num_free == 2 and not s.manager.should_reclaim(3)
+    assert s.manager.burst and s.manager.stats.bursts == 1 and s.manager.stats.burst_rounds == 0
+    s.pool.allocate(1, Purpose.EVACUATION)  # free 1 <= watermark: the burst's round runs now, off cadence
+    assert s.manager.should_reclaim(4) and s.manager.stats.burst_rounds == 1
+
+
+def test_a_rise_that_leaves_f_at_or_below_theta_is_no_burst():
+    s = quiet(check_every=8, burst_df=0.1, theta_f=0.5)
+    for t in (1, 2, 5, 6):  # F 0.125 -> 0.375: a rise of 0.25, but F <= theta_F
+        s.table.evict_token("a", t)
+    assert not s.manager.should_reclaim(3) and not s.manager.burst and s.manager.stats.bursts == 0
+
+
+def _runtime_burst(burst_df, check_every=8, burst_at=3, iterations=12):
+    """Two requests decoding under Random eviction; the budget drops from 1.0 to 0.3 at ``burst_at``.
+    Returns the iterations that ran a round, and the runtime (every invariant checked after every step)."""
+    pool = BlockPool(64, 4, 2)
+    store = TagStore(64, 4)
+    rt = VTokenRuntime(pool, InMemoryCopyEngine(store, auto_complete=True), make_policy("random"), 1.0,
+                       ReclaimConfig(check_every=check_every, burst_df=burst_df))
+    base = {"a": 1000, "b": 2000}
+    for r in base:
+        rt.admit(r)
+    rounds = []
+    for it in range(iterations):
+        if it == burst_at:
+            rt.set_budget(0.3)
+        step = rt.begin_step({r: 40 if it == 0 else 1 for r in base})
+        for r, req in step.requests.items():
+            for t, slot in zip(req.new_tokens, req.write_slots):
+                store.write(slot, base[r] + t + 1)
+        before = rt.manager.stats.rounds
+        rt.end_step()
+        if rt.manager.stats.rounds > before:
+            rounds.append(it)
+        check_all(rt, lambda r, t: base[r] + t + 1)
+    return rounds, rt
+
+
+def test_runtime_budget_drop_fixed_reclaims_on_the_cadence_adaptive_at_the_burst():
+    fixed, rt_fixed = _runtime_burst(None)
+    adaptive, rt_adaptive = _runtime_burst(0.2)
+    assert fixed == [8]  # iterations 3-7 wait for the cadence with F > theta_F
+    assert adaptive == [3, 4, 5]  # at the burst, then every iteration until F <= theta_F
+    assert (rt_adaptive.manager.stats.bursts, rt_adaptive.manager.stats.burst_rounds) == (1, 3)
+    assert rt_fixed.manager.stats.bursts == rt_fixed.manager.stats.burst_rounds == 0
+    # the same evictions either way (policies never see blocks): the ideal footprint is equal
+    S = 4
+    ideal = [sum(blocks_needed(rt.table.num_live(r), S) for r in rt.table.request_ids()) for rt in (rt_fixed, rt_adaptive)]
+    assert ideal[0] == ideal[1]
+
+
+def test_set_budget_rejects_bad_values_and_changes_nothing():
+    pool = BlockPool(8, 4, 1)
+    rt = VTokenRuntime(pool, InMemoryCopyEngine(TagStore(8, 4)), make_policy("random"), 0.5, ReclaimConfig())
+    for bad in (0.0, 1.5, 0, True, "0.5", None):
+        with pytest.raises(ConfigError, match="budget must be"):
+            rt.set_budget(bad)
+        assert rt.budget == 0.5
+    rt.set_budget(3)
+    assert rt.budget == 3 and rt.token_budget(10) == 3
+
+
 # ---- configuration ---------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, key", [
     ({"theta_f": 1.0}, "theta_f"),
@@ -523,6 +669,11 @@ def test_admission_is_open_below_headroom_without_a_plan():
     ({"max_plans_per_round": 0}, "max_plans_per_round"),
     ({"planner": "compact"}, "planner"),
     ({"ordering": "event"}, "ordering"),
+    ({"burst_df": 0.0}, "burst_df"),
+    ({"burst_df": -0.1}, "burst_df"),
+    ({"burst_df": 1.5}, "burst_df"),
+    ({"burst_df": True}, "burst_df"),
+    ({"burst_df": "0.1"}, "burst_df"),
 ])
 def test_reclaim_config_rejects_out_of_range_values_naming_the_key(kwargs, key):
     with pytest.raises(ConfigError) as err:
@@ -532,9 +683,11 @@ def test_reclaim_config_rejects_out_of_range_values_naming_the_key(kwargs, key):
 
 def test_reclaim_config_defaults_are_valid():
     c = ReclaimConfig()
-    assert (c.planner, c.theta_f, c.low_watermark, c.check_every, c.max_sources, c.ordering) == (
-        PlanKind.COMPACT, 0.25, None, 1, 8, Ordering.POLL)
+    assert (c.planner, c.theta_f, c.low_watermark, c.check_every, c.max_sources, c.ordering, c.burst_df) == (
+        PlanKind.COMPACT, 0.25, None, 1, 8, Ordering.POLL, None)  # burst_df None: the fixed trigger
     ReclaimConfig(theta_f=0.0, low_watermark=0, check_every=1, max_sources=1, max_plans_per_round=1)
+    ReclaimConfig(burst_df=1.0)
+    ReclaimConfig(burst_df=1)  # an int in range is a number too
 
 
 # ---- added after mutation testing (docs/fuzzing.md) ---------------------------------------------------

@@ -2,8 +2,9 @@
 KEY, TITLE, PAPER, run(ctx) -> report, table(report) -> markdown lines, plot(report, path).
 
 Q4 (overhead and overlap) and Q6 (prefix caching, quality) need a serving
-engine, and Q8 (bursty eviction) is its own issue: each will be one more
-module here, and the vLLM half a second registry beside this one.
+engine: the vLLM half is a second registry beside this one. Q8 (bursty
+eviction: reclamation lag with a fixed theta_F vs the adaptive trigger) is
+``q8_bursty_eviction``.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from types import ModuleType
 
 from vtoken.core.errors import ConfigError
 
-from . import q1_trapped_capacity, q2_paired_frontier, q3_capacity_frontier, q5_sensitivity, q7_bookkeeping_cost
+from . import (q1_trapped_capacity, q2_paired_frontier, q3_capacity_frontier, q5_sensitivity, q7_bookkeeping_cost,
+               q8_bursty_eviction)
 
 QUESTIONS: dict[str, ModuleType] = {m.KEY: m for m in (q1_trapped_capacity, q2_paired_frontier,
-                                                         q3_capacity_frontier, q5_sensitivity, q7_bookkeeping_cost)}
+                                                         q3_capacity_frontier, q5_sensitivity, q7_bookkeeping_cost,
+                                                         q8_bursty_eviction)}
 
 
 def select_questions(keys: list[str] | None, registry: dict[str, ModuleType] = QUESTIONS,

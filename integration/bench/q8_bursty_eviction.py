@@ -1,0 +1,312 @@
+"""Q8 (seed §4, question 8): bursty eviction. How far does reclamation lag a burst with a fixed theta_F,
+and how much faster does the adaptive trigger (``ReclaimConfig.burst_df``, core/reclamation.py) react?
+
+Workload. N requests with chat-like prompts (``CHAT_PROMPT``, seeded, clipped to [16, 1,024] tokens) are
+all admitted at step 0 and decode to the end of the timeline: a fixed population, sized so that no run
+preempts (the pool holds every request at full length). The eviction side is a budget schedule
+(``core/workloads.burst_schedule``): ``first_quiet`` steps at budget 1.0 (nothing is evicted), then
+``cycles`` times a burst of ``burst`` steps at budget ``low``, in which every request evicts 1 - ``low`` of
+its tokens at the burst's first step and keeps evicting as it grows, and ``quiet`` steps back at 1.0.
+Each burst starts a seeded 0-31 steps late, so bursts meet the K cadence at different phases across
+seeds. Policy H2O; vtoken compact on the gather path, copies complete at once.
+
+Systems, with identical eviction decisions within a seed:
+
+    naive_evict              no reclamation (the reference for blocks)
+    fixed    theta_F, K      today's trigger: a round on every K-th iteration while F > theta_F
+    adaptive theta_F, K      the same cadence plus ``burst_df``: F rising by burst_df within one iteration
+                             starts burst mode, a round on every iteration while F > theta_F
+                             (K = 1 is left out: every iteration is on the cadence, so it equals fixed K = 1)
+
+Measured per run; median and min-max over seeds:
+
+    lag_iterations          per burst: iterations from its first step until F <= theta_F, with F read where
+                            Stage 1 reads it (after the step's eviction, before its round; the harness wraps
+                            the runtime's reclaim call to read it there); 0 when the burst leaves F <= theta_F;
+                            a burst that never gets there within its window counts the window's length and
+                            is counted in ``censored``. A plan commits at the next step, so reacting at once
+                            gives 1. ``lag_mean``: over the bursts.
+    peak_allocated_blocks   most blocks allocated at any step of a burst window (destinations in flight
+                            included: reacting at once allocates them before the sources are released)
+    allocated_first_32      mean allocated blocks over a burst's first 32 steps (the longest K), mean over bursts
+    trapped_block_iterations  sum over burst-window steps of retained blocks - ideal packed blocks ceil(live/S)
+    rounds, rounds_quiet, rounds_burst   reclamation rounds run (plan_round calls), all / on steps outside
+                            the burst windows / inside them; ``fruitless_rounds``: rounds that made no plan
+    plans_made, plans_committed, moves_committed, bursts_detected, burst_rounds (rounds off the K cadence)
+    max_quiet_rise_F        the largest one-iteration rise of F (as read above) on any step but a burst's
+                            first: what burst_df must stay above not to mistake ordinary steps for bursts
+    trace                   F, allocated, retained and ideal blocks per step from 16 steps before the
+                            first burst to the end of its window (the plot's curves)
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vtoken.core.block_pool import blocks_needed
+from vtoken.core.simulator import RequestSpec, SimConfig, Simulator
+from vtoken.core.workloads import CHAT_PROMPT, burst_schedule, burst_windows
+
+from .context import BenchContext
+from .measure import pool_for
+from .plots import pyplot, save
+from .stats import fmt_spread, summarize
+
+KEY = "q8"
+TITLE = "Bursty eviction: reclamation lag, peak blocks and rounds, fixed theta_F x K vs the adaptive trigger"
+PAPER = {"reported": "none: the paper's trigger is a fixed theta_F checked every K iterations; the review asks how "
+                     "far reclamation lags a burst of eviction after a quiet stretch (seed §4, question 8)"}
+POLICY = "h2o"
+PRE = 16  # trace steps before the first burst
+
+
+@dataclass(frozen=True)
+class Q8Setup:
+    num_requests: int
+    first_quiet: int
+    burst: int
+    quiet: int
+    cycles: int
+    low: float = 0.4  # budget during a burst: every request evicts 60 % of its tokens at once
+    jitter: int = 32
+    prompt_scale: float = 1.0
+    theta_fs: tuple[float, ...] = (0.25, 0.5)
+    check_everys: tuple[int, ...] = (1, 8, 32)
+    adaptive_check_everys: tuple[int, ...] = (8, 32)
+    burst_df: float = 0.1
+
+    @property
+    def steps(self) -> int:
+        return self.first_quiet + self.cycles * (self.burst + self.quiet) + self.jitter
+
+
+QUICK = Q8Setup(num_requests=8, first_quiet=48, burst=128, quiet=48, cycles=2)
+FULL = Q8Setup(num_requests=16, first_quiet=96, burst=128, quiet=96, cycles=3)
+
+
+def setup_for(ctx: BenchContext) -> Q8Setup:
+    return QUICK if ctx.settings.quick else FULL
+
+
+def configs(setup: Q8Setup) -> list[dict]:
+    """Every system of the question: name, trigger, theta_F, K, burst_df (a label and the SimConfig overrides)."""
+    out = [{"name": "naive_evict", "trigger": "none", "theta_f": None, "check_every": None, "burst_df": None}]
+    for theta in setup.theta_fs:
+        out += [{"name": f"fixed/{theta}/{k}", "trigger": "fixed", "theta_f": theta, "check_every": k,
+                 "burst_df": None} for k in setup.check_everys]
+        out += [{"name": f"adaptive/{theta}/{k}", "trigger": "adaptive", "theta_f": theta, "check_every": k,
+                 "burst_df": setup.burst_df} for k in setup.adaptive_check_everys]
+    return out
+
+
+def workload(setup: Q8Setup, seed: int) -> list[RequestSpec]:
+    """The fixed population: seeded chat-like prompts, all at step 0, every one decoding to the timeline's end."""
+    rng = random.Random(f"q8:{seed}")
+    return [RequestSpec(i, 0, min(1024, max(16, CHAT_PROMPT.draw(rng, setup.prompt_scale))), setup.steps)
+            for i in range(setup.num_requests)]
+
+
+def measure(ctx: BenchContext, setup: Q8Setup, config: dict, seed: int) -> dict:
+    """One run of ``config`` on seed ``seed``'s workload and schedule, traced step by step."""
+    s = ctx.settings
+    w = workload(setup, seed)
+    schedule = burst_schedule(setup.cycles, setup.first_quiet, setup.burst, setup.quiet, setup.low,
+                              jitter=setup.jitter, seed=seed)
+    windows = burst_windows(schedule)
+    theta = config["theta_f"]
+    cfg = SimConfig(num_blocks=pool_for(w, s.block_size, s.headroom), block_size=s.block_size,
+                    headroom=s.headroom, policy=POLICY, budget=1.0, budget_schedule=schedule,
+                    reclaim="off" if config["trigger"] == "none" else "compact",
+                    theta_f=theta if theta is not None else s.theta_f, check_every=config["check_every"] or 1,
+                    burst_df=config["burst_df"], max_running=len(w), seed=seed,
+                    check_invariants=s.check_invariants)
+    started = time.perf_counter()
+    sim = Simulator(cfg, w)
+    rt, S = sim.rt, s.block_size
+    pool, table, manager = rt.pool, rt.table, rt.manager
+    f: list[float] = []  # F where Stage 1 reads it: after the step's eviction, before its round
+    allocated, retained, ideal, rounds, plans = [], [], [], [], []
+    reclaim = rt._reclaim
+
+    def observed_reclaim() -> None:
+        f.append(manager.waste_ratio())
+        reclaim()
+
+    rt._reclaim = observed_reclaim
+    step = 0
+    while sim.pending or sim.waiting or sim.running:
+        sim.step(step)
+        step += 1
+        assert len(f) == step, "every step reads F once"
+        allocated.append(pool.num_blocks - pool.num_free)
+        ids = table.request_ids()
+        retained.append(sum(len(table.block_ids(r)) for r in ids))
+        ideal.append(sum(blocks_needed(table.num_live(r), S) for r in ids))
+        rounds.append(manager.stats.rounds)
+        plans.append(manager.stats.plans_made)
+    if sim.result.preemptions or sim.result.finished != len(w):
+        raise AssertionError(f"q8 seed {seed} {config['name']}: {sim.result.preemptions} preemptions, "
+                             f"{sim.result.finished}/{len(w)} finished; the pool was sized to rule both out")
+    assert all(e is not None and e <= step for _, e in windows), f"bursts {windows} outrun the run ({step} steps)"
+    in_burst = [False] * step
+    for a, e in windows:
+        in_burst[a:e] = [True] * (e - a)
+    new_rounds = [rounds[0]] + [b - a for a, b in itertools.pairwise(rounds)]
+    new_plans = [plans[0]] + [b - a for a, b in itertools.pairwise(plans)]
+    assert not manager.inflight and not manager.orphans, "every plan settled by the end"
+    lags, censored = [], 0
+    for a, e in windows:
+        lag = next((t - a for t in range(a, e) if theta is not None and f[t] <= theta), None)
+        if lag is None:
+            lag, censored = e - a, censored + 1
+        lags.append(lag)
+    starts = {a for a, _ in windows}
+    rises = [f[t] - f[t - 1] for t in range(1, step) if t not in starts]
+    a0, e0 = windows[0]
+    lo = max(0, a0 - PRE)
+    stats = manager.stats
+    return {
+        "system": config["name"], "trigger": config["trigger"], "theta_f": theta, "check_every": config["check_every"],
+        "burst_df": config["burst_df"], "seed": seed, "steps": step, "windows": windows,
+        "lags": lags, "lag_mean": sum(lags) / len(lags), "censored": censored,
+        "peak_allocated_blocks": max(max(allocated[a:e]) for a, e in windows),
+        "allocated_first_32": sum(sum(allocated[a:a + 32]) / len(allocated[a:a + 32]) for a, _ in windows)
+        / len(windows),
+        "trapped_block_iterations": sum(retained[t] - ideal[t] for t in range(step) if in_burst[t]),
+        "rounds": stats.rounds,
+        "rounds_quiet": sum(n for t, n in enumerate(new_rounds) if not in_burst[t]),
+        "rounds_burst": sum(n for t, n in enumerate(new_rounds) if in_burst[t]),
+        "fruitless_rounds": sum(1 for r, p in zip(new_rounds, new_plans) if r and not p),
+        "plans_made": stats.plans_made, "plans_committed": stats.plans_committed,
+        "moves_committed": stats.moves_committed, "bursts_detected": stats.bursts, "burst_rounds": stats.burst_rounds,
+        "max_quiet_rise_F": max(rises, default=0.0),
+        "invariant_checks": sim.result.invariant_checks,
+        "wall_s": time.perf_counter() - started,
+        "trace": {"first_step": lo - a0, "F": [round(x, 4) for x in f[lo:e0]], "allocated": allocated[lo:e0],
+                  "retained": retained[lo:e0], "ideal": ideal[lo:e0]},
+    }
+
+
+METRICS = ("lag_mean", "censored", "peak_allocated_blocks", "allocated_first_32", "trapped_block_iterations", "rounds", "rounds_quiet",
+           "rounds_burst", "fruitless_rounds", "plans_made", "moves_committed", "bursts_detected", "burst_rounds",
+           "max_quiet_rise_F")
+
+
+def run(ctx: BenchContext) -> dict:
+    s, setup = ctx.settings, setup_for(ctx)
+    systems = configs(setup)
+    bar = ctx.progress("q8 bursty eviction", len(systems) * s.repeats)
+    runs = []
+    for seed in s.seeds:
+        for config in systems:
+            runs.append(measure(ctx, setup, config, seed))
+            bar.advance(f"{config['name']} seed {seed}")
+    bar.close()
+    by_system = {}
+    for config in systems:
+        mine = [r for r in runs if r["system"] == config["name"]]
+        by_system[config["name"]] = {**{k: config[k] for k in ("trigger", "theta_f", "check_every", "burst_df")},
+                                     **{m: summarize([r[m] for r in mine]) for m in METRICS}}
+    rises = [r["max_quiet_rise_F"] for r in runs]
+    summary = {"setup": asdict(setup), "by_system": by_system, "max_quiet_rise_F": max(rises),
+               "adaptive_vs_fixed_lag": {
+                   f"{theta}/{k}": {"fixed": by_system[f"fixed/{theta}/{k}"]["lag_mean"]["median"],
+                                    "adaptive": by_system[f"adaptive/{theta}/{k}"]["lag_mean"]["median"]}
+                   for theta in setup.theta_fs for k in setup.adaptive_check_everys}}
+    notes = [
+        (f"{setup.num_requests} requests (chat-like prompts, all at step 0, {setup.steps} steps each); budget 1.0 "
+         f"for {setup.first_quiet} steps, then {setup.cycles} x (burst of {setup.burst} steps at budget {setup.low}, "
+         f"{setup.quiet} quiet steps at 1.0), each burst 0-{setup.jitter - 1} steps late (seeded); policy {POLICY}; "
+         f"vtoken compact, gather path, copies done at once; adaptive burst_df {setup.burst_df}."),
+        ("Lag: iterations from a burst's first step until F <= theta_F (F as Stage 1 reads it, after the step's "
+         "eviction and before its round; a plan's commit lands at the next step, so reacting at once gives 1); "
+         "mean over bursts."),
+        ("Cost: on quiet steps F stays below theta_F, so no trigger runs a round there; the fixed trigger's K only "
+         "skips O(1) reads of F, which the adaptive trigger makes on every iteration (as fixed K = 1 does). Rounds, "
+         "fruitless rounds (rounds that made no plan) and plans are the work a trigger buys."),
+        "Adaptive K = 1 is not run: every iteration is on the cadence, so it decides exactly as fixed K = 1.",
+    ]
+    return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs, "summary": summary, "notes": notes}
+
+
+def _label(x: dict) -> tuple[str, str, str]:
+    if x["trigger"] == "none":
+        return "Naive-Evict", "–", "–"
+    return x["trigger"], f"{x['theta_f']}", f"{x['check_every']}"
+
+
+def table(report: dict) -> list[str]:
+    sm = report["summary"]
+    lines = [("| trigger | θ_F | K | lag (iterations) | censored bursts | peak allocated | allocated, first 32 "
+              "| trapped block·it | rounds quiet / burst | fruitless rounds | plans made |"), "|---" * 11 + "|"]
+    for x in sm["by_system"].values():
+        trig, theta, k = _label(x)
+        lag = "never" if x["trigger"] == "none" else fmt_spread(x["lag_mean"], "{:.1f}")
+        lines.append(
+            f"| {trig} | {theta} | {k} | {lag} | {fmt_spread(x['censored'], '{:.0f}')} "
+            f"| {fmt_spread(x['peak_allocated_blocks'], '{:.0f}')} | {fmt_spread(x['allocated_first_32'], '{:.0f}')} "
+            f"| {fmt_spread(x['trapped_block_iterations'], '{:,.0f}')} "
+            f"| {fmt_spread(x['rounds_quiet'], '{:.0f}')} / {fmt_spread(x['rounds_burst'], '{:.0f}')} "
+            f"| {fmt_spread(x['fruitless_rounds'], '{:.0f}')} | {fmt_spread(x['plans_made'], '{:.0f}')} |")
+    lines.append(f"\nLargest one-iteration rise of F outside a burst's first step, any run: "
+                 f"{sm['max_quiet_rise_F']:.3f} (adaptive burst_df: {sm['setup']['burst_df']}).")
+    return lines
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    sm = report["summary"]["by_system"]
+    setup = report["summary"]["setup"]
+    theta = setup["theta_fs"][0]
+    kmax = max(setup["adaptive_check_everys"])
+    shown = {"naive_evict": ("Naive-Evict", "#1f77b4", "-")}
+    colors = {1: "#2ca02c", 8: "#9467bd", 32: "#8c564b"}
+    for k in setup["check_everys"]:
+        shown[f"fixed/{theta}/{k}"] = (f"fixed K={k}", colors.get(k, "#7f7f7f"), "--")
+    shown[f"adaptive/{theta}/{kmax}"] = (f"adaptive K={kmax}", "#d62728", "-")
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    for ax, series, ylabel in ((axes[0][0], "F", "waste ratio F"),
+                               (axes[0][1], "retained", "retained blocks / ideal ⌈live/S⌉")):
+        for name, (label, color, ls) in shown.items():
+            runs = sorted((r for r in report["runs"] if r["system"] == name), key=lambda r: r["seed"])
+            n = min(len(r["trace"]["F"]) for r in runs)
+            xs = list(range(runs[0]["trace"]["first_step"], runs[0]["trace"]["first_step"] + n))
+            if series == "F":
+                ys = [[r["trace"]["F"][i] for r in runs] for i in range(n)]
+            else:
+                ys = [[r["trace"]["retained"][i] / max(1, r["trace"]["ideal"][i]) for r in runs] for i in range(n)]
+            med = [sorted(v)[len(v) // 2] for v in ys]
+            ax.plot(xs, med, color=color, ls=ls, label=label, lw=1.4)
+            ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], color=color, alpha=0.12, lw=0)
+        if series == "F":
+            ax.axhline(theta, color="k", lw=0.8, ls=":", label=f"θ_F = {theta}")
+        ax.axvline(0, color="k", lw=0.8)
+        ax.set_xlabel("iterations since the first burst began")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="center right")
+    axes[0][0].set_title(f"first burst, θ_F = {theta} (median, min–max over seeds)", fontsize=9)
+    names = [n for n, x in sm.items() if x["trigger"] != "none"]
+    labels = [f"{sm[n]['trigger'][:5]} θ{sm[n]['theta_f']} K{sm[n]['check_every']}" for n in names]
+    for ax, metric, ylabel in ((axes[1][0], "lag_mean", "lag: iterations until F ≤ θ_F (mean over bursts)"),
+                               (axes[1][1], "rounds", "reclamation rounds (whole run)")):
+        med = [sm[n][metric]["median"] for n in names]
+        err = [[m - sm[n][metric]["min"] for m, n in zip(med, names)],
+               [sm[n][metric]["max"] - m for m, n in zip(med, names)]]
+        bars = ax.bar(range(len(names)), med, yerr=err, capsize=2,
+                      color=["#d62728" if sm[n]["trigger"] == "adaptive" else "#7f7f7f" for n in names])
+        if metric == "rounds":  # and the plans those rounds made
+            for bar, n in zip(bars, names):
+                ax.annotate(f"{sm[n]['plans_made']['median']:.0f} plans", (bar.get_x() + bar.get_width() / 2, 0),
+                            xytext=(0, 3), textcoords="offset points", ha="center", fontsize=6, rotation=90,
+                            color="white")
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=7)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("Q8 bursty eviction: fixed θ_F × K vs the adaptive trigger (H2O, vtoken compact)")
+    save(fig, path)
