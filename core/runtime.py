@@ -202,13 +202,17 @@ class VTokenRuntime:
         return self._last
 
     def end_step(self, attention: Mapping[object, Sequence[float]] | None = None) -> dict[object, list[int]]:
-        """Select victims and evict, record this step's attention, plan and launch reclamation.
+        """Record this step's attention, select victims and evict, plan and launch reclamation.
 
-        As in Algorithm 1, victims are chosen from the scores of earlier steps;
-        this step's attention row is recorded afterwards. Everything is
-        validated first: a bad attention row or a policy returning invalid
-        victims raises and changes nothing (the step can be ended again).
-        Returns each request's victims.
+        This step's rows are recorded before victims are chosen, so the
+        policy sees every attention row computed so far (Algorithm 1 line 2
+        reads the scores of the decode that preceded it). In particular a
+        request's first eviction, right after its prefill and usually its
+        largest, ranks tokens by the prefill's row rather than by zeros.
+        Everything is validated first: a bad attention row or a policy
+        returning invalid victims raises and changes nothing, the recorded
+        rows included (the step can be ended again). Returns each request's
+        victims.
         """
         if self._last is None:
             raise VTokenError("end_step without begin_step")
@@ -222,11 +226,9 @@ class VTokenRuntime:
                     f"request {r!r}: attention row of {len(weights)} weights for "
                     f"{len(step.requests[r].read_tokens) if r in step.requests else 'no'} read tokens"
                 )
-            rows[r] = weights
-        victims = self._choose_victims(self.table.request_ids())
+            rows[r] = (step.requests[r].read_tokens, weights)
+        victims = self._record_and_choose(self.table.request_ids(), rows)
         # -- validated; mutate --
-        for r, weights in rows.items():
-            self.scores.record(r, step.requests[r].read_tokens, weights)
         self._evict_and_reclaim(victims)
         self._last = None
         return victims
@@ -242,9 +244,10 @@ class VTokenRuntime:
     def evict_and_reclaim(self, req_ids: Sequence[object],
                           attention: Mapping[object, tuple[Sequence[int], Sequence[float]]] | None = None
                           ) -> dict[object, list[int]]:
-        """Algorithm 1 lines 2, 3 and 5 for ``req_ids`` after a forward: select victims (from earlier steps'
-        scores), record this step's attention rows (request -> (token ids read, weights)), evict, plan and
-        launch reclamation. Validated first: a bad row or an invalid policy answer raises and changes nothing."""
+        """Algorithm 1 lines 2, 3 and 5 for ``req_ids`` after a forward: record this step's attention rows
+        (request -> (token ids read, weights)), select victims (from every row so far, this step's included),
+        evict, plan and launch reclamation. Validated first: a bad row or an invalid policy answer raises and
+        changes nothing."""
         unknown = [r for r in list(req_ids) + list(attention or {}) if r not in self.table]
         if unknown:
             raise UnknownRequestError(f"unknown request(s) {unknown[:5]}")
@@ -252,9 +255,7 @@ class VTokenRuntime:
             if len(ids) != len(weights) or any(not 0 <= t < self.table.total_len(r) for t in ids):
                 raise VTokenError(f"request {r!r}: attention row of {len(weights)} weights for {len(ids)} tokens "
                                   f"(ids must be < {self.table.total_len(r)})")
-        victims = self._choose_victims(req_ids)
-        for r, (ids, weights) in (attention or {}).items():
-            self.scores.record(r, ids, weights)
+        victims = self._record_and_choose(req_ids, attention or {})
         self._evict_and_reclaim(victims)
         return victims
 
@@ -271,6 +272,19 @@ class VTokenRuntime:
         return blocks
 
     # ---- helpers ----------------------------------------------------------------------
+    def _record_and_choose(self, req_ids: Sequence[object],
+                           rows: Mapping[object, tuple[Sequence[int], Sequence[float]]]) -> dict[object, list[int]]:
+        """Record validated rows, then choose victims; if choosing raises, the rows are taken back."""
+        saved = {r: self.scores.save(r, ids) for r, (ids, _) in rows.items()}
+        for r, (ids, weights) in rows.items():
+            self.scores.record(r, ids, weights)
+        try:
+            return self._choose_victims(req_ids)
+        except BaseException:
+            for r, (ids, _) in rows.items():
+                self.scores.restore(r, ids, saved[r])
+            raise
+
     def token_budget(self, total_len: int) -> int:
         """Live tokens a request of ``total_len`` tokens may keep."""
         if isinstance(self.budget, int):

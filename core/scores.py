@@ -55,6 +55,17 @@ class TokenScores:
             acc[t] += w
             per[t] = per[t] * d + (1.0 if w >= mean else 0.0)
 
+    def save(self, req_id: object, token_ids: Sequence[int]) -> list[tuple[float, float]]:
+        """The (accumulated, persistence) of ``token_ids``, for ``restore`` if what follows a ``record`` fails."""
+        acc, per = self._get(req_id)
+        return [(acc[t], per[t]) for t in token_ids]
+
+    def restore(self, req_id: object, token_ids: Sequence[int], saved: list[tuple[float, float]]) -> None:
+        acc, per = self._get(req_id)
+        assert len(saved) == len(token_ids), "restore needs what save returned for the same tokens"
+        for t, (a, p) in zip(token_ids, saved):
+            acc[t], per[t] = a, p
+
     def accumulated(self, req_id: object, token_id: int) -> float:
         return self._get(req_id)[0][token_id]
 

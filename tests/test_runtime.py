@@ -246,21 +246,46 @@ def test_attention_row_of_the_wrong_length_is_rejected_and_changes_nothing():
     assert rt.scores.accumulated("a", 0) == pytest.approx(0.2)
 
 
-def test_victims_are_chosen_from_earlier_steps_scores():
-    """Algorithm 1 line 2 runs before this step's decode: the current row is recorded after selection."""
+def test_victims_are_chosen_with_this_steps_row_already_recorded():
+    """Algorithm 1 line 2 reads the scores of the decode before it: end_step records the step's row first."""
     policy = Scripted()
     rt, engine = make(num_blocks=4, headroom=0, policy=policy, budget=1.0)
     rt.admit("a")
     forward(rt, engine, rt.begin_step({"a": 2}))
-    rt.end_step({"a": [0.9, 0.1]})
-    assert policy.views[0].accumulated(0) == pytest.approx(0.9)  # the view reads live scores...
-    assert rt.scores.accumulated("a", 0) == pytest.approx(0.9)
-    forward(rt, engine, rt.begin_step({"a": 1}))
     seen = []
     policy.delegate = type("Peek", (), {"select_victims": lambda self, v: seen.append(v.accumulated(0)) or []})()
+    rt.end_step({"a": [0.9, 0.1]})
+    assert seen == [pytest.approx(0.9)]  # the first selection (right after prefill) already sees the prefill's row
+    forward(rt, engine, rt.begin_step({"a": 1}))
     rt.end_step({"a": [0.5, 0.25, 0.25]})
-    assert seen == [pytest.approx(0.9)]  # ...but at selection time step 1's row was not yet in them
+    assert seen == [pytest.approx(0.9), pytest.approx(1.4)]
     assert rt.scores.accumulated("a", 0) == pytest.approx(1.4)
+
+
+def test_h2o_first_eviction_after_prefill_keeps_the_prefills_heavy_hitter():
+    """The prompt cut to the budget at once: H2O keeps what the prefill's row attended to, not the oldest."""
+    rt, engine = make(num_blocks=4, headroom=0, policy=H2O(), budget=0.5)
+    rt.admit("a")
+    forward(rt, engine, rt.begin_step({"a": 8}))
+    row = [0.01] * 8
+    row[1] = 0.93  # token 1, among the oldest, is the heavy hitter
+    victims = rt.end_step({"a": row})["a"]
+    assert len(victims) == 4 and 1 not in victims
+    assert rt.table.is_live("a", 1)
+
+
+def test_invalid_victims_take_back_the_rows_recorded_for_the_choice():
+    policy = Scripted({("a", 0): [99]}, name="bad-policy")
+    rt, engine = make(num_blocks=4, headroom=0, policy=policy, budget=0.5)
+    rt.admit("a")
+    forward(rt, engine, rt.begin_step({"a": 5}))
+    with pytest.raises(VTokenError, match="returned invalid victims"):
+        rt.end_step({"a": [0.2] * 5})
+    assert [rt.scores.accumulated("a", t) for t in range(5)] == [0.0] * 5
+    assert [rt.scores.persistence("a", t) for t in range(5)] == [0.0] * 5
+    policy.victims[("a", 0)] = [1]
+    assert rt.end_step({"a": [0.2] * 5}) == {"a": [1]}
+    assert rt.scores.accumulated("a", 0) == pytest.approx(0.2)  # recorded once, not twice
 
 
 def test_begin_step_that_does_not_fit_raises_and_changes_nothing():
