@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from vtoken.core.errors import ConfigError
 
@@ -48,3 +48,15 @@ def line_with_spread(ax, xs: Sequence[float], summaries: Sequence[dict], color: 
     ax.plot(xs, [s["median"] * scale for s in summaries], marker=marker, color=color, label=label, ms=4)
     ax.fill_between(xs, [s["min"] * scale for s in summaries], [s["max"] * scale for s in summaries],
                     color=color, alpha=0.2, lw=0)
+
+
+def scaling_axes(axes, xlabel: str, ylabels: Sequence[str]) -> None:
+    """Log2 x axes (a size that doubles) with a grid, for each of ``axes`` with its y label; the first also gets
+    a log y axis and the legend (growth curves: a straight line is a power law)."""
+    for ax, ylabel in zip(axes, ylabels):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_yscale("log")
+    axes[0].legend(fontsize=7)

@@ -45,7 +45,7 @@ from vtoken.core.runtime import ReadPath, VTokenRuntime
 from vtoken.core.simulator import SimConfig, attention_weights, content_tag
 
 from .context import BenchContext
-from .plots import line_with_spread, pyplot, save
+from .plots import line_with_spread, pyplot, save, scaling_axes
 from .stats import fmt_spread, loglog_slope, summarize
 from .systems import COLORS, LABELS, SYSTEMS, configure
 
@@ -210,12 +210,7 @@ def plot(report: dict, path: Path) -> None:
         b = sm[x]["scaling_exponent"]["median"]
         line_with_spread(ax1, ns, [by_n[n]["us_per_step"] for n in by_n], COLORS[x], f"{LABELS[x]} (b={b:.2f})")
         line_with_spread(ax2, ns, [by_n[n]["us_per_request"] for n in by_n], COLORS[x], LABELS[x])
-    for ax, ylabel in ((ax1, "µs per scheduling iteration"), (ax2, "µs per tracked request per iteration")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tracked requests N")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3, which="both")
-    ax1.set_yscale("log")
-    ax1.legend(fontsize=7)
+    scaling_axes((ax1, ax2), "tracked requests N",
+                 ("µs per scheduling iteration", "µs per tracked request per iteration"))
     fig.suptitle("Q7 CPU bookkeeping cost of the runtime per step (median, min–max over seeds)")
     save(fig, path)

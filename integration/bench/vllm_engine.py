@@ -1,10 +1,13 @@
 """Real vLLM (CPU build) for ``vtoken bench vllm``: the trained byte-level model, held-out prompts, and one
 engine's generations with vtoken's counters.
 
-Every engine runs in this process with vtoken on (the full cache is ``policy: none``): vLLM keeps the KV
-connector in a process-global, so one process must not mix plain vLLM with vtoken, and in-process
+``run_engine``'s engines run in this process with vtoken on (the full cache is ``policy: none``): vLLM keeps
+the KV connector in a process-global, so one process must not mix plain vLLM with vtoken, and in-process
 engines let the bench read the scheduler's token statistics directly. Engines are created and dropped
 one at a time (``del``; vLLM's shutdown collects garbage) and never kept alive by an exception's frames.
+To measure plain vLLM beside vtoken (Q4), ``EngineProcess`` runs such an in-process engine in a process of
+its own, so a plain engine and vtoken engines can be alive together. Timing questions pin themselves
+(and their engine processes) to one core (``one_core``).
 
 Model: ``integration/vllm/models/byte-llama`` (vocab = the 256 byte values, bos 2, eos 3), trained on
 the Python standard library's sources; its training script holds out every 20th file, and the prompts
@@ -16,8 +19,10 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import multiprocessing
 import os
 import time
+import traceback
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -75,14 +80,84 @@ def engine_environment(threads: int):
                 os.environ[k] = v
 
 
-def worker_verify_counters(worker) -> dict:
-    """The worker's strict-verify counters (``collective_rpc``): relocations (copies) seen, verified, mismatched."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+@contextmanager
+def one_core(enabled: bool = True):
+    """Pin this thread, and every thread and process it starts meanwhile (engine cores, workers), to one
+    core: the highest of its current affinity set. On a shared 2-core machine a parallel op whose second
+    thread is descheduled waits a whole time slice, which swamps per-step timings. Yields
+    {"core", "affinity_before"} (None when ``enabled`` is false or the platform cannot pin); restored after."""
+    if not enabled or not hasattr(os, "sched_setaffinity"):
+        yield None
+        return
+    before = os.sched_getaffinity(0)
+    core = max(before)
+    os.sched_setaffinity(0, {core})
+    try:
+        yield {"core": core, "affinity_before": sorted(before)}
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def engine_args(vtoken: dict | None, longest: int, most: int, block_size: int) -> dict:
+    """``LLM`` keyword arguments for the byte-llama: ``most`` requests of up to ``longest`` tokens all at full
+    length at once (no preemption), fp32, eager, prefix caching off. ``vtoken`` None: plain vLLM."""
+    blocks = most * -(-longest // block_size) + most + 8
+    kw = {"model": str(MODEL_DIR), "skip_tokenizer_init": True, "dtype": "float32", "block_size": block_size,
+          "enforce_eager": True, "compilation_config": {"mode": 0},
+          "max_model_len": -(-longest // block_size) * block_size, "enable_prefix_caching": False, "seed": 0,
+          "num_gpu_blocks_override": blocks, "max_num_seqs": max(most, 1)}
+    if vtoken is not None:
+        kw["additional_config"] = {"vtoken": vtoken}
+    return kw
+
+
+ATTENTION_SECONDS = [0.0]  # in the worker's process: time inside attention impls, once ``time_attention`` ran
+
+
+def worker_counters(worker) -> dict:
+    """(``collective_rpc``) The worker's vtoken counters: strict verify's relocations (copies) seen, verified,
+    mismatched; seconds spent in vtoken; seconds inside attention (when timed). Empty for plain vLLM."""
+    from vllm.distributed.kv_transfer import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
     if not has_kv_transfer_group():
         return {}
-    c = get_kv_transfer_group().engine.verifier.counters
+    conn = get_kv_transfer_group()
+    c = conn.engine.verifier.counters
     return {"relocations": c.relocations, "verified": c.verified, "mismatches": c.mismatches,
-            "bytes_hashed": c.bytes_hashed}
+            "bytes_hashed": c.bytes_hashed, "worker_seconds": conn.worker.seconds,
+            "attention_seconds": ATTENTION_SECONDS[0]}
+
+
+def worker_threads(worker) -> dict:
+    """(``collective_rpc``) torch threads and cores in the worker's affinity mask (the pinning, as it landed)."""
+    import torch
+    return {"torch_threads": torch.get_num_threads(), "cores": sorted(os.sched_getaffinity(0))}
+
+
+def time_attention(worker) -> int:
+    """(``collective_rpc``) Wrap every attention impl's forward with a timer adding to ``ATTENTION_SECONDS``;
+    returns how many impls are timed."""
+    ATTENTION_SECONDS[0] = 0.0
+    n = 0
+    for _, mod in worker.model_runner.model.named_modules():
+        impl = getattr(mod, "impl", None)
+        if impl is None or not hasattr(impl, "forward"):
+            continue
+        n += 1
+        if getattr(impl, "_vtoken_timed", False):
+            continue
+        real = impl.forward
+
+        def forward(*a, _real=real, **k):
+            t0 = time.perf_counter()
+            try:
+                return _real(*a, **k)
+            finally:
+                ATTENTION_SECONDS[0] += time.perf_counter() - t0
+        impl.forward, impl._vtoken_timed = forward, True
+    return n
 
 
 def _counters(llm) -> dict:
@@ -91,37 +166,44 @@ def _counters(llm) -> dict:
     out = {"tokens_evicted": s.evicted, "plans_committed": s.plans_committed, "plans_aborted": s.plans_aborted,
            "tokens_moved": s.moves, "copies_done": s.copies_done, "copies_failed": s.copies_failed,
            "blocks_released": s.blocks_released, "attention_rows": s.attention_rows,
-           "write_slots_audited": w.audited, "quarantined": w.quarantined}
-    out.update(llm.collective_rpc(worker_verify_counters)[0])
+           "write_slots_audited": w.audited, "quarantined": w.quarantined,
+           "vtoken_steps": s.steps, "scheduler_seconds": s.seconds}
+    out.update(llm.collective_rpc(worker_counters)[0])
     return out
 
 
 def run_engine(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: int, block_size: int,
-               threads: int = 1, on_done=None) -> dict:
+               threads: int = 1, on_done=None, warmup_tokens: int = 0, timed_attention: bool = False) -> dict:
     """One in-process engine with ``additional_config={"vtoken": vtoken}``; one ``generate`` per prompt set.
-    Returns {"start_s", "sets": [{"outputs": [(token ids, logprobs, finish reason)], "counters", "wall_s"}]};
-    counters are this set's deltas. ``on_done(i)`` after each set (progress)."""
+    Returns {"start_s", "threads", "sets": [{"outputs": [(token ids, logprobs, finish reason)], "counters",
+    "wall_s"}]}; counters are this set's deltas (``scheduler_seconds``, ``worker_seconds`` and
+    ``vtoken_steps`` included). ``warmup_tokens`` > 0: first an untimed ``generate`` of the first set with
+    that many tokens (the same batch shapes); ``timed_attention``: then time the attention impls
+    (``attention_seconds``). ``on_done(i)`` after each set (progress)."""
     with engine_environment(threads):
-        return _run_engine(vtoken, prompt_sets, max_tokens, block_size, on_done)
+        return _run_engine(vtoken, prompt_sets, max_tokens, block_size, on_done, warmup_tokens, timed_attention)
 
 
-def _run_engine(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: int, block_size: int, on_done) -> dict:
+def _run_engine(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: int, block_size: int, on_done,
+                warmup_tokens: int, timed_attention: bool) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
     from vtoken.integration.vllm.fuzz_episode import drop_frames
 
     longest = max(len(p) for ps in prompt_sets for p in ps) + max_tokens
     most = max(len(ps) for ps in prompt_sets)
-    blocks = most * -(-longest // block_size) + most + 8  # every request at full length at once: no preemption
     started = time.monotonic()
-    llm = LLM(model=str(MODEL_DIR), skip_tokenizer_init=True, dtype="float32", block_size=block_size,
-              enforce_eager=True, compilation_config={"mode": 0}, max_model_len=-(-longest // block_size) * block_size,
-              enable_prefix_caching=False, seed=0, num_gpu_blocks_override=blocks, max_num_seqs=max(most, 1),
-              additional_config={"vtoken": vtoken})
+    llm = LLM(**engine_args(vtoken, longest, most, block_size))
     res: dict = {"start_s": time.monotonic() - started, "sets": []}
     try:
+        res["threads"] = llm.collective_rpc(worker_threads)[0]
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, detokenize=False)
+        if warmup_tokens:
+            params.max_tokens = warmup_tokens
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_sets[0]], params, use_tqdm=False)
+            params.max_tokens = max_tokens
+        if timed_attention:
+            llm.collective_rpc(time_attention)
         before = _counters(llm)
         for i, ps in enumerate(prompt_sets):
             t0 = time.monotonic()
@@ -143,6 +225,135 @@ def _run_engine(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: in
         del llm
         drop_frames(e)
         gc.collect()
-        raise e
+        raise
     del llm  # vLLM's shutdown collects garbage itself
     return res
+
+
+# ---- an engine in a process of its own ------------------------------------------------------------
+def run_steps(llm, prompts: list[list[int]], params, tag: str) -> tuple[float, list[float]]:
+    """Run the prompts through the engine step by step: wall seconds, and the gaps (seconds) between
+    consecutive steps that returned output once every request has its first token (decode steps)."""
+    from vllm.inputs import TokensPrompt
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=p), params)
+    t0 = last = time.perf_counter()
+    gaps: list[float] = []
+    started: set[str] = set()
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        if outs:
+            if len(started) == len(prompts):
+                gaps.append(now - last)
+            started.update(o.request_id for o in outs)
+            last = now
+    return time.perf_counter() - t0, gaps
+
+
+def _serve_engine(conn, env: dict, cores: list[int], threads: int, kwargs: dict) -> None:
+    """An ``EngineProcess``'s body: pin to ``cores``, start one in-process engine, answer ``conn``'s requests
+    ("steps", prompts, max_tokens, tag) -> (wall, gaps); ("counters",) -> dict; ("close",)."""
+    os.environ.update(env)
+    os.sched_setaffinity(0, cores)
+    llm = None
+    try:
+        with engine_environment(threads):
+            from vllm import LLM, SamplingParams
+            t0 = time.monotonic()
+            llm = LLM(**kwargs)
+            conn.send(("ok", {"start_s": time.monotonic() - t0, **llm.collective_rpc(worker_threads)[0]}))
+            vtoken = "additional_config" in kwargs
+            while True:
+                op, *args = conn.recv()
+                if op == "close":
+                    break
+                if op == "steps":
+                    prompts, max_tokens, tag = args
+                    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+                    conn.send(("ok", run_steps(llm, prompts, params, tag)))
+                elif op == "counters":
+                    conn.send(("ok", _counters(llm) if vtoken else {}))
+                else:
+                    raise ValueError(f"engine process: unknown request {op!r}")
+            if vtoken:
+                llm.llm_engine.engine_core.engine_core.scheduler.connector.tokens.allocator.check()
+            conn.send(("ok", None))
+    except BaseException:  # noqa: BLE001 - the parent re-raises it with this traceback
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        del llm
+        gc.collect()
+        conn.close()
+
+
+class EngineProcess:
+    """One in-process engine (``engine_args``) in a process of its own, driven over a pipe: vLLM keeps the KV
+    connector in a process-global, so plain vLLM and vtoken engines can only be alive together this way.
+    Processes fork from a ``forkserver`` that has imported vLLM once (a start costs the engine's, not the
+    imports'), and pin themselves to ``cores`` (default: this thread's affinity) with ``threads`` torch
+    threads. ``info``: start_s, torch_threads, cores (as measured in the engine's worker)."""
+
+    TIMEOUT_S = 600.0
+
+    def __init__(self, vtoken: dict | None, longest: int, most: int, block_size: int, threads: int = 1,
+                 cores: list[int] | None = None) -> None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__, "torch", "vllm.entrypoints.llm"])
+        self.conn, child = ctx.Pipe()
+        cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+        self.proc = ctx.Process(target=_serve_engine, args=(child, dict(os.environ), cores, threads,
+                                                            engine_args(vtoken, longest, most, block_size)))
+        self.proc.start()
+        child.close()
+        self.info = self._answer()
+
+    def _answer(self):
+        if not self.conn.poll(self.TIMEOUT_S):
+            raise TimeoutError(f"engine process {self.proc.pid}: no answer in {self.TIMEOUT_S:.0f} s")
+        kind, value = self.conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"engine process {self.proc.pid} failed:\n{value}")
+        return value
+
+    def run_steps(self, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, list[float]]:
+        """``run_steps`` in the engine's process: wall seconds and decode-step gaps."""
+        self.conn.send(("steps", prompts, max_tokens, tag))
+        return self._answer()
+
+    def counters(self) -> dict:
+        """vtoken's counters in the engine's process (``_counters``; empty for plain vLLM)."""
+        self.conn.send(("counters",))
+        return self._answer()
+
+    def close(self) -> None:
+        """Stop the engine (its token pool is checked, P1) and its process."""
+        close_all([self])
+
+
+def close_all(engines: list[EngineProcess]) -> None:
+    """Close ``engines`` together (their shutdowns overlap); the first failure is raised after all are gone."""
+    errors = []
+    asked = []
+    for e in engines:
+        try:
+            if e.proc.is_alive():
+                e.conn.send(("close",))
+                asked.append(e)
+        except OSError as err:  # the process died: nothing to ask
+            errors.append(err)
+    for e in engines:
+        try:
+            if e in asked:
+                e._answer()
+        except (RuntimeError, TimeoutError, EOFError) as err:
+            errors.append(err)
+        finally:
+            e.proc.join(30)
+            if e.proc.is_alive():
+                e.proc.terminate()
+                e.proc.join()
+            e.conn.close()
+    if errors:
+        raise errors[0]

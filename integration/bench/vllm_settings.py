@@ -6,6 +6,12 @@ requests takes a few ms, so the cost is dominated by engine starts (one per syst
 per seed for Random, whose victims depend on the seed). ``--quick`` keeps every system, every
 policy and >= 5 repeats at budget 0.5 only, with fewer and shorter generations. Repeat i uses seed
 ``seed + i`` for the held-out prompt windows and for vtoken's ``seed`` (Random's victims).
+
+The timing questions (Q4 overhead, Q7 bookkeeping) evict with ``overhead_policy`` at ``overhead_budget``
+and run pinned to one core (``pin``). Q4 keeps one engine process per configuration alive for the whole
+run and serves ``q4_concurrency`` requests per round; Q7 starts one in-process engine per (configuration,
+concurrency) and serves every seed from it. ``--quick`` keeps all configurations and >= 5 repeats with
+one Q4 concurrency and three Q7 concurrencies.
 """
 
 from __future__ import annotations
@@ -32,6 +38,13 @@ class VllmBenchSettings:
     score_layers: int = 1  # H2O, Scissorhands: attention rows from the last layer (the dense score pass)
     block_size: int = 32
     threads: int = 1  # torch threads in the (in-process) engine; 2 OpenMP threads stall on a shared 2-core box
+    overhead_policy: str = "random"  # Q4, Q7: victims spread over blocks, so reclamation has work; no score pass
+    overhead_budget: float = 0.5
+    q4_concurrency: tuple[int, ...] = (16, 48)  # requests per round (the paper's C)
+    q4_max_tokens: int = 128
+    q7_concurrency: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)  # running requests C (max_num_seqs = C)
+    q7_max_tokens: int = 32
+    pin: bool = True  # Q4, Q7: the bench and its engines on one core (``vllm_engine.one_core``)
     min_repeats: int = MIN_REPEATS  # the CLI never lowers it; tests may, explicitly
 
     def __post_init__(self) -> None:
@@ -44,8 +57,19 @@ class VllmBenchSettings:
             raise ConfigError(f"repeats must be an int >= {self.min_repeats} (median and spread need them), "
                               f"got {self.repeats!r}")
         positive_int("seed", self.seed, 0)
-        for name in ("prompts", "prompt_len", "max_tokens", "threads", "score_layers", "block_size"):
+        for name in ("prompts", "prompt_len", "max_tokens", "threads", "score_layers", "block_size", "q4_max_tokens",
+                     "q7_max_tokens"):
             positive_int(name, getattr(self, name))
+        for name, least in (("q4_concurrency", 1), ("q7_concurrency", 2)):  # Q7 fits an exponent: >= 2 sizes
+            v = getattr(self, name)
+            if not isinstance(v, tuple) or len(v) < least or any(isinstance(c, bool) or not isinstance(c, int)
+                                                                  or c < 1 for c in v) or list(v) != sorted(set(v)):
+                raise ConfigError(f"{name} must be >= {least} increasing request counts >= 1, got {v!r}")
+        if self.overhead_policy not in POLICIES:
+            raise ConfigError(f"overhead_policy must be one of {list(POLICIES)}, got {self.overhead_policy!r}")
+        if isinstance(self.overhead_budget, bool) or not isinstance(self.overhead_budget, float) \
+                or not 0.0 < self.overhead_budget < 1.0:
+            raise ConfigError(f"overhead_budget must be a ratio in (0, 1) (float), got {self.overhead_budget!r}")
         if not self.budgets or any(isinstance(b, bool) or not isinstance(b, float) or not 0.0 < b < 1.0
                                    for b in self.budgets):
             raise ConfigError(f"budgets must be ratios in (0, 1) (floats), got {self.budgets!r}")
@@ -65,7 +89,8 @@ class VllmBenchSettings:
 
 
 FULL = VllmBenchSettings(quick=False)
-QUICK = VllmBenchSettings(quick=True, prompts=4, max_tokens=96, budgets=(0.5,))
+QUICK = VllmBenchSettings(quick=True, prompts=4, max_tokens=96, budgets=(0.5,), q4_concurrency=(16,), q4_max_tokens=96,
+                          q7_concurrency=(16, 64, 256))
 
 
 def vllm_bench_settings(quick: bool, repeats: int | None = None, seed: int = 0,

@@ -1,0 +1,170 @@
+"""Q7 (the review's open question: CPU-side bookkeeping as tracked requests grow), vLLM half: vtoken's seconds per
+engine step inside real vLLM, scheduler side and worker side, as the number of running requests C grows.
+
+The simulator half (``q7_bookkeeping_cost``) times the core runtime alone; here the same question is asked of the
+vLLM integration, where the scheduler side (``SchedulerTokens``: table sync, victim choice, planning and commit,
+timed into ``TokenStats.seconds``) and the worker side (``WorkerTokens``: copies, verification, slot mapping,
+read plans, timed into its ``seconds``) run inside vLLM's own step. Configurations (same policy and budget,
+``overhead_policy`` / ``overhead_budget``, strict verify off):
+
+    on              vtoken on, nothing evicted (policy none): the table sync alone
+    naive_evict     eviction, gather read path, reclaim off
+    vtoken_compact  eviction, gather read path, reclaim compact
+    vtoken_densify  eviction, dense read path (vLLM's stock kernel), reclaim densify
+
+Per (configuration, C) one in-process engine with ``max_num_seqs = C`` and a pool that holds every request at
+full length; an untimed warm-up ``generate`` of the first seed's prompts (the same batch shapes), then one timed
+``generate`` per seed of C held-out windows (``prompt_len`` bytes, ``q7_max_tokens`` generated). Every step of
+the call counts (prefill chunks included). Timings run pinned to one core with the settings' torch threads.
+
+Per run (``runs``): system, concurrency, seed, steps, wall_s, step_ms (wall / steps), scheduler_ms, worker_ms,
+vtoken_ms (their sum), share (vtoken_ms / step_ms), us_per_request (vtoken_ms / C, in µs), attention_ms (time
+inside the attention impls, for context: gather vs the stock kernel), tokens_evicted, tokens_moved, relocations.
+``summary``: per configuration, per C the median and spread over seeds, and the growth exponent b of
+metric ~ C^b for scheduler_ms, worker_ms, vtoken_ms and step_ms (``stats.loglog_slope`` per seed, as the
+simulator half fits it; median and spread).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .context import BenchContext
+from .plots import line_with_spread, pyplot, save, scaling_axes
+from .q4_overhead import system_config
+from .q7_bookkeeping_cost import PAPER
+from .stats import fmt_spread, loglog_slope, summarize
+from .systems import COLORS, LABELS
+from .vllm_engine import heldout_windows, one_core, run_engine
+
+KEY = "q7"
+TITLE = "vtoken's bookkeeping per engine step on real vLLM as running requests grow (scheduler and worker side)"
+SYSTEMS = ("on", "naive_evict", "vtoken_compact", "vtoken_densify")
+Q7_LABELS = {**LABELS, "on": "vtoken on, nothing evicted"}
+Q7_COLORS = {**COLORS, "on": COLORS["native"]}
+METRICS = ("step_ms", "scheduler_ms", "worker_ms", "vtoken_ms", "share", "us_per_request", "attention_ms")
+FITTED = ("scheduler_ms", "worker_ms", "vtoken_ms", "step_ms")
+COUNTS = ("tokens_evicted", "tokens_moved", "relocations", "mismatches")
+
+
+def step_costs(counters: dict, wall_s: float, concurrency: int) -> dict:
+    """Per-step costs of one timed ``generate`` from its counter deltas (``vllm_engine.run_engine``)."""
+    steps = counters["vtoken_steps"]
+    assert steps > 0, "a timed generate with no engine step"
+    sched, worker = 1e3 * counters["scheduler_seconds"] / steps, 1e3 * counters["worker_seconds"] / steps
+    step = 1e3 * wall_s / steps
+    return {"steps": steps, "wall_s": wall_s, "step_ms": step, "scheduler_ms": sched, "worker_ms": worker,
+            "vtoken_ms": sched + worker, "share": (sched + worker) / step, "us_per_request": 1e3 * (sched + worker)
+            / concurrency, "attention_ms": 1e3 * counters.get("attention_seconds", 0.0) / steps}
+
+
+def measure_concurrency(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: int, block_size: int,
+                        threads: int = 1, on_done=None) -> list[dict]:
+    """One engine serving ``len(prompt_sets[0])`` running requests: per prompt set, its ``step_costs`` and vtoken's
+    counters (after an untimed warm-up of the first set; attention impls timed). Also tests/bench_vllm_scaling.py's."""
+    res = run_engine(vtoken, prompt_sets, max_tokens, block_size, threads, on_done, warmup_tokens=min(8, max_tokens),
+                     timed_attention=True)
+    return [step_costs(one["counters"], one["wall_s"], len(ps)) | {k: one["counters"].get(k, 0) for k in COUNTS}
+            for ps, one in zip(prompt_sets, res["sets"])]
+
+
+def fit_exponent(runs: list[dict], metric: str, sizes: list[int], seeds: list[int]) -> dict | None:
+    """The growth exponent b of ``metric`` ~ C^b: per seed, the log-log least-squares slope over ``sizes``
+    (``stats.loglog_slope``); median and spread over seeds. None when a value is not positive (no log)."""
+    exps = []
+    for seed in seeds:
+        ys = [next(r[metric] for r in runs if r["concurrency"] == c and r["seed"] == seed) for c in sizes]
+        if min(ys) <= 0:
+            return None
+        exps.append(loglog_slope(sizes, ys))
+    return summarize(exps)
+
+
+def run(ctx: BenchContext) -> dict:
+    s = ctx.settings
+    evidence = str(ctx.out_dir / "q7-vtoken-evidence")
+    sizes = list(s.q7_concurrency)
+    progress = ctx.progress("q7 vllm bookkeeping", len(SYSTEMS) * len(sizes) * s.repeats)
+    runs = []
+    with one_core(s.pin) as pinning:
+        for c in sizes:
+            sets = [[p for p, _ in heldout_windows(c, s.prompt_len, s.q7_max_tokens, seed)] for seed in s.seeds]
+            for x in SYSTEMS:
+                cfg = system_config(x, s.overhead_policy, s.overhead_budget, s.seed, s.score_layers, evidence)
+                costs = measure_concurrency(cfg, sets, s.q7_max_tokens, s.block_size, s.threads,
+                                            on_done=lambda i, note=f"C={c} {x}": progress.advance(note))
+                runs += [{"system": x, "concurrency": c, "seed": seed, "vtoken": cfg, **one}
+                         for seed, one in zip(s.seeds, costs)]
+    progress.close()
+    summary = {"systems": {}, "pinning": pinning, "policy": s.overhead_policy, "budget": s.overhead_budget}
+    for x in SYSTEMS:
+        mine = [r for r in runs if r["system"] == x]
+        summary["systems"][x] = {
+            "by_concurrency": {str(c): {m: summarize([r[m] for r in mine if r["concurrency"] == c]) for m in METRICS}
+                               for c in sizes},
+            "exponent": {m: fit_exponent(mine, m, sizes, s.seeds) for m in FITTED},
+            **{k: sum(r[k] for r in mine) for k in COUNTS}}
+    return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs, "summary": summary,
+            "notes": notes(s, pinning)}
+
+
+def notes(s, pinning: dict | None) -> list[str]:
+    return [
+        (f"Pinned to core {pinning['core']} (of {pinning['affinity_before']})" if pinning else "Not pinned")
+        + f", {s.threads} torch thread(s); engines in this process, one at a time.",
+        (f"Policy {s.overhead_policy} at budget {s.overhead_budget}, strict verify off; prompts of {s.prompt_len} "
+         f"held-out bytes, {s.q7_max_tokens} generated; every engine step of the timed call counts (prefill "
+         "chunks included), step_ms = wall / steps."),
+        ("Scheduler and worker seconds are vtoken's own timers (TokenStats.seconds, WorkerTokens.seconds); "
+         "vLLM's connector calls and the per-step metadata around them are not in them (Q4 measures the whole)."),
+        ("The exponent is fitted per seed over every C (log-log least squares, stats.loglog_slope); b = 1 is "
+         "linear in running requests. attention_ms (time inside the attention impls) is context: the gather "
+         "read path's plain-torch attention against vLLM's stock kernel."),
+        (f"Running requests C: {list(s.q7_concurrency)}, every request of a call at once (max_num_seqs = C, a "
+         "pool that holds them all at full length: no preemption)."),
+    ]
+
+
+# ---- output -------------------------------------------------------------------------------------
+def table(report: dict) -> list[str]:
+    sm = report["summary"]["systems"]
+    lines = [("| C | configuration | step (ms) | vtoken scheduler (ms) | vtoken worker (ms) | share of step "
+              "| µs per request | attention (ms) |"), "|---|---|---|---|---|---|---|---|"]
+    sizes = list(sm[SYSTEMS[0]]["by_concurrency"])
+    for c in sizes:
+        for x in SYSTEMS:
+            m = sm[x]["by_concurrency"][c]
+            lines.append(f"| {c} | {Q7_LABELS[x]} | {fmt_spread(m['step_ms'], '{:.2f}')} "
+                         f"| {fmt_spread(m['scheduler_ms'], '{:.3f}')} | {fmt_spread(m['worker_ms'], '{:.3f}')} "
+                         f"| {fmt_spread(m['share'], '{:.1f}', 100)} % | {m['us_per_request']['median']:.1f} "
+                         f"| {m['attention_ms']['median']:.2f} |")
+    lines += ["", "| growth exponent b (metric ~ C^b) | " + " | ".join(FITTED) + " |", "|---" * (1 + len(FITTED)) + "|"]
+    for x in SYSTEMS:
+        e = sm[x]["exponent"]
+        lines.append(f"| {Q7_LABELS[x]} | " + " | ".join(fmt_spread(e[m], "{:.2f}") if e[m] else "–" for m in FITTED)
+                     + " |")
+    p = report["summary"]["pinning"]
+    lines.append(f"\nMedian (min–max) over seeds, one engine per (configuration, C). Policy "
+                 f"{report['summary']['policy']} at budget {report['summary']['budget']}; "
+                 + (f"pinned to core {p['core']}." if p else "not pinned.")
+                 + " Paper: no host-side compute cost reported; its overhead runs stop at C=48.")
+    return lines
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    sm = report["summary"]["systems"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for x in SYSTEMS:
+        by_c = sm[x]["by_concurrency"]
+        cs = [int(c) for c in by_c]
+        b = sm[x]["exponent"]["vtoken_ms"]
+        label = f"{Q7_LABELS[x]} (b={b['median']:.2f})" if b else Q7_LABELS[x]
+        line_with_spread(ax1, cs, [by_c[c]["vtoken_ms"] for c in by_c], Q7_COLORS[x], label)
+        line_with_spread(ax2, cs, [by_c[c]["share"] for c in by_c], Q7_COLORS[x], Q7_LABELS[x], 100)
+    scaling_axes((ax1, ax2), "running requests C",
+                 ("vtoken ms per engine step (scheduler + worker)", "vtoken share of the step (%)"))
+    p = report["summary"]["pinning"]
+    fig.suptitle("Q7 vtoken bookkeeping per step on vLLM CPU, byte-llama (median, min–max over seeds; "
+                 + (f"pinned to core {p['core']})" if p else "not pinned)"))
+    save(fig, path)
