@@ -7,6 +7,8 @@ Every Q6 and Q7 engine runs in this process with vtoken on (the full cache is po
 tests' convention is: vLLM's KV connector is process-global, so plain vLLM engines run in their own process
 (Q4: every configuration in an ``EngineProcess``). Q4 and Q7 run with 2 seeds (``min_repeats`` lowered
 explicitly) and a few requests, to stay within seconds; their numbers are not checked, their structure is.
+Q6's prefix-caching half runs 2 seeds of 2 shared prefixes (96 and 128 bytes) x 3 requests with Random, and its
+numbers are checked: which requests hit how many cached tokens, and which outputs are bit-identical.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ pytest.importorskip("matplotlib")
 from vtoken.core.cli import main as vtoken_main
 from vtoken.core.errors import ConfigError
 from vtoken.integration.bench import q4_overhead as q4
+from vtoken.integration.bench import q6_prefix_caching as q6p
 from vtoken.integration.bench import q6_quality as q6
 from vtoken.integration.bench import q7_vllm_bookkeeping as q7
 from vtoken.integration.bench.report import REPORT_FIELDS
@@ -136,13 +139,20 @@ def test_settings_and_cli_reject_bad_values(tmp_path, capsys):
     assert vtoken_main(["bench", "vllm", "--out", str(tmp_path / "o"), "--questions", "q1"]) == 2
     assert "unknown question(s) ['q1'] for the vLLM half" in capsys.readouterr().err
     assert vtoken_main(["bench", "vllm", "--out", str(tmp_path / "o"), "--questions", "q4", "q5"]) == 2
-    assert "unknown question(s) ['q5'] for the vLLM half; choose from ['q4', 'q6', 'q7']" in capsys.readouterr().err
+    assert "unknown question(s) ['q5'] for the vLLM half; choose from ['q4', 'q6', 'q6_prefix', 'q7']" \
+        in capsys.readouterr().err
     with pytest.raises(ConfigError, match="q7_concurrency must be >= 2 increasing request counts"):
         VllmBenchSettings(quick=True, q7_concurrency=(16,))
     with pytest.raises(ConfigError, match="q4_concurrency must be >= 1 increasing request counts"):
         VllmBenchSettings(quick=True, q4_concurrency=(48, 16))
     with pytest.raises(ConfigError, match="overhead_policy must be one of"):
         VllmBenchSettings(quick=True, overhead_policy="lru")
+    with pytest.raises(ConfigError, match="q6_prefix_requests must be an int >= 2"):
+        VllmBenchSettings(quick=True, q6_prefix_requests=1)
+    with pytest.raises(ConfigError, match="q6_prefix_len must be"):
+        VllmBenchSettings(quick=True, q6_prefix_len=(128, 96))
+    with pytest.raises(ConfigError, match="unknown policies"):
+        VllmBenchSettings(quick=True, q6_prefix_policies=("lru",))
 
 
 # ---- Q4: overhead against plain vLLM, side by side --------------------------------------------------
@@ -253,3 +263,54 @@ def test_q7_exponent_fit_on_known_curves():
     assert q7.fit_exponent(runs, "m", sizes, seeds) is None
     assert q4.percentile([float(x) for x in range(1, 101)], 95) == pytest.approx(95.05)
     assert q4.percentile([2.0], 50) == 2.0
+
+
+# ---- Q6, prefix caching: shared prefixes hit vLLM's prefix cache under eviction and strict verify ------------
+TINY_PREFIX = replace(vllm_bench_settings(quick=True), repeats=2, min_repeats=2, q6_prefix_groups=2,
+                      q6_prefix_requests=3, q6_prefix_max_tokens=24, q6_prefix_policies=("random",))
+
+
+@pytest.fixture(scope="module")
+def q6p_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-vllm-q6p")
+    tables = io.StringIO()
+    reports = run_questions([q6p], TINY_PREFIX, out, "vtoken bench vllm (test)", io.StringIO(), tables)
+    data = json.loads((out / "q6_prefix.json").read_text())
+    assert set(REPORT_FIELDS) <= set(data) and data["question"] == "q6_prefix"
+    assert (out / "q6_prefix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return reports["q6_prefix"], tables.getvalue()
+
+
+def test_q6_prefix_hits_and_identity(q6p_report):
+    report, tables = q6p_report
+    runs, sm = report["runs"], report["summary"]
+    assert len(runs) == 2 * 2 * (1 + 3)  # seeds x caching x (full + 3 evicting systems)
+    for r in runs:
+        # submission order: each group's first request (prefixes of 96 and 128 bytes), then the others
+        assert [(p["group"], p["member"], p["prompt_len"]) for p in r["prompts"]] == \
+            [(0, 0, 112), (1, 0, 144), (0, 1, 112), (0, 2, 112), (1, 1, 144), (1, 2, 144)]
+        hits = [p["cached_tokens"] for p in r["prompts"]]
+        if r["caching"] == "off":
+            assert hits == [0] * 6 and r["cached_tokens"] == 0
+        elif r["system"] == "vtoken_densify":  # densify rewrote the first requests' prompt blocks: their hash went
+            assert hits == [0, 0, 0, 96, 0, 128] and r["uncached"] > 0
+        else:  # every whole block of the shared prefix is hit
+            assert hits == [0, 0, 96, 96, 128, 128] and r["computed_prompt_tokens"] == 3 * 112 + 3 * 144 - 448
+        assert r["mismatches"] == r["quarantined"] == r["copies_failed"] == 0
+        assert r["verified"] == r["relocations"] and r["all_finished_by_length"]
+        if r["system"] == "vtoken_compact":
+            assert r["identical_to_naive"] == 6  # ids and logprobs, caching on and off
+        if r["caching"] == "on" and r["system"] != "vtoken_densify":
+            assert r["identical_to_off"] == 6  # full cache, Naive-Evict, compact: a prefix-cache hit changes nothing
+        if r["system"] != "full":
+            assert r["tokens_evicted"] > 0
+    assert sm["identity"] == {c: {"pairs": 12, "same_tokens": 12, "identical": 12, "max_abs_logprob_diff": 0.0}
+                              for c in ("on", "off")}
+    assert sm["hits"]["on"]["later_hit_requests"] == 3 * 2 * 4 + 2 * 2 and sm["hits"]["off"]["cached_tokens"] == 0
+    assert sm["verify"]["mismatches"] == 0 and sm["verify"]["verified"] > 0
+    densify = sm["by_policy"]["random"]["vtoken_densify"]
+    assert densify["on"]["relocations"] > 0 and densify["off"]["uncached"] == 0
+    # the dense path keeps the tokens of blocks other requests share (they cannot become holes)
+    assert densify["on"]["tokens_evicted"] < densify["off"]["tokens_evicted"]
+    assert "| random | vtoken compact | on | 112.0 | 320 |" in tables
+    assert "Strict verify over the evicting runs: 0 mismatches and 0 quarantined" in tables

@@ -17,13 +17,14 @@ from types import ModuleType
 
 from vtoken.core.errors import ConfigError
 
-from . import q4_overhead, q6_quality, q7_vllm_bookkeeping
+from . import q4_overhead, q6_prefix_caching, q6_quality, q7_vllm_bookkeeping
 from .questions import select_questions
 from .runner import command_line, prepare_out_dir, run_questions
 from .settings import MIN_REPEATS
 from .vllm_settings import vllm_bench_settings
 
-VLLM_QUESTIONS: dict[str, ModuleType] = {m.KEY: m for m in (q4_overhead, q6_quality, q7_vllm_bookkeeping)}
+VLLM_QUESTIONS: dict[str, ModuleType] = {m.KEY: m for m in (q4_overhead, q6_quality, q6_prefix_caching,
+                                                              q7_vllm_bookkeeping)}
 
 
 def register_vllm(bench_sub: argparse._SubParsersAction) -> None:

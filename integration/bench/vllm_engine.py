@@ -98,13 +98,14 @@ def one_core(enabled: bool = True):
         os.sched_setaffinity(0, before)
 
 
-def engine_args(vtoken: dict | None, longest: int, most: int, block_size: int) -> dict:
+def engine_args(vtoken: dict | None, longest: int, most: int, block_size: int, prefix_caching: bool = False) -> dict:
     """``LLM`` keyword arguments for the byte-llama: ``most`` requests of up to ``longest`` tokens all at full
-    length at once (no preemption), fp32, eager, prefix caching off. ``vtoken`` None: plain vLLM."""
+    length at once (no preemption), fp32, eager, prefix caching off unless ``prefix_caching``. ``vtoken`` None:
+    plain vLLM."""
     blocks = most * -(-longest // block_size) + most + 8
     kw = {"model": str(MODEL_DIR), "skip_tokenizer_init": True, "dtype": "float32", "block_size": block_size,
           "enforce_eager": True, "compilation_config": {"mode": 0},
-          "max_model_len": -(-longest // block_size) * block_size, "enable_prefix_caching": False, "seed": 0,
+          "max_model_len": -(-longest // block_size) * block_size, "enable_prefix_caching": prefix_caching, "seed": 0,
           "num_gpu_blocks_override": blocks, "max_num_seqs": max(most, 1)}
     if vtoken is not None:
         kw["additional_config"] = {"vtoken": vtoken}
@@ -173,19 +174,25 @@ def _counters(llm) -> dict:
 
 
 def run_engine(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: int, block_size: int,
-               threads: int = 1, on_done=None, warmup_tokens: int = 0, timed_attention: bool = False) -> dict:
+               threads: int = 1, on_done=None, warmup_tokens: int = 0, timed_attention: bool = False,
+               prefix_caching: bool | None = None, counters=None) -> dict:
     """One in-process engine with ``additional_config={"vtoken": vtoken}``; one ``generate`` per prompt set.
     Returns {"start_s", "threads", "sets": [{"outputs": [(token ids, logprobs, finish reason)], "counters",
     "wall_s"}]}; counters are this set's deltas (``scheduler_seconds``, ``worker_seconds`` and
     ``vtoken_steps`` included). ``warmup_tokens`` > 0: first an untimed ``generate`` of the first set with
     that many tokens (the same batch shapes); ``timed_attention``: then time the attention impls
-    (``attention_seconds``). ``on_done(i)`` after each set (progress)."""
+    (``attention_seconds``). ``on_done(i)`` after each set (progress). ``prefix_caching`` True or False:
+    vLLM's prefix cache on or off, and each set also has "cached_tokens" (per request, vLLM's
+    ``RequestOutput.num_cached_tokens``); None: off, as before. ``counters(llm)``: more counters (ints) of
+    the engine, added to ``_counters``' and reported as deltas the same way."""
     with engine_environment(threads):
-        return _run_engine(vtoken, prompt_sets, max_tokens, block_size, on_done, warmup_tokens, timed_attention)
+        return _run_engine(vtoken, prompt_sets, max_tokens, block_size, on_done, warmup_tokens, timed_attention,
+                           prefix_caching, counters)
 
 
 def _run_engine(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: int, block_size: int, on_done,
-                warmup_tokens: int, timed_attention: bool) -> dict:
+                warmup_tokens: int, timed_attention: bool, prefix_caching: bool | None = None,
+                counters=None) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vtoken.integration.vllm.fuzz_episode import drop_frames
@@ -193,7 +200,7 @@ def _run_engine(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: in
     longest = max(len(p) for ps in prompt_sets for p in ps) + max_tokens
     most = max(len(ps) for ps in prompt_sets)
     started = time.monotonic()
-    llm = LLM(**engine_args(vtoken, longest, most, block_size))
+    llm = LLM(**engine_args(vtoken, longest, most, block_size, bool(prefix_caching)))
     res: dict = {"start_s": time.monotonic() - started, "sets": []}
     try:
         res["threads"] = llm.collective_rpc(worker_threads)[0]
@@ -204,7 +211,7 @@ def _run_engine(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: in
             params.max_tokens = max_tokens
         if timed_attention:
             llm.collective_rpc(time_attention)
-        before = _counters(llm)
+        before = _counters(llm) if counters is None else {**_counters(llm), **counters(llm)}
         for i, ps in enumerate(prompt_sets):
             t0 = time.monotonic()
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
@@ -214,9 +221,11 @@ def _run_engine(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: in
                 c = o.outputs[0]
                 ids = list(c.token_ids)
                 outputs.append((ids, [d[t].logprob for d, t in zip(c.logprobs or [], ids)], c.finish_reason))
-            after = _counters(llm)
+            after = _counters(llm) if counters is None else {**_counters(llm), **counters(llm)}
             res["sets"].append({"outputs": outputs, "wall_s": wall,
                                 "counters": {k: after[k] - before.get(k, 0) for k in after}})
+            if prefix_caching is not None:
+                res["sets"][-1]["cached_tokens"] = [o.num_cached_tokens or 0 for o in outs]
             before = after
             if on_done is not None:
                 on_done(i)

@@ -12,6 +12,12 @@ and run pinned to one core (``pin``). Q4 keeps one engine process per configurat
 run and serves ``q4_concurrency`` requests per round; Q7 starts one in-process engine per (configuration,
 concurrency) and serves every seed from it. ``--quick`` keeps all configurations and >= 5 repeats with
 one Q4 concurrency and three Q7 concurrencies.
+
+Q6's prefix-caching half (``q6_prefix_caching``) serves, per seed, ``q6_prefix_groups`` groups of
+``q6_prefix_requests`` requests that share a held-out prefix (``q6_prefix_len``: the shortest and the longest
+group's, in bytes) and differ in a private ``q6_suffix_len``-byte suffix, evicting with each of
+``q6_prefix_policies`` at ``q6_prefix_budget``. ``--quick`` keeps every system, two policies and >= 5 repeats
+with shorter generations.
 """
 
 from __future__ import annotations
@@ -45,6 +51,13 @@ class VllmBenchSettings:
     q7_concurrency: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)  # running requests C (max_num_seqs = C)
     q7_max_tokens: int = 32
     pin: bool = True  # Q4, Q7: the bench and its engines on one core (``vllm_engine.one_core``)
+    q6_prefix_groups: int = 4  # Q6 prefix caching: shared prefixes per seed
+    q6_prefix_requests: int = 4  # requests per shared prefix: the first alone, then the rest (prefix-cache hits)
+    q6_prefix_len: tuple[int, int] = (96, 128)  # bytes of the shortest and the longest group's shared prefix
+    q6_suffix_len: int = 16  # private bytes after the shared prefix
+    q6_prefix_max_tokens: int = 80  # generated greedily, ignore_eos
+    q6_prefix_policies: tuple[str, ...] = POLICIES
+    q6_prefix_budget: float = 0.5
     min_repeats: int = MIN_REPEATS  # the CLI never lowers it; tests may, explicitly
 
     def __post_init__(self) -> None:
@@ -58,8 +71,14 @@ class VllmBenchSettings:
                               f"got {self.repeats!r}")
         positive_int("seed", self.seed, 0)
         for name in ("prompts", "prompt_len", "max_tokens", "threads", "score_layers", "block_size", "q4_max_tokens",
-                     "q7_max_tokens"):
+                     "q7_max_tokens", "q6_prefix_groups", "q6_suffix_len", "q6_prefix_max_tokens"):
             positive_int(name, getattr(self, name))
+        positive_int("q6_prefix_requests", self.q6_prefix_requests, 2)  # a first request and one that hits it
+        lo_hi = self.q6_prefix_len
+        if not isinstance(lo_hi, tuple) or len(lo_hi) != 2 or any(isinstance(n, bool) or not isinstance(n, int)
+                                                                   for n in lo_hi) or not 1 <= lo_hi[0] <= lo_hi[1]:
+            raise ConfigError(f"q6_prefix_len must be (shortest, longest) prefix bytes, 1 <= shortest <= longest, "
+                              f"got {lo_hi!r}")
         for name, least in (("q4_concurrency", 1), ("q7_concurrency", 2)):  # Q7 fits an exponent: >= 2 sizes
             v = getattr(self, name)
             if not isinstance(v, tuple) or len(v) < least or any(isinstance(c, bool) or not isinstance(c, int)
@@ -70,14 +89,18 @@ class VllmBenchSettings:
         if isinstance(self.overhead_budget, bool) or not isinstance(self.overhead_budget, float) \
                 or not 0.0 < self.overhead_budget < 1.0:
             raise ConfigError(f"overhead_budget must be a ratio in (0, 1) (float), got {self.overhead_budget!r}")
+        pb = self.q6_prefix_budget
+        if isinstance(pb, bool) or not isinstance(pb, float) or not 0.0 < pb < 1.0:
+            raise ConfigError(f"q6_prefix_budget must be a ratio in (0, 1) (float), got {pb!r}")
         if not self.budgets or any(isinstance(b, bool) or not isinstance(b, float) or not 0.0 < b < 1.0
                                    for b in self.budgets):
             raise ConfigError(f"budgets must be ratios in (0, 1) (floats), got {self.budgets!r}")
-        if not self.policies:
-            raise ConfigError("policies must name at least one eviction policy")
-        bad = [p for p in self.policies if p not in POLICIES]
-        if bad:
-            raise ConfigError(f"unknown policies {bad}; choose from {list(POLICIES)}")
+        for name in ("policies", "q6_prefix_policies"):
+            if not getattr(self, name):
+                raise ConfigError(f"{name} must name at least one eviction policy")
+            bad = [p for p in getattr(self, name) if p not in POLICIES]
+            if bad:
+                raise ConfigError(f"unknown policies {bad}; choose from {list(POLICIES)}")
 
     @property
     def seeds(self) -> list[int]:
@@ -90,7 +113,7 @@ class VllmBenchSettings:
 
 FULL = VllmBenchSettings(quick=False)
 QUICK = VllmBenchSettings(quick=True, prompts=4, max_tokens=96, budgets=(0.5,), q4_concurrency=(16,), q4_max_tokens=96,
-                          q7_concurrency=(16, 64, 256))
+                          q7_concurrency=(16, 64, 256), q6_prefix_max_tokens=32, q6_prefix_policies=("random", "h2o"))
 
 
 def vllm_bench_settings(quick: bool, repeats: int | None = None, seed: int = 0,
