@@ -12,11 +12,9 @@ import argparse
 import sys
 import time
 
-from vtoken.core.errors import ConfigError
-
 from .device_cli import cuda_available, register_device, run_device
 from .questions import QUESTIONS, select_questions
-from .runner import command_line, prepare_out_dir, run_questions
+from .runner import run_half
 from .settings import MIN_REPEATS, bench_settings
 from .vllm_cli import register_vllm, run_vllm
 
@@ -52,18 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_sim(a: argparse.Namespace) -> int:
-    try:
-        settings = bench_settings(a.quick, a.repeats, a.seed, a.check_invariants)
-        questions = select_questions(a.questions)
-        out_dir = prepare_out_dir(a.out)
-    except ConfigError as e:
-        print(f"vtoken bench sim: {e}", file=sys.stderr)
-        return 2
-    started = time.monotonic()
-    run_questions(questions, settings, out_dir, command_line("sim", a, ("repeats", "seed", "check_invariants")))
-    print(f"\nvtoken bench sim: {len(questions)} question(s) in {time.monotonic() - started:.0f} s; "
-          f"JSON and PNG in {out_dir}/", file=sys.stderr)
-    return 0
+    return run_half("sim", a, lambda: (bench_settings(a.quick, a.repeats, a.seed, a.check_invariants),
+                                       select_questions(a.questions)),
+                    ("repeats", "seed", "check_invariants"), "the bench extra: pip install -e '.[bench]'")
 
 
 def run_all(a: argparse.Namespace) -> int:

@@ -7,14 +7,12 @@ CUDA checks and this benchmark straight from the checkout.
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 
 from vtoken.core.errors import ConfigError
 
 from . import q4_device
 from .device_settings import device_bench_settings
-from .runner import command_line, prepare_out_dir, run_questions
+from .runner import run_half
 from .settings import MIN_REPEATS
 
 
@@ -39,19 +37,8 @@ def cuda_available() -> bool:
 
 
 def run_device(a: argparse.Namespace) -> int:
-    try:
+    def prepare():
         if a.gpu and not cuda_available():
             raise ConfigError("--gpu: no CUDA device visible to torch (torch.cuda.is_available() is False)")
-        settings = device_bench_settings(a.gpu, a.quick, a.repeats, a.seed)
-        out_dir = prepare_out_dir(a.out)
-    except ImportError:
-        print("vtoken bench device: needs torch: pip install -e '.[torch,bench]'", file=sys.stderr)
-        return 2
-    except ConfigError as e:
-        print(f"vtoken bench device: {e}", file=sys.stderr)
-        return 2
-    started = time.monotonic()
-    run_questions([q4_device], settings, out_dir, command_line("device", a, ("gpu", "repeats", "seed")))
-    print(f"\nvtoken bench device: done in {time.monotonic() - started:.0f} s; JSON and PNG in {out_dir}/",
-          file=sys.stderr)
-    return 0
+        return device_bench_settings(a.gpu, a.quick, a.repeats, a.seed), [q4_device]
+    return run_half("device", a, prepare, ("gpu", "repeats", "seed"), "torch: pip install -e '.[torch,bench]'")

@@ -33,6 +33,26 @@ def command_line(target: str, a: argparse.Namespace, options: tuple[str, ...]) -
     return " ".join(shlex.quote(x) for x in parts)
 
 
+def run_half(target: str, a: argparse.Namespace, prepare, options: tuple[str, ...], install: str) -> int:
+    """``vtoken bench <target>``: ``prepare()`` returns (settings, questions) or raises; a ``ConfigError`` or a
+    missing dependency (``ImportError``: ``install`` names the extras) is printed and returns 2 before any
+    work or output folder. Then every question runs into ``a.out``."""
+    try:
+        settings, questions = prepare()
+        out_dir = prepare_out_dir(a.out)
+    except ImportError:
+        print(f"vtoken bench {target}: needs {install}", file=sys.stderr)
+        return 2
+    except ConfigError as e:
+        print(f"vtoken bench {target}: {e}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    run_questions(questions, settings, out_dir, command_line(target, a, options))
+    print(f"\nvtoken bench {target}: {len(questions)} question(s) in {time.monotonic() - started:.0f} s; "
+          f"JSON and PNG in {out_dir}/", file=sys.stderr)
+    return 0
+
+
 def prepare_out_dir(out: str | Path) -> Path:
     path = Path(out)
     if path.exists() and not path.is_dir():

