@@ -102,7 +102,7 @@ class VTokenMachine(RuleBasedStateMachine):
         burst_df=st.sampled_from([None, None, 0.05, 0.2]),  # None: the fixed trigger; else the adaptive one
     )
     def setup(self, profile, policy, block_size, num_blocks, headroom, budget, theta_f, check_every,
-              max_sources, low_watermark, burst_df):
+              max_sources, low_watermark, burst_df=None):  # None: replays saved before the adaptive trigger
         prof: Profile = PROFILES[profile]
         self.profile = prof
         headroom = min(headroom, num_blocks - 1)
