@@ -14,8 +14,8 @@ import time
 
 from .device_cli import cuda_available, register_device, run_device
 from .questions import QUESTIONS, select_questions
-from .runner import run_half
-from .settings import MIN_REPEATS, bench_settings
+from .runner import add_run_options, run_half
+from .settings import bench_settings
 from .vllm_cli import register_vllm, run_vllm
 
 
@@ -26,11 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sim = bench_sub.add_parser("sim", help="answer the questions on the core simulator",
                                description="Native, Naive-Evict, vtoken compact and vtoken densify side by side, "
                                            "identical eviction decisions, median and spread over seeds.")
-    sim.add_argument("--quick", action="store_true", help="smaller scale, same questions (a few minutes on 2 cores)")
-    sim.add_argument("--out", default="bench-out", help="output folder for <question>.json and .png")
-    sim.add_argument("--questions", nargs="+", metavar="Q", help=f"subset of {list(QUESTIONS)} (default: all)")
-    sim.add_argument("--repeats", type=int, help=f"seeds per point (default and minimum {MIN_REPEATS})")
-    sim.add_argument("--seed", type=int, default=0, help="first seed; repeat i uses seed + i")
+    add_run_options(sim, "bench-out", QUESTIONS)
     sim.add_argument("--check-invariants", action="store_true",
                      help="check every invariant after every simulated step (slow)")
     sim.set_defaults(run=run_sim)
@@ -40,11 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       description="Runs 'sim', 'vllm' and, with --gpu, 'device' one after the "
                                                   "other into <out>/sim, <out>/vllm and <out>/device; each JSON "
                                                   "records the command that reproduces that half alone.")
-    everything.add_argument("--quick", action="store_true", help="every half at its quick scale (< 15 min on 2 cores)")
+    add_run_options(everything, "bench-out")
     everything.add_argument("--gpu", action="store_true", help="also run the device half on CUDA")
-    everything.add_argument("--out", default="bench-out", help="output folder (one subfolder per half)")
-    everything.add_argument("--repeats", type=int, help=f"seeds per point (default and minimum {MIN_REPEATS})")
-    everything.add_argument("--seed", type=int, default=0, help="first seed; repeat i uses seed + i")
     everything.set_defaults(run=run_all)
     p.set_defaults(run=lambda a: (p.print_help(), 2)[1])
 

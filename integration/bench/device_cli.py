@@ -12,8 +12,7 @@ from vtoken.core.errors import ConfigError
 
 from . import q4_device
 from .device_settings import device_bench_settings
-from .runner import run_half
-from .settings import MIN_REPEATS
+from .runner import add_run_options, run_half
 
 
 def register_device(bench_sub: argparse._SubParsersAction) -> None:
@@ -21,11 +20,8 @@ def register_device(bench_sub: argparse._SubParsersAction) -> None:
                                             "contention (--gpu for CUDA)",
                              description=q4_device.__doc__.splitlines()[0])
     p.add_argument("--gpu", action="store_true", help="run on CUDA at Llama-3.1-8B's KV geometry (needs a GPU)")
-    p.add_argument("--quick", action="store_true", help="fewer and shorter requests")
-    p.add_argument("--out", default="bench-device-out", help="output folder for q4_device.json and .png")
-    p.add_argument("--repeats", type=int, help=f"seeds (default and minimum {MIN_REPEATS})")
-    p.add_argument("--seed", type=int, default=0, help="first seed; repeat i uses seed + i")
-    p.set_defaults(run=run_device, questions=None)
+    add_run_options(p, "bench-device-out")
+    p.set_defaults(run=run_device)
 
 
 def cuda_available() -> bool:

@@ -33,6 +33,20 @@ def command_line(target: str, a: argparse.Namespace, options: tuple[str, ...]) -
     return " ".join(shlex.quote(x) for x in parts)
 
 
+def add_run_options(p: argparse.ArgumentParser, out: str, registry: dict | None = None) -> None:
+    """The options every ``vtoken bench`` target shares: --quick, --out, --questions (when it has a
+    registry to choose from), --repeats and --seed."""
+    from .settings import MIN_REPEATS
+    p.add_argument("--quick", action="store_true", help="smaller scale, same questions (minutes on 2 cores)")
+    p.add_argument("--out", default=out, help="output folder for <question>.json and .png")
+    if registry is not None:
+        p.add_argument("--questions", nargs="+", metavar="Q", help=f"subset of {list(registry)} (default: all)")
+    else:
+        p.set_defaults(questions=None)
+    p.add_argument("--repeats", type=int, help=f"seeds per point (default and minimum {MIN_REPEATS})")
+    p.add_argument("--seed", type=int, default=0, help="first seed; repeat i uses seed + i")
+
+
 def run_half(target: str, a: argparse.Namespace, prepare, options: tuple[str, ...], install: str) -> int:
     """``vtoken bench <target>``: ``prepare()`` returns (settings, questions) or raises; a ``ConfigError`` or a
     missing dependency (``ImportError``: ``install`` names the extras) is printed and returns 2 before any

@@ -15,8 +15,7 @@ from types import ModuleType
 
 from . import q4_overhead, q6_prefix_caching, q6_quality, q7_vllm_bookkeeping
 from .questions import select_questions
-from .runner import run_half
-from .settings import MIN_REPEATS
+from .runner import add_run_options, run_half
 from .vllm_settings import vllm_bench_settings
 
 VLLM_QUESTIONS: dict[str, ModuleType] = {m.KEY: m for m in (q4_overhead, q6_quality, q6_prefix_caching,
@@ -27,11 +26,7 @@ def register_vllm(bench_sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser("vllm", help="answer the engine questions on real vLLM (CPU) with the byte-level model",
                              description="Full cache, Naive-Evict, vtoken compact and vtoken densify on vLLM with "
                                          "the trained byte-llama, strict verify on, median and spread over seeds.")
-    p.add_argument("--quick", action="store_true", help="smaller scale, same question (a few minutes on 2 cores)")
-    p.add_argument("--out", default="bench-vllm-out", help="output folder for <question>.json and .png")
-    p.add_argument("--questions", nargs="+", metavar="Q", help=f"subset of {list(VLLM_QUESTIONS)} (default: all)")
-    p.add_argument("--repeats", type=int, help=f"seeds per point (default and minimum {MIN_REPEATS})")
-    p.add_argument("--seed", type=int, default=0, help="first seed; repeat i uses seed + i")
+    add_run_options(p, "bench-vllm-out", VLLM_QUESTIONS)
     p.add_argument("--threads", type=int, help="torch threads in the engine (default 1)")
     p.set_defaults(run=run_vllm)
 
