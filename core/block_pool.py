@@ -19,11 +19,13 @@ from array import array
 from collections import Counter, deque
 from typing import Iterable, Protocol, Sequence
 
+from .checks import as_list, check_int, check_member
 from .errors import (
     BlockOutOfRangeError,
     ConfigError,
     DoubleFreeError,
     HeadroomReservedError,
+    InvalidArgumentError,
     InvariantViolation,
     PoolExhaustedError,
 )
@@ -67,12 +69,9 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int, headroom: int = 0) -> None:
-        if num_blocks <= 0:
-            raise ConfigError(f"num_blocks must be positive, got {num_blocks}")
-        if block_size <= 0:
-            raise ConfigError(f"block_size must be positive, got {block_size}")
-        if not 0 <= headroom < num_blocks:
-            raise ConfigError(f"headroom must be in [0, num_blocks={num_blocks}), got {headroom}")
+        check_int("num_blocks", num_blocks, 1, error=ConfigError)
+        check_int("block_size", block_size, 1, error=ConfigError)
+        check_int("headroom", headroom, 0, num_blocks - 1, error=ConfigError, hint=f" (num_blocks={num_blocks})")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.headroom = headroom
@@ -106,7 +105,9 @@ class BlockPool:
             # P3: admitting n > 0 blocks is allowed iff at least ``headroom`` stay free; evacuation may take
             # every free block; taking nothing is always allowed
             __return__ == (n == 0 or 0 <= n <= self.num_free - (self.headroom if purpose is Purpose.ADMISSION else 0))
+        raises: InvalidArgumentError
         """
+        self._check_request(n, purpose)
         reserve = self.headroom if purpose is Purpose.ADMISSION else 0
         # taking nothing never dips into the headroom, even while evacuation has borrowed it
         return n == 0 or 0 <= n <= len(self._free) - reserve
@@ -115,15 +116,16 @@ class BlockPool:
     def allocate(self, n: int, purpose: Purpose) -> list[int]:
         """Take ``n`` free blocks, each with ref count 1.
 
-        raises: PoolExhaustedError, HeadroomReservedError
+        raises: PoolExhaustedError, HeadroomReservedError, InvalidArgumentError
         post:
             # the first n blocks of the free queue (FIFO), each now allocated once
             __return__ == __old__.self.free_block_ids()[:n] and self.free_block_ids() == __old__.self.free_block_ids()[n:] and all(self.ref_count(b) == 1 for b in __return__)
             # P3: an admission never leaves fewer than ``headroom`` blocks free
             purpose is not Purpose.ADMISSION or n == 0 or self.num_free >= self.headroom
         """
+        self._check_request(n, purpose)
         if n < 0:
-            raise PoolExhaustedError(f"cannot allocate a negative number of blocks ({n})")
+            raise PoolExhaustedError(f"cannot allocate a negative number of blocks ({n}) for {purpose.value}")
         if not self.can_allocate(n, purpose):
             if purpose is Purpose.ADMISSION and n <= len(self._free):
                 raise HeadroomReservedError(
@@ -163,10 +165,11 @@ class BlockPool:
             # P1: every block whose count reached 0 is queued, exactly once
             sorted(self.free_block_ids()) == [b for b in range(self.num_blocks) if self.ref_count(b) == 0]
         """
-        ids = list(block_ids)
+        ids = as_list("blocks to free", block_ids, BlockOutOfRangeError)
+        for b in ids:
+            self._check_range(b)
         drops = Counter(ids)
         for b, k in drops.items():
-            self._check_range(b)
             if self._ref[b] < k:
                 raise DoubleFreeError(
                     f"block {b} freed {k} time(s) but holds {self._ref[b]} reference(s)"
@@ -178,8 +181,15 @@ class BlockPool:
 
     # ---- helpers -------------------------------------------------------------
     def _check_range(self, block_id: int) -> None:
-        if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
+        if block_id.__class__ is not int and (not isinstance(block_id, int) or isinstance(block_id, bool)) \
+                or not 0 <= block_id < self.num_blocks:
             raise BlockOutOfRangeError(f"block {block_id!r} outside the pool [0, {self.num_blocks})")
+
+    @staticmethod
+    def _check_request(n: int, purpose: Purpose) -> None:
+        if n.__class__ is not int or purpose.__class__ is not Purpose:
+            check_int("block count", n, error=InvalidArgumentError, hint=f" (for {purpose!r})")
+            check_member("purpose", purpose, Purpose)
 
     def snapshot(self) -> tuple:
         """The full state, for tests that check a rejected call changed nothing."""
@@ -206,6 +216,9 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     pre: block_size >= 1
     post: num_tokens <= __return__ * block_size < num_tokens + block_size
     """
+    if num_tokens.__class__ is not int or block_size.__class__ is not int or num_tokens < 0 or block_size < 1:
+        check_int("num_tokens", num_tokens, 0)
+        check_int("block_size", block_size, 1, error=ConfigError)
     return -(-num_tokens // block_size)
 
 

@@ -10,22 +10,35 @@ from __future__ import annotations
 import argparse
 import json
 
+from .cli import check_int, check_number
 from .policies import POLICIES
 from .simulator import SimConfig, compare_modes, synthetic_workload
+
+#: Largest --block-size: the demo's pool has 4,096 blocks; vLLM's block sizes are 16..256.
+MAX_BLOCK_SIZE = 1024
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="compare no reclamation, compact and densify on a built-in workload")
     p.add_argument("--policy", choices=sorted(POLICIES), default="random")
     p.add_argument("--budget", type=float, default=0.5, help="fraction of tokens kept (default 0.5)")
-    p.add_argument("--requests", type=int, default=48)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=int, default=48, help="requests in the workload, >= 1 (default 48)")
+    p.add_argument("--block-size", type=int, default=16, help=f"tokens per block, 1..{MAX_BLOCK_SIZE} (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="workload and policy seed, >= 0 (default 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Each option in range, or ``ConfigError`` naming it (the CLI prints it as one line, exit 2)."""
+    check_number("--budget", args.budget, 0.0, 1.0, what="a ratio (the fraction of tokens kept)")
+    check_int("--requests", args.requests, 1)
+    check_int("--block-size", args.block_size, 1, MAX_BLOCK_SIZE)
+    check_int("--seed", args.seed, 0)
+
+
 def run(args: argparse.Namespace) -> int:
+    check_args(args)
     workload = synthetic_workload(args.requests, args.seed)
     cfg = SimConfig(num_blocks=4096, block_size=args.block_size, headroom=16, policy=args.policy,
                     budget=args.budget, seed=args.seed, check_invariants=True)

@@ -32,7 +32,11 @@ class BlockOutOfRangeError(VTokenError):
 
 
 class BlockNotOwnedError(VTokenError):
-    """A block is not in the request's block list, or already is when it must not be."""
+    """A block is not the request's to use, or already is in its list when it must not be.
+
+    Not in the request's block list; free in the pool; in another request's block list without being a
+    full, shared prefix block that the pool's reference count covers; or reserved by a relocation plan.
+    """
 
 
 class BlockListTooShortError(VTokenError):
@@ -67,8 +71,38 @@ class PlanConflictError(VTokenError):
     """A plan overlaps an in-flight plan on the same request, or its snapshot is stale (I4)."""
 
 
+class UnknownCopyHandleError(VTokenError):
+    """The copy handle was never issued by this engine, or its copy was already released."""
+
+
+class CopyStateError(VTokenError):
+    """The copy is in a state the call does not allow (releasing a pending copy, completing a settled one)."""
+
+
+class RequestStillRegisteredError(VTokenError):
+    """``on_request_removed`` for a request still in the token table (remove it from the table first)."""
+
+
 class ConfigError(VTokenError):
     """A configuration value is out of its allowed range."""
+
+
+class InvalidArgumentError(VTokenError):
+    """An argument has the wrong type or shape, or a value no more specific class covers.
+
+    For example an unhashable request id, a bool, float or string where an int is meant, a Purpose
+    given as a string, an attention row with NaN, infinite or negative weights, a row for a request
+    that was not in the step. The message names the argument and repeats the value.
+    """
+
+
+class StepOrderError(VTokenError):
+    """``begin_step`` and ``end_step`` were called out of order (end without begin, begin twice)."""
+
+
+class PolicyError(VTokenError):
+    """The eviction policy failed or returned victims the runtime refuses (dead, protected, repeated,
+    not ints, or more than the request's excess). Nothing was evicted."""
 
 
 class InvariantViolation(AssertionError):

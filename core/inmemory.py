@@ -12,8 +12,8 @@ from __future__ import annotations
 from array import array
 from typing import Sequence
 
-from .copy_engine import CopyHandle, CopyRegistry, CopyStatus
-from .errors import VTokenError
+from .copy_engine import CopyHandle, CopyRegistry, CopyStatus, check_moves
+from .errors import CopyStateError
 from .token_table import Move
 
 EMPTY_TAG = 0  # a slot never written
@@ -23,6 +23,7 @@ class TagStore:
     """One tag per physical slot of the pool."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.tags = array("q", bytes(8 * num_blocks * block_size))
 
@@ -51,18 +52,26 @@ class InMemoryCopyEngine(CopyRegistry):
     With ``auto_complete`` (the default) a copy is DONE as soon as it is
     submitted. Without it, copies stay PENDING until the test or fuzzer calls
     ``complete`` or ``fail`` in any order; ordered copies complete at the next
-    ``before_compute``, as a GPU stream waiting on an event would.
+    ``before_compute``, as a GPU stream waiting on an event would. ``fail_next_submit``
+    makes the next ``submit`` raise, as a device whose copy launch fails would.
     """
 
     def __init__(self, store: TagStore, auto_complete: bool = True) -> None:
         super().__init__()
         self.store = store
         self.auto_complete = auto_complete
-        self.events = {"submitted": 0, "completed": 0, "failed": 0, "waited": 0}
+        self.events = {"submitted": 0, "completed": 0, "failed": 0, "waited": 0, "refused": 0}
+        self._refuse_next: Exception | None = None  # raised by the next submit (test control)
 
     # ---- CopyEngine --------------------------------------------------------------
     def submit(self, moves: Sequence[Move], req_id: object = None) -> CopyHandle:
-        h = self._add(_Copy(tuple(Move(*m) for m in moves)))
+        """Validated like every engine (``check_moves``); a refused submit registers and writes nothing."""
+        batch = check_moves(moves, self.store.num_blocks, self.store.block_size, req_id)
+        if self._refuse_next is not None:
+            err, self._refuse_next = self._refuse_next, None
+            self.events["refused"] += 1
+            raise err
+        h = self._add(_Copy(batch))
         self.events["submitted"] += 1
         if self.auto_complete:
             self._execute(h)
@@ -86,17 +95,25 @@ class InMemoryCopyEngine(CopyRegistry):
                 self._execute(h)
 
     # ---- test controls -------------------------------------------------------------
+    def fail_next_submit(self, error: Exception | None = None) -> None:
+        """Make the next ``submit`` raise ``error`` (default: a RuntimeError, as a failed CUDA launch raises)
+        after validating its moves and before registering or writing anything."""
+        self._refuse_next = error if error is not None else RuntimeError("copy launch failed (injected)")
+
     def complete(self, handle: CopyHandle) -> None:
         c = self._get(handle)
         if c.status not in (CopyStatus.PENDING, CopyStatus.ORDERED):
-            raise VTokenError(f"copy {handle} is {c.status.value}; only pending copies can complete")
+            raise CopyStateError(f"copy {handle} is {c.status.value}; only pending copies can complete")
         self._execute(handle)
 
     def fail(self, handle: CopyHandle, written: int = 0) -> None:
         """Fail a pending copy after it wrote its first ``written`` destinations."""
         c = self._get(handle)
         if c.status is not CopyStatus.PENDING:
-            raise VTokenError(f"copy {handle} is {c.status.value}; only an unordered pending copy can fail")
+            raise CopyStateError(f"copy {handle} is {c.status.value}; only an unordered pending copy can fail")
+        if not isinstance(written, int) or isinstance(written, bool) or not 0 <= written <= len(c.moves):
+            raise CopyStateError(f"copy {handle}: written={written!r}; expected an int in [0, {len(c.moves)}] "
+                                 f"(the destinations it wrote before failing)")
         self._drain_ordered_before(handle)
         self._write(c.moves[:written])
         c.status = CopyStatus.FAILED

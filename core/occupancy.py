@@ -11,44 +11,64 @@ from __future__ import annotations
 
 from array import array
 
-from .errors import InvariantViolation
+from .checks import check_int
+from .errors import BlockOutOfRangeError, ConfigError, DestinationError, DoubleFreeError, InvariantViolation
 
 _MAX_HOLDERS = 2**16 - 1
 
 
 class SlotOccupancy:
-    """Holder counts per slot, distinct occupied slots per block, and their total."""
+    """Holder counts per slot, distinct occupied slots per block, and their total.
+
+    ``claim`` and ``release`` are the token table's (it validates first); called directly they still
+    refuse a slot outside the pool, a release nobody holds and a claim past the counter's limit.
+    """
 
     __slots__ = ("block_size", "_holders", "_block_live", "live_slots")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
+        check_int("num_blocks", num_blocks, 1, error=ConfigError)
+        check_int("block_size", block_size, 1, error=ConfigError)
         self.block_size = block_size
         self._holders = array("H", bytes(2 * num_blocks * block_size))
         self._block_live = array("I", bytes(4 * num_blocks))
         self.live_slots = 0  # sum over blocks of n_b
 
     def claim(self, slot: int) -> None:
+        self._check_slot(slot)
         h = self._holders[slot]
-        assert h < _MAX_HOLDERS, f"slot {slot} has {h} holders, the counter's limit"
+        if h >= _MAX_HOLDERS:
+            raise DestinationError(f"slot {slot} has {h} holders, the counter's limit")
         self._holders[slot] = h + 1
         if h == 0:
             self._block_live[slot // self.block_size] += 1
             self.live_slots += 1
 
     def release(self, slot: int) -> None:
+        self._check_slot(slot)
         h = self._holders[slot]
-        assert h > 0, f"slot {slot} released but no request holds it"
+        if h == 0:
+            raise DoubleFreeError(f"slot {slot} released but no request holds it")
         self._holders[slot] = h - 1
         if h == 1:
             self._block_live[slot // self.block_size] -= 1
             self.live_slots -= 1
 
     def holders(self, slot: int) -> int:
+        self._check_slot(slot)
         return self._holders[slot]
 
     def block_live(self, block_id: int) -> int:
         """n_b of Eq. 1: distinct occupied slots of the block."""
+        if block_id.__class__ is not int or not 0 <= block_id < len(self._block_live):
+            check_int("block", block_id, 0, len(self._block_live) - 1, error=BlockOutOfRangeError)
         return self._block_live[block_id]
+
+    def _check_slot(self, slot: int) -> None:
+        # negative indices would wrap around to the last block: refuse them (a cheap check, no type dispatch)
+        if slot.__class__ is not int or not 0 <= slot < len(self._holders):
+            check_int("slot", slot, 0, len(self._holders) - 1, error=BlockOutOfRangeError,
+                      hint=f" ({len(self._block_live)} blocks of {self.block_size})")
 
     def state(self) -> tuple[bytes, bytes, int]:
         return (self._holders.tobytes(), self._block_live.tobytes(), self.live_slots)

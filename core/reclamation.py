@@ -20,15 +20,21 @@ rounds. A slow rise of F is left to the cadence. Either way the trigger only
 decides *when* ``plan_round`` runs; every plan is made, launched, committed or
 aborted by the same code whenever it runs, so I1-I7 hold whatever the trigger
 decides (the fuzzer draws both triggers; docs/spec.md).
-Stage 2 (headroom): destinations come from the evacuation headroom; while a
-plan is in flight and the headroom is borrowed, admission is closed
+Stage 2 (headroom): destinations come from the evacuation headroom, and the
+headroom bounds them: with ``pool.headroom`` H > 0, the destination blocks
+held by all plans whose copies are outstanding (in flight or orphaned) never
+exceed H, however many other blocks are free; H = 0 means no reserve and no
+bound, so compaction may take any free block (``destination_budget``). While
+a plan is in flight and the headroom is borrowed, admission is closed
 (backpressure).
 Stage 3 (planning) is ``compact.py`` / ``densify.py``.
 Stage 4 (copy): plans are launched after the step's forward on a
 ``CopyEngine`` and committed once the copy is settled.
 
-Plan lifecycle:  PLANNED -> COPYING -> COMMITTED | ABORTED.
-At most one plan per request is in flight (I4). Blocks a pending copy reads
+Plan lifecycle:  PLANNED -> COPYING -> COMMITTED | ABORTED, and PLANNED ->
+ABORTED when the engine refuses to launch the copy (``launch``). A plan is
+COPYING only once its copy is submitted (it has a handle) or it has nothing to
+copy. At most one plan per request is in flight (I4). Blocks a pending copy reads
 (sources) or writes (destinations) are never returned to the pool until the
 copy is settled (I5, I6), even when the request finishes or is preempted
 meanwhile.
@@ -42,11 +48,34 @@ from dataclasses import dataclass, field
 
 from .block_pool import BlockAllocator, Purpose
 from .compact import choose_sources, plan_compaction
+from .checks import as_list, is_int, is_known_key
 from .copy_engine import CopyEngine, CopyHandle, CopyStatus
 from .densify import plan_densify
-from .errors import ConfigError, InvariantViolation, PlanConflictError
+from .errors import (
+    BlockNotOwnedError,
+    BlockOutOfRangeError,
+    ConfigError,
+    DoubleFreeError,
+    DuplicateRequestError,
+    InvalidArgumentError,
+    InvariantViolation,
+    PlanConflictError,
+    RequestStillRegisteredError,
+    UnknownRequestError,
+    VTokenError,
+)
 from .plan import NoPlan, Plan, PlanKind
-from .token_table import TokenTable
+from .token_table import NO_SLOT, TokenTable
+
+
+LAUNCH_FAILED = "copy launch failed"  # stats.plans_aborted key of plans whose submit raised
+# what a submit that did not start its copy raises (the CopyEngine contract: it wrote nothing); CUDA errors,
+# torch.cuda.OutOfMemoryError included, are RuntimeErrors
+LAUNCH_ERRORS = (VTokenError, RuntimeError, MemoryError)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 class Ordering(enum.Enum):
@@ -76,17 +105,20 @@ class ReclaimConfig:
     burst_df: float | None = None  # adaptive trigger: a rise of F by this within one iteration (None: off)
 
     def __post_init__(self) -> None:
+        """Every field is checked for its type as well as its range (a bool is no int here, a str no number);
+        the message starts with the field's name."""
         if not isinstance(self.planner, PlanKind):
             raise ConfigError(f"planner must be one of {[k.value for k in PlanKind]}, got {self.planner!r}")
         if not isinstance(self.ordering, Ordering):
             raise ConfigError(f"ordering must be one of {[o.value for o in Ordering]}, got {self.ordering!r}")
-        if not 0.0 <= self.theta_f < 1.0:
-            raise ConfigError(f"theta_f must be in [0, 1), got {self.theta_f}")
-        if self.low_watermark is not None and self.low_watermark < 0:
-            raise ConfigError(f"low_watermark must be >= 0 or None, got {self.low_watermark}")
+        if not _is_number(self.theta_f) or not 0.0 <= self.theta_f < 1.0:  # NaN fails the range
+            raise ConfigError(f"theta_f must be a number in [0, 1), got {self.theta_f!r}")
+        if self.low_watermark is not None and (not is_int(self.low_watermark) or self.low_watermark < 0):
+            raise ConfigError(f"low_watermark must be None or an int >= 0 (free blocks), got {self.low_watermark!r}")
         for name in ("check_every", "max_sources", "max_plans_per_round"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
         if self.burst_df is not None and (isinstance(self.burst_df, bool) or not isinstance(self.burst_df, (int, float))
                                           or not 0.0 < self.burst_df <= 1.0):
             raise ConfigError(f"burst_df must be None (adaptive trigger off) or a number in (0, 1], "
@@ -100,6 +132,7 @@ class PlanRecord:
     handle: CopyHandle | None = None
     held: tuple[int, ...] = ()  # blocks of a departed request kept until the copy settles
     abort_reason: str = ""
+    abort_detail: str = ""  # the error, when the engine refused the launch ("RuntimeError: ...")
 
 
 @dataclass
@@ -144,7 +177,8 @@ class ReclamationManager:
         With ``burst_df`` it also tracks bursts (module docstring), so it must see every iteration.
         """
         c = self.config
-        assert isinstance(iteration, int) and iteration >= 0, f"iteration must be an int >= 0, got {iteration!r}"
+        if not is_int(iteration) or iteration < 0:
+            raise InvalidArgumentError(f"should_reclaim: iteration must be an int >= 0, got {iteration!r}")
         if c.burst_df is None:
             if iteration % c.check_every:
                 return False
@@ -152,7 +186,8 @@ class ReclamationManager:
                 return False
             return self.waste_ratio() > c.theta_f
         f = self.waste_ratio()
-        assert 0.0 <= f <= 1.0, f"waste ratio {f} out of [0, 1]"
+        if not 0.0 <= f <= 1.0:  # more live slots than allocated ones: the occupancy counts are off
+            raise InvariantViolation("I2", f"waste ratio {f} out of [0, 1]")
         if self._f_prev is not None and f - self._f_prev >= c.burst_df and f > c.theta_f and not self.burst:
             self.burst = True
             self.stats.bursts += 1
@@ -173,9 +208,32 @@ class ReclamationManager:
         """False while reclamation has borrowed the headroom and has not given it back."""
         return not self.inflight or self.pool.num_free >= self.pool.headroom
 
+    def destination_budget(self) -> int:
+        """How many destination blocks a new compact plan may take now (Stage 2's bound).
+
+        With a headroom H > 0 the evacuation headroom is a bound, not just a reserve: the destinations held
+        by every plan whose copy is outstanding (in flight, or orphaned by a departed request until its copy
+        settles) never exceed H, even when more blocks are free, so reclamation's claim on the pool stays
+        as small as configured. With H = 0 there is no reserve and no bound: any free block may be a
+        destination (what a pool without headroom, vLLM's default, has always done). Never more than free.
+
+        post: 0 <= __return__ <= self.pool.num_free
+        """
+        free, H = self.pool.num_free, self.pool.headroom
+        if H == 0:
+            return free
+        held = sum(len(r.plan.dst_blocks) for r in self.inflight.values()) + sum(
+            len(r.plan.dst_blocks) for r in self.orphans)
+        return max(0, min(free, H - held))
+
     # ---- Stage 3: planning -------------------------------------------------------------
     def plan_round(self, req_ids: list[object]) -> list[PlanRecord]:
-        """Plan for the most wasteful requests first; returns the new PLANNED records."""
+        """Plan for the most wasteful requests first; returns the new PLANNED records.
+
+        ``req_ids`` must be registered requests, each once (else UnknownRequestError / DuplicateRequestError,
+        and nothing changes: not even the round count).
+        """
+        req_ids = self._check_request_list(req_ids)
         self.stats.rounds += 1
         S = self.pool.block_size
 
@@ -191,25 +249,31 @@ class ReclamationManager:
                 made.append(rec)
         if self.burst and not made and not self.inflight:
             self.burst = False  # nothing left to gain: back to the cadence
-        assert len(made) <= self.config.max_plans_per_round
         return made
 
     def plan_request(self, req_id: object) -> PlanRecord | NoPlan:
-        """Plan one request now with the configured planner (the dense path calls this every step)."""
+        """Plan one request now with the configured planner (the dense path calls this every step).
+
+        Compact destinations are allocated now (EVACUATION), at most ``destination_budget()`` of them.
+        raises: UnknownRequestError, PlanConflictError (I4); either way nothing changes.
+        """
+        shared = self._shared_blocks(req_id)  # first: an unknown (or unhashable) id is UnknownRequestError
         if req_id in self.inflight:
             raise PlanConflictError(f"request {req_id!r} already has a plan in flight (I4)")
-        snap = self.table.snapshot(req_id, self._shared_blocks(req_id))
+        snap = self.table.snapshot(req_id, shared)
         if self.config.planner is PlanKind.DENSIFY:
             plan = plan_densify(snap)
         else:
-            budget = self.pool.num_free  # evacuation may use the headroom
-            choice = choose_sources(snap, self.config.max_sources, budget)
+            choice = choose_sources(snap, self.config.max_sources, self.destination_budget())
             if not choice:
                 plan = choice
             else:
                 dsts = self.pool.allocate(choice.num_dst, Purpose.EVACUATION)
                 plan = plan_compaction(snap, dsts, self.config.max_sources)
-                assert plan and plan.dst_blocks == tuple(dsts), "planner must use exactly the reserved blocks"
+                if not plan or plan.dst_blocks != tuple(dsts):
+                    self.pool.free(dsts)  # leak nothing, then stop: the planner broke its contract
+                    raise InvariantViolation("I4", f"request {req_id!r}: the compact planner did not use exactly "
+                                             f"the {len(dsts)} reserved destination blocks {dsts}: {plan!r}")
         if not plan:
             self.stats.no_plan[plan.reason] += 1
             return plan
@@ -221,19 +285,42 @@ class ReclamationManager:
         return rec
 
     # ---- Stage 4: copy, commit, abort ------------------------------------------------------
-    def launch(self) -> None:
-        """Submit every PLANNED copy. Call after the step's forward has been issued."""
+    def launch(self) -> list[PlanRecord]:
+        """Submit every PLANNED copy. Call after the step's forward has been issued.
+
+        A plan becomes COPYING only once the engine accepted its copy (or it has nothing to copy). When
+        ``submit`` raises (a refused or failed launch: the CopyEngine contract is that a submit that raised
+        wrote nothing), that plan is aborted at once and launch goes on with the others: its destinations go
+        back to the pool, the table keeps the old locations, and ``stats.plans_aborted[LAUNCH_FAILED]``
+        counts it, the error is in ``abort_detail``. Launch does not re-raise: a relocation is an
+        optimisation, and losing one must not stop serving. On the dense read path, though, the request is
+        left with holes below n_live, which the next read refuses (I7). Only ``LAUNCH_ERRORS`` are launch
+        failures (an engine's ``VTokenError``, a device's ``RuntimeError`` or ``MemoryError``); anything else
+        (an ``InvariantViolation``, a ``TypeError`` in engine code) is a bug and propagates, leaving the plan
+        PLANNED with its destinations held, as if launch had not been called for it.
+
+        Returns the plans aborted here (usually none).
+        """
+        refused = []
         for rec in list(self.inflight.values()):
             if rec.state is not PlanState.PLANNED:
                 continue
-            rec.state = PlanState.COPYING
             if not rec.plan.moves:
-                continue  # nothing to copy: settled by definition
-            rec.handle = self.engine.submit(rec.plan.moves, req_id=rec.plan.req_id)
+                rec.state = PlanState.COPYING  # nothing to copy: settled by definition
+                continue
+            self._check_moves(rec)  # a planner bug must not pass for a refused launch (the engine checks too)
+            try:
+                handle = self.engine.submit(rec.plan.moves, req_id=rec.plan.req_id)
+            except LAUNCH_ERRORS as e:  # the engine refused the copy, or the device failed to start it
+                self._abort(rec, LAUNCH_FAILED, f"{type(e).__name__}: {e}")
+                refused.append(rec)
+                continue
+            rec.handle, rec.state = handle, PlanState.COPYING
             if self.config.ordering is Ordering.EVENT:
                 self.engine.order_before_compute(rec.handle)
             elif self.config.ordering is Ordering.FORCE_SYNC:
                 self.engine.wait(rec.handle)
+        return refused
 
     def settle(self) -> list[PlanRecord]:
         """Commit settled copies, abort failed ones, release what departed requests left.
@@ -265,20 +352,39 @@ class ReclamationManager:
 
         Frees what no copy can touch now; what a pending copy reads or writes is
         held until that copy settles.
+
+        raises (changing nothing): RequestStillRegisteredError if the request is still in the table;
+        BlockOutOfRangeError, DoubleFreeError if ``blocks`` (with the plan's destinations) cannot all be
+        freed; BlockNotOwnedError if a block the pending copy reads is not in ``blocks``.
         """
-        rec = self.inflight.pop(req_id, None)
+        if self._in_table(req_id):
+            raise RequestStillRegisteredError(
+                f"request {req_id!r} is still in the token table; remove it (TokenTable.remove_request) "
+                f"before telling the manager it left")
+        rec = self._record_of(req_id)
+        blocks = self._check_block_list(req_id, blocks)
+        self._check_freeable(blocks + (list(rec.plan.dst_blocks) if rec is not None else []))
         if rec is None:
             self.pool.free(blocks)
             return
+        # a plan in flight reads blocks of the request's list until it commits: the list given must have
+        # them, or a pending copy's sources could not be held (I5). Checked before the copy is polled
+        missing = sorted(b for b in set(rec.plan.src_blocks) | {m.src_block for m in rec.plan.moves}
+                         if b not in blocks)
+        if missing:
+            raise BlockNotOwnedError(
+                f"request {req_id!r}: blocks {missing} are read by its plan in flight but are not in the "
+                f"block list given ({blocks}); a pending copy's sources must be held until it settles (I5)")
         settled = rec.state is PlanState.PLANNED or self._status(rec).settled
+        touched = set(rec.plan.src_blocks) | {b for m in rec.plan.moves for b in (m.src_block, m.dst_block)}
+        del self.inflight[req_id]
         rec.state = PlanState.ABORTED
         rec.abort_reason = "request left while its plan was in flight"
         self.stats.plans_aborted[rec.abort_reason] += 1
         if settled:
             self._release_handle(rec)
-            self.pool.free(list(blocks) + list(rec.plan.dst_blocks))
+            self.pool.free(blocks + list(rec.plan.dst_blocks))
             return
-        touched = set(rec.plan.src_blocks) | {b for m in rec.plan.moves for b in (m.src_block, m.dst_block)}
         self.pool.free([b for b in blocks if b not in touched])
         rec.held = tuple(b for b in blocks if b in touched) + rec.plan.dst_blocks
         self.orphans.append(rec)
@@ -302,16 +408,24 @@ class ReclamationManager:
             self._abort(rec, "layout changed since the snapshot (I4)")
             return
         moves = [m for m in plan.moves if t.is_live(req, m.token_id)]  # evicted in flight: stay dead
-        self.stats.moves_dropped += len(plan.moves) - len(moves)
         receiving = {m.dst_block for m in moves}
         dsts = tuple(b for b in plan.dst_blocks if b in receiving)
         unused = [b for b in plan.dst_blocks if b not in receiving]
         blocks, write_pos = t.block_ids(req), t.write_pos(req)
         live_before = t.live_token_ids(req)
         final_blocks, final_pos = plan.final_layout(blocks, write_pos, S, dsts)
-        if dsts:  # attach the destinations before the cursor, then move into them
+        # attach the destinations before the cursor, move into them, then drop the sources: three table calls,
+        # each all-or-nothing on its own, so all three are checked first and a commit never stops half-way
+        if dsts:
             at = final_blocks.index(dsts[0])
-            t.set_layout(req, blocks[:at] + list(dsts) + blocks[at:], write_pos + len(dsts) * S)
+            staged = (blocks[:at] + list(dsts) + blocks[at:], write_pos + len(dsts) * S)
+        else:
+            staged = (blocks, write_pos)
+        self._check_commit(rec, moves, staged, (final_blocks, final_pos), list(plan.src_blocks) + unused)
+        # -- checked; mutate --
+        self.stats.moves_dropped += len(plan.moves) - len(moves)
+        if dsts:
+            t.set_layout(req, *staged)
         t.apply_moves(req, moves)
         t.set_layout(req, final_blocks, final_pos)
         if t.live_token_ids(req) != live_before:  # online I1/I2 postcondition: a relocation moves, never edits
@@ -324,17 +438,105 @@ class ReclamationManager:
         self.stats.moves_committed += len(moves)
         self.stats.blocks_released += len(plan.src_blocks) - len(dsts)
 
-    def _abort(self, rec: PlanRecord, reason: str) -> None:
-        assert self._status(rec).settled, "a destination is freed only when no copy can write it (I6)"
+    def _check_moves(self, rec: PlanRecord) -> None:
+        """Executed precondition of ``launch``: the plan's moves are a copy of its request's layout (I4).
+
+        Each live token moves from the slot the table has for it, every destination is written once and lies
+        in the plan's fresh blocks (compact) or the request's own (densify). Engines refuse bad moves too,
+        but a refusal is aborted and served around; a bad plan is a bug and raises InvariantViolation.
+        """
+        plan, t, S = rec.plan, self.table, self.pool.block_size
+        req = plan.req_id
+        into = set(plan.dst_blocks) if plan.kind is PlanKind.COMPACT else set(t.block_ids(req))
+        n, written = t.total_len(req), set()
+        for m in plan.moves:
+            if not (is_int(m.token_id) and 0 <= m.token_id < n):
+                raise InvariantViolation("I4", f"request {req!r}: move {m} names a token outside [0, {n})")
+            slot = t.slot_of(req, m.token_id)
+            if slot != NO_SLOT and slot != m.src_block * S + m.src_offset:  # evicted since planning: dropped at commit
+                raise InvariantViolation("I4", f"request {req!r}: move {m} reads ({m.src_block}, {m.src_offset}) "
+                                         f"but the token lives at slot {slot}")
+            if m.dst_block not in into or not (is_int(m.dst_offset) and 0 <= m.dst_offset < S):
+                raise InvariantViolation("I4", f"request {req!r}: move {m} writes outside blocks {sorted(into)}")
+            dst = m.dst_block * S + m.dst_offset
+            if dst in written:
+                raise InvariantViolation("I4", f"request {req!r}: two moves share a destination (slot {dst})")
+            written.add(dst)
+
+    def _check_commit(self, rec: PlanRecord, moves: list, staged: tuple[list[int], int],
+                      final: tuple[list[int], int], to_free: list[int]) -> None:
+        """Executed precondition of ``_commit``: every mutation it makes will succeed.
+
+        Mirrors the rules of ``TokenTable.set_layout`` (staged layout), ``TokenTable.apply_moves`` (the moves,
+        against the staged layout) and ``TokenTable.set_layout`` (final layout), on a local copy of the
+        request's live slots, and checks the copy is settled and the blocks to free are held. All the
+        caller's input was validated long before, so a commit that would be refused is a bug: it raises
+        InvariantViolation before anything changes.
+        """
+        t, S, req = self.table, self.pool.block_size, rec.plan.req_id
+
+        def fail(message: str) -> None:
+            raise InvariantViolation("I4", f"request {req!r}: committing its {rec.plan.kind.value} plan would "
+                                     f"break the table: {message}; nothing was changed")
+
+        if rec.handle is not None and not self.engine.poll(rec.handle).settled:
+            raise InvariantViolation("I3", f"request {req!r}: commit while its copy {rec.handle} is still pending")
+        slots = dict(t.live_slots(req))  # token -> slot
+        self._check_layout(staged, slots, fail)
+        index = {b: i for i, b in enumerate(staged[0])}
+        vacated = {slots[m.token_id] for m in moves if m.token_id in slots}
+        claimed: set[int] = set()
+        for m in moves:
+            if slots.get(m.token_id) != m.src_block * S + m.src_offset:
+                fail(f"move {m} reads a slot token {m.token_id} does not hold")
+            dst = m.dst_block * S + m.dst_offset
+            if m.dst_block not in index or index[m.dst_block] * S + m.dst_offset >= staged[1]:
+                fail(f"move {m} writes outside the staged block list or at or after its cursor {staged[1]}")
+            if dst in claimed or t.occupancy.holders(dst) - (dst in vacated):
+                fail(f"move {m} writes slot {dst}, which is claimed")
+            claimed.add(dst)
+        if len({m.token_id for m in moves}) != len(moves):
+            fail("a token moves twice")
+        slots.update({m.token_id: m.dst_block * S + m.dst_offset for m in moves})
+        self._check_layout(final, slots, fail)
+        for b, k in Counter(to_free).items():
+            if self.pool.ref_count(b) < k:
+                fail(f"block {b} would be freed {k} time(s) with {self.pool.ref_count(b)} reference(s)")
+
+    def _check_layout(self, layout: tuple[list[int], int], slots: dict[int, int], fail) -> None:
+        """``TokenTable.set_layout``'s rules for (block list, cursor) given every live token's slot."""
+        blocks, pos = layout
+        S = self.pool.block_size
+        if len(set(blocks)) != len(blocks) or not all(is_int(b) and 0 <= b < self.pool.num_blocks for b in blocks):
+            fail(f"block list {blocks} repeats a block or names one outside the pool")
+        if not is_int(pos) or not 0 <= pos <= len(blocks) * S:
+            fail(f"cursor {pos!r} outside its {len(blocks)} blocks")
+        index = {b: i for i, b in enumerate(blocks)}
+        for tok, slot in slots.items():
+            b = slot // S
+            if b not in index or index[b] * S + slot % S >= pos:
+                fail(f"token {tok} at slot {slot} would be outside block list {blocks} or at or after cursor {pos}")
+
+    def _abort(self, rec: PlanRecord, reason: str, detail: str = "") -> None:
+        unlaunched = rec.state is PlanState.PLANNED and rec.handle is None  # no copy was ever started
+        if not unlaunched and not self._status(rec).settled:
+            raise InvariantViolation("I6", f"request {rec.plan.req_id!r}: aborting its plan would free destinations "
+                                     f"{rec.plan.dst_blocks} while its copy can still write them")
         self._release_handle(rec)
         self.pool.free(rec.plan.dst_blocks)
         rec.state = PlanState.ABORTED
-        rec.abort_reason = reason
+        rec.abort_reason, rec.abort_detail = reason, detail
         del self.inflight[rec.plan.req_id]
         self.stats.plans_aborted[reason] += 1
 
     def _status(self, rec: PlanRecord) -> CopyStatus:
+        """The copy's status; a plan with no handle has launched nothing (PLANNED, refused, or no moves)."""
         if rec.handle is None:
+            if rec.state is PlanState.COPYING and rec.plan.moves:
+                # a COPYING plan has a handle once it has moves: read as DONE, it would commit
+                # destinations no copy wrote
+                raise InvariantViolation("I3", f"request {rec.plan.req_id!r}: plan is COPYING {len(rec.plan.moves)} "
+                                         f"moves but has no copy handle")
             return CopyStatus.PENDING if rec.state is PlanState.PLANNED else CopyStatus.DONE
         return self.engine.poll(rec.handle)
 
@@ -345,4 +547,39 @@ class ReclamationManager:
 
     def _shared_blocks(self, req_id: object) -> list[int]:
         return [b for b in self.table.block_ids(req_id) if self.pool.ref_count(b) > 1]
+
+    # ---- argument checks (they raise before anything changes) -----------------------------------
+    def _in_table(self, req_id: object) -> bool:
+        try:
+            return req_id in self.table
+        except TypeError:  # an unhashable id was never registered
+            return False
+
+    def _record_of(self, req_id: object) -> PlanRecord | None:
+        return self.inflight[req_id] if is_known_key(self.inflight, req_id) else None
+
+    def _check_request_list(self, req_ids: object) -> list[object]:
+        ids = as_list("plan_round: request ids", req_ids, InvalidArgumentError)  # a lone str id is refused too
+        seen: set[object] = set()
+        for r in ids:
+            if not self._in_table(r):
+                raise UnknownRequestError(f"plan_round: unknown request {r!r}")
+            if r in seen:
+                raise DuplicateRequestError(f"plan_round: request {r!r} listed twice")
+            seen.add(r)
+        return ids
+
+    def _check_block_list(self, req_id: object, blocks: object) -> list[int]:
+        ids = as_list(f"request {req_id!r}: blocks", blocks, BlockOutOfRangeError)  # as BlockPool.free refuses
+        for b in ids:
+            if not is_int(b) or not 0 <= b < self.pool.num_blocks:
+                raise BlockOutOfRangeError(f"request {req_id!r}: block {b!r} outside the pool "
+                                           f"[0, {self.pool.num_blocks})")
+        return ids
+
+    def _check_freeable(self, blocks: list[int]) -> None:
+        for b, k in Counter(blocks).items():
+            if self.pool.ref_count(b) < k:
+                raise DoubleFreeError(f"block {b} would be freed {k} time(s) but holds "
+                                      f"{self.pool.ref_count(b)} reference(s)")
 

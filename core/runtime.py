@@ -31,23 +31,30 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .block_pool import BlockAllocator, Purpose, blocks_needed
-from .copy_engine import CopyEngine
+from .checks import as_list, check_enum, check_int, check_mapping, check_request_id, check_weights, is_int, is_known_key
+from .copy_engine import CopyEngine, CopyStatus
 from .errors import (
     AdmissionClosedError,
     BlockNotOwnedError,
     ConfigError,
     DuplicateRequestError,
+    InvalidArgumentError,
     InvariantViolation,
     PlanConflictError,
+    PolicyError,
     PoolExhaustedError,
+    StepOrderError,
     UnknownRequestError,
-    VTokenError,
 )
-from .plan import PlanKind
+from .plan import Plan, PlanKind
+from .policies import POLICIES, make_policy
 from .policies.base import EvictionPolicy, RequestView
-from .reclamation import Ordering, ReclaimConfig, ReclamationManager
+from .reclamation import Ordering, PlanState, ReclaimConfig, ReclamationManager
 from .scores import TokenScores
 from .token_table import NO_SLOT, TokenTable
+
+_ALLOCATOR_METHODS = ("can_allocate", "allocate", "free", "share", "ref_count")
+_ENGINE_METHODS = ("submit", "poll", "order_before_compute", "wait", "release", "before_compute")
 
 
 def check_budget(budget: object) -> None:
@@ -55,6 +62,32 @@ def check_budget(budget: object) -> None:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) \
             or (isinstance(budget, float) and not 0.0 < budget <= 1.0) or (isinstance(budget, int) and budget < 1):
         raise ConfigError(f"budget must be a ratio in (0, 1] (a float) or a token count >= 1 (an int), got {budget!r}")
+
+
+def _check_protocol(what: str, obj: object, methods: tuple[str, ...], attrs: tuple[str, ...] = ()) -> None:
+    missing = [m + "()" for m in methods if not callable(getattr(obj, m, None))]
+    missing += [a for a in attrs if not hasattr(obj, a)]
+    if missing:
+        raise ConfigError(f"{what} must implement the {what} protocol; {obj!r:.80} lacks {', '.join(missing)}")
+
+
+def _as_policy(policy: object) -> EvictionPolicy | None:
+    """None, an ``EvictionPolicy`` instance, or the name of a registered policy (built with its defaults)."""
+    if policy is None:
+        return None
+    if isinstance(policy, str):
+        return make_policy(policy)
+    if isinstance(policy, type) or not callable(getattr(policy, "select_victims", None)) \
+            or not isinstance(getattr(policy, "name", None), str):
+        hint = f" (pass an instance: {policy.__name__}())" if isinstance(policy, type) else ""
+        raise ConfigError(f"policy must be None, an EvictionPolicy (select_victims(view) and a name) or one of "
+                          f"{sorted(POLICIES)}, got {policy!r}{hint}")
+    return policy  # type: ignore[return-value]
+
+
+def _touched(plan: Plan) -> set[int]:
+    """Every block a plan reads, writes or gives up."""
+    return set(plan.src_blocks) | set(plan.dst_blocks) | {b for m in plan.moves for b in (m.src_block, m.dst_block)}
 
 
 class ReadPath(enum.Enum):
@@ -85,19 +118,25 @@ class VTokenRuntime:
     Args:
         pool: the block allocator.
         engine: the copy engine.
-        policy: the eviction policy (None: never evict, i.e. native full retention).
+        policy: the eviction policy (None: never evict, i.e. native full retention), or a registered
+            policy's name ("h2o", ...), built with its defaults.
         budget: live tokens a request may keep: a ratio of its tokens in (0, 1] (float) or a count (int).
         reclaim: the reclamation configuration (None: Naive-Evict, no reclamation).
-        read_path: how attention reads KV.
+        read_path: how attention reads KV: a ``ReadPath`` or its value ("gather", "dense").
         seed: passed to randomized policies.
     """
 
     def __init__(self, pool: BlockAllocator, engine: CopyEngine, policy: EvictionPolicy | None = None,
                  budget: float | int = 1.0, reclaim: ReclaimConfig | None = None,
                  read_path: ReadPath = ReadPath.GATHER, seed: int = 0, score_window: int = 32) -> None:
+        _check_protocol("pool", pool, _ALLOCATOR_METHODS, ("num_blocks", "block_size", "headroom", "num_free"))
+        _check_protocol("engine", engine, _ENGINE_METHODS)
+        policy = _as_policy(policy)
         check_budget(budget)
-        if not isinstance(read_path, ReadPath):
-            raise ConfigError(f"read_path must be one of {[p.value for p in ReadPath]}, got {read_path!r}")
+        if reclaim is not None and not isinstance(reclaim, ReclaimConfig):
+            raise ConfigError(f"reclaim must be None (no reclamation) or a ReclaimConfig, got {reclaim!r}")
+        read_path = check_enum("read_path", read_path, ReadPath)
+        check_int("seed", seed, error=ConfigError)
         if read_path is ReadPath.DENSE and policy is not None:
             if reclaim is None or reclaim.planner is not PlanKind.DENSIFY:
                 raise ConfigError("read_path 'dense' needs reclaim planner 'densify': stock kernels cannot skip holes")
@@ -128,6 +167,7 @@ class VTokenRuntime:
 
     # ---- requests -----------------------------------------------------------------
     def can_admit(self, prompt_len: int) -> bool:
+        check_int("prompt_len", prompt_len, 0)
         return self.manager.admission_open() and self.pool.can_allocate(
             blocks_needed(prompt_len, self.pool.block_size), Purpose.ADMISSION
         )
@@ -138,15 +178,21 @@ class VTokenRuntime:
         With ``share_prefix_of``, the first ``shared_blocks`` blocks of that
         request are shared (prefix-cache hit): their tokens are registered as
         already computed. Only blocks whose S tokens are all live in their
-        original slots can be shared.
+        original slots, entirely before the source's append cursor (never written
+        again), and untouched by a relocation plan of the source still in flight
+        can be shared (``PlanConflictError`` otherwise).
         """
+        check_request_id(req_id)
         if req_id in self.table:
             raise DuplicateRequestError(f"request {req_id!r} is already admitted")
-        if not self.manager.admission_open():
-            raise AdmissionClosedError(f"admission of {req_id!r} waits for in-flight reclamation")
         prefix: list[int] = []
         if share_prefix_of is not None:
             prefix = self._shareable_prefix(share_prefix_of, shared_blocks)
+        elif not (is_int(shared_blocks) and shared_blocks == 0):
+            raise InvalidArgumentError(f"request {req_id!r}: shared_blocks={shared_blocks!r} without share_prefix_of")
+        if not self.manager.admission_open():
+            raise AdmissionClosedError(f"admission of {req_id!r} waits for in-flight reclamation")
+        # -- validated; mutate --
         self.table.add_request(req_id)
         self.scores.add_request(req_id)
         for b in prefix:
@@ -170,26 +216,47 @@ class VTokenRuntime:
     # ---- Algorithm 1 -------------------------------------------------------------------
     def blocks_to_grow(self, req_id: object, n_new: int) -> int:
         S = self.pool.block_size
-        return max(0, blocks_needed(self.table.write_pos(req_id) + n_new, S) - len(self.table.block_ids(req_id)))
+        pos = self.table.write_pos(req_id)
+        if n_new.__class__ is not int or n_new < 0:
+            check_int(f"request {req_id!r}: n_new", n_new, 0)
+        return max(0, blocks_needed(pos + n_new, S) - len(self.table.block_ids(req_id)))
 
     def begin_step(self, appends: Mapping[object, int]) -> StepInputs:
-        """Settle copies, sync this step's new tokens, and build every running request's slots."""
-        self.manager.settle()
+        """Settle copies, sync this step's new tokens, and build every running request's slots.
+
+        Everything is checked before anything changes, settling included: one step open at a time
+        (``StepOrderError``), known requests, int counts >= 0, and room in the pool for every
+        append once settled copies have committed (forecast without committing them, so a step
+        that does not fit raises ``PoolExhaustedError`` and leaves even the plans as they were).
+        """
+        if self._last is not None:
+            raise StepOrderError(f"begin_step while step {self._last.iteration} is open; call end_step first")
+        check_mapping("appends", appends)
         need = {}
         for r, n in appends.items():
             if r not in self.table:
                 raise UnknownRequestError(f"unknown request {r!r}")
-            if not isinstance(n, int) or n < 0:
-                raise VTokenError(f"request {r!r}: cannot append {n!r} tokens")
+            if n.__class__ is not int and not is_int(n) or n < 0:
+                raise InvalidArgumentError(f"request {r!r}: cannot append {n!r} tokens")
             need[r] = self.blocks_to_grow(r, n)
-        total = sum(need.values())
+        total, free = sum(need.values()), self.pool.num_free
         if not self.pool.can_allocate(total, Purpose.ADMISSION):
-            raise PoolExhaustedError(
-                f"step {self.iteration}: appends need {total} blocks, {self.pool.num_free} free "
-                f"with {self.pool.headroom} reserved; preempt a request first"
-            )
+            total, free = self._room_after_settle(appends)  # what settling would free, forecast without settling
+            if total and total > free - self.pool.headroom:
+                raise PoolExhaustedError(
+                    f"step {self.iteration}: appends of request(s) {[r for r, k in need.items() if k][:8]} need "
+                    f"{total} blocks, {free} free with {self.pool.headroom} reserved; preempt a request first"
+                )
+        # -- validated; mutate --
+        free_before = self.pool.num_free
+        if self.manager.settle() or self.pool.num_free != free_before:  # commits change layouts, so growth
+            need = {r: self.blocks_to_grow(r, n) for r, n in appends.items()}
+        if not self.pool.can_allocate(sum(need.values()), Purpose.ADMISSION):  # the forecast was wrong: a bug
+            raise InvariantViolation("P3", f"step {self.iteration}: appends need {sum(need.values())} blocks after "
+                                     f"settling, {self.pool.num_free} free; the forecast said they fit")
         for r, n in appends.items():
-            self.sync(r, self.pool.allocate(need[r], Purpose.ADMISSION), self.table.total_len(r) + n)
+            self.table.sync_new_tokens(r, self.pool.allocate(need[r], Purpose.ADMISSION), self.table.total_len(r) + n)
+            self.scores.extend(r, self.table.total_len(r))
         reqs = {}
         for r in self.table.request_ids():
             start = self.table.total_len(r) - appends.get(r, 0)
@@ -211,22 +278,32 @@ class VTokenRuntime:
         largest, ranks tokens by the prefill's row rather than by zeros.
         Everything is validated first: a bad attention row or a policy
         returning invalid victims raises and changes nothing, the recorded
-        rows included (the step can be ended again). Returns each request's
-        victims.
+        rows included (the step can be ended again). A row may name a request
+        that finished during the step (it is dropped), never one that was not
+        in it. Returns each request's victims.
         """
         if self._last is None:
-            raise VTokenError("end_step without begin_step")
+            raise StepOrderError("end_step without begin_step")
         step = self._last
+        if attention is not None:
+            check_mapping("attention", attention)
         rows = {}
         for r, weights in (attention or {}).items():
-            if r not in self.table:
-                continue  # finished during the step
-            if r not in step.requests or len(weights) != len(step.requests[r].read_tokens):
-                raise VTokenError(
-                    f"request {r!r}: attention row of {len(weights)} weights for "
-                    f"{len(step.requests[r].read_tokens) if r in step.requests else 'no'} read tokens"
+            if not is_known_key(step.requests, r):
+                if r in self.table:
+                    raise InvalidArgumentError(f"request {r!r}: attention row for a request admitted after "
+                                               f"begin_step; it read nothing in step {step.iteration}")
+                raise UnknownRequestError(f"request {r!r}: attention row for a request that was not in "
+                                          f"step {step.iteration}")
+            req = step.requests[r]
+            if r not in self.table or self.table.total_len(r) < req.new_tokens.stop:
+                continue  # finished during the step (and perhaps admitted again: not the request that read)
+            row = check_weights(f"request {r!r}: attention row", weights)
+            if len(row) != len(req.read_tokens):
+                raise InvalidArgumentError(
+                    f"request {r!r}: attention row of {len(row)} weights for {len(req.read_tokens)} read tokens"
                 )
-            rows[r] = (step.requests[r].read_tokens, weights)
+            rows[r] = (req.read_tokens, row)
         victims = self._record_and_choose(self.table.request_ids(), rows)
         # -- validated; mutate --
         self._evict_and_reclaim(victims)
@@ -236,8 +313,16 @@ class VTokenRuntime:
     # ---- for engines that allocate and schedule themselves (vLLM) -----------------------
     def sync(self, req_id: object, new_blocks: Sequence[int], total_len: int) -> list[int]:
         """Algorithm 1 line 1 with blocks the engine allocated: register tokens up to ``total_len``
-        (appending ``new_blocks`` to the block list); returns their write slots."""
-        slots = self.table.sync_new_tokens(req_id, new_blocks, total_len)
+        (appending ``new_blocks`` to the block list); returns their write slots.
+
+        Besides what ``TokenTable.sync_new_tokens`` checks, each new block must be allocated in the
+        pool (``BlockNotOwnedError`` for a free one), not reserved by a relocation plan, and, if other
+        requests hold it (a shared prefix block), referenced in the pool once per holder; it must not be
+        touched by a holder's plan in flight (``PlanConflictError``)."""
+        new = self.table.check_sync(req_id, new_blocks, total_len)
+        self._check_pool_blocks(req_id, new)
+        # -- validated; mutate --
+        slots = self.table.sync_new_tokens(req_id, new, total_len)
         self.scores.extend(req_id, self.table.total_len(req_id))
         return slots
 
@@ -248,14 +333,21 @@ class VTokenRuntime:
         (request -> (token ids read, weights)), select victims (from every row so far, this step's included),
         evict, plan and launch reclamation. Validated first: a bad row or an invalid policy answer raises and
         changes nothing."""
-        unknown = [r for r in list(req_ids) + list(attention or {}) if r not in self.table]
+        ids = as_list("req_ids", req_ids)
+        if attention is not None:
+            check_mapping("attention", attention)
+        unknown = [r for r in ids + list(attention or {}) if r not in self.table]
         if unknown:
             raise UnknownRequestError(f"unknown request(s) {unknown[:5]}")
-        for r, (ids, weights) in (attention or {}).items():
-            if len(ids) != len(weights) or any(not 0 <= t < self.table.total_len(r) for t in ids):
-                raise VTokenError(f"request {r!r}: attention row of {len(weights)} weights for {len(ids)} tokens "
-                                  f"(ids must be < {self.table.total_len(r)})")
-        victims = self._record_and_choose(req_ids, attention or {})
+        if len(set(ids)) != len(ids):
+            raise InvalidArgumentError(f"req_ids name a request twice: {ids[:8]}")
+        rows = {}
+        for r, pair in (attention or {}).items():
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise InvalidArgumentError(f"request {r!r}: attention must map a request to (token ids, weights), "
+                                           f"got {pair!r:.80}")
+            rows[r] = self.scores.check_row(r, *pair)
+        victims = self._record_and_choose(ids, rows)
         self._evict_and_reclaim(victims)
         return victims
 
@@ -265,6 +357,8 @@ class VTokenRuntime:
         Returns its block list. Only when no plan of it is in flight: a pending copy would still
         touch those blocks (I5, I6), and only this runtime could hold them back.
         """
+        if req_id not in self.table:
+            raise UnknownRequestError(f"unknown request {req_id!r}")
         if self.manager.in_flight(req_id) is not None:
             raise PlanConflictError(f"request {req_id!r} has a plan in flight; its blocks cannot be handed back yet")
         blocks = self.table.remove_request(req_id)
@@ -275,18 +369,20 @@ class VTokenRuntime:
     def _record_and_choose(self, req_ids: Sequence[object],
                            rows: Mapping[object, tuple[Sequence[int], Sequence[float]]]) -> dict[object, list[int]]:
         """Record validated rows, then choose victims; if choosing raises, the rows are taken back."""
-        saved = {r: self.scores.save(r, ids) for r, (ids, _) in rows.items()}
+        saved = {r: self.scores._save(r, ids) for r, (ids, _) in rows.items()}
         for r, (ids, weights) in rows.items():
-            self.scores.record(r, ids, weights)
+            self.scores._apply(r, ids, weights)
         try:
             return self._choose_victims(req_ids)
         except BaseException:
             for r, (ids, _) in rows.items():
-                self.scores.restore(r, ids, saved[r])
+                self.scores._restore(r, ids, saved[r])
             raise
 
     def token_budget(self, total_len: int) -> int:
         """Live tokens a request of ``total_len`` tokens may keep."""
+        if total_len.__class__ is not int or total_len < 0:
+            check_int("total_len", total_len, 0)
         if isinstance(self.budget, int):
             return self.budget
         return max(1, math.ceil(self.budget * total_len))
@@ -311,18 +407,23 @@ class VTokenRuntime:
     def _select(self, r: object) -> list[int]:
         live = self.table.live_token_ids(r)
         total = self.table.total_len(r)
+        accumulated, persistence = self.scores.readers(r)  # unchecked: policies sort by them
         view = RequestView(
             req_id=self.policy_names.get(r, r), live=live, total_len=total,
-            budget=self.token_budget(total),
-            accumulated=lambda t: self.scores.accumulated(r, t),
-            persistence=lambda t: self.scores.persistence(r, t),
+            budget=self.token_budget(total), accumulated=accumulated, persistence=persistence,
             seed=self.seed, step=self.iteration, protected=self._protected(r),
         )
-        victims = list(self.policy.select_victims(view))
-        bad = [t for t in victims if not isinstance(t, int) or t in view.protected
+        try:
+            victims = list(self.policy.select_victims(view))
+        except InvariantViolation:
+            raise
+        except Exception as e:  # a policy's bug, whatever it raised: nothing was evicted
+            raise PolicyError(f"policy {self.policy.name!r} failed on request {r!r}: "
+                              f"{type(e).__name__}: {e}") from e
+        bad = [t for t in victims if t.__class__ is not int and not is_int(t) or t in view.protected
                or not 0 <= t < total or not self.table.is_live(r, t)]
         if bad or len(set(victims)) != len(victims) or len(victims) > view.excess:
-            raise VTokenError(
+            raise PolicyError(
                 f"policy {self.policy.name!r} returned invalid victims for request {r!r}: "
                 f"{victims[:8]} (bad: {bad[:8]}, excess allowed {view.excess})"
             )
@@ -372,8 +473,22 @@ class VTokenRuntime:
     def _shareable_prefix(self, other: object, k: int) -> list[int]:
         S = self.pool.block_size
         blocks = self.table.block_ids(other)
-        if not isinstance(k, int) or not 0 < k <= len(blocks) or k * S > self.table.write_pos(other):
+        if not is_int(k):
+            raise InvalidArgumentError(f"shared_blocks must be an int (a number of blocks), got {k!r}")
+        # the cursor past the prefix: no block of it is ever written again (not even the append block)
+        if not 0 < k <= len(blocks) or k * S > self.table.write_pos(other):
             raise BlockNotOwnedError(f"request {other!r} has no {k!r} full blocks to share")
+        rec = self.manager.in_flight(other)
+        if rec is not None:
+            touched = _touched(rec.plan)
+            hit = [b for b in blocks[:k] if b in touched]
+            dense_pos = rec.plan.dense_write_pos
+            if hit or (dense_pos is not None and dense_pos < k * S):
+                where = f"block {hit[0]}" if hit else f"the cursor (moving it to position {dense_pos})"
+                raise PlanConflictError(
+                    f"request {other!r}: its {rec.plan.kind.value} plan in flight touches {where} of the "
+                    f"prefix blocks {blocks[:k]}; share them once the plan has settled"
+                )
         for i, b in enumerate(blocks[:k]):
             for o in range(S):
                 t = i * S + o
@@ -382,7 +497,96 @@ class VTokenRuntime:
                         f"request {other!r}: block {b} no longer holds logical tokens "
                         f"[{i * S}, {(i + 1) * S}) in place; it cannot be shared"
                     )
+        for b in blocks[:k]:
+            if self.pool.ref_count(b) < 1:
+                raise BlockNotOwnedError(f"request {other!r}: block {b} is free in the pool; it cannot be shared")
         return blocks[:k]
+
+    def _room_after_settle(self, appends: Mapping[object, int]) -> tuple[int, int]:
+        """(blocks ``appends`` will need, blocks free) once ``manager.settle()`` has run, without running it.
+
+        Mirrors what settling does (ReclamationManager.settle): a settled copy of a stale or failed plan
+        gives back its destinations; a committed plan gives back its sources and the destinations no
+        live token moves into, and takes the layout ``Plan.final_layout`` gives; a settled orphan gives
+        back what it held. A freed block counts only if this is its last reference (a lower bound).
+        """
+        t, pool, S = self.table, self.pool, self.pool.block_size
+        free = pool.num_free
+        layouts: dict[object, tuple[list[int], int]] = {}
+        for r, rec in self.manager.inflight.items():
+            if rec.state is not PlanState.COPYING:
+                continue
+            status = self._copy_status(rec)
+            if status is CopyStatus.PENDING:
+                continue
+            plan = rec.plan
+            stale = t.layout_version(r) != plan.version[0] or (
+                plan.kind is PlanKind.DENSIFY and t.total_len(r) != plan.version[1])
+            if status is CopyStatus.FAILED or stale:
+                gone = list(plan.dst_blocks)
+            else:
+                receiving = {m.dst_block for m in plan.moves if t.is_live(r, m.token_id)}
+                dsts = tuple(b for b in plan.dst_blocks if b in receiving)
+                gone = list(plan.src_blocks) + [b for b in plan.dst_blocks if b not in receiving]
+                layouts[r] = plan.final_layout(t.block_ids(r), t.write_pos(r), S, dsts)
+            free += sum(1 for b in gone if pool.ref_count(b) == 1)
+        for rec in self.manager.orphans:
+            if self._copy_status(rec).settled:
+                free += sum(1 for b in rec.held if pool.ref_count(b) == 1)
+        need = 0
+        for r, n in appends.items():
+            if r in layouts:
+                blocks, pos = layouts[r]
+                need += max(0, blocks_needed(pos + n, S) - len(blocks))
+            else:
+                need += self.blocks_to_grow(r, n)
+        return need, free
+
+    def _copy_status(self, rec) -> CopyStatus:
+        if rec.handle is None:
+            return CopyStatus.PENDING if rec.state is PlanState.PLANNED else CopyStatus.DONE
+        return self.engine.poll(rec.handle)
+
+    def _check_pool_blocks(self, req_id: object, new: list[int]) -> None:
+        """What only the pool and the manager know about blocks ``sync`` is given (see ``sync``)."""
+        if not new:
+            return
+        held: dict[int, object] | None = None
+        for b in new:
+            ref = self.pool.ref_count(b)
+            if ref < 1:
+                raise BlockNotOwnedError(f"request {req_id!r}: block {b} is free in the pool; sync only blocks "
+                                         f"allocated for the request")
+            owners = self.table.owners(b)
+            if owners:
+                if ref < len(owners) + 1:
+                    raise BlockNotOwnedError(
+                        f"request {req_id!r}: block {b} belongs to request {owners[0]!r} and the pool counts "
+                        f"{ref} reference(s) for {len(owners) + 1} holders; a block is in two block lists only "
+                        f"when it is shared in the pool"
+                    )
+                for o in owners:
+                    rec = self.manager.in_flight(o)
+                    if rec is not None and b in _touched(rec.plan):
+                        raise PlanConflictError(f"request {req_id!r}: block {b} of request {o!r} is touched by "
+                                                f"its plan in flight; it cannot be shared until the plan settles")
+                continue
+            if held is None:
+                held = self._plan_held()
+            if b in held:
+                raise BlockNotOwnedError(f"request {req_id!r}: block {b} is reserved by the relocation plan of "
+                                         f"request {held[b]!r}")
+
+    def _plan_held(self) -> dict[int, object]:
+        """Blocks plans hold outside any block list: destinations in flight, blocks kept for pending copies."""
+        held: dict[int, object] = {}
+        for r, rec in self.manager.inflight.items():
+            for b in rec.plan.dst_blocks:
+                held[b] = r
+        for rec in self.manager.orphans:
+            for b in rec.held:
+                held[b] = rec.plan.req_id
+        return held
 
     def _remove(self, req_id: object) -> None:
         blocks = self.table.remove_request(req_id)

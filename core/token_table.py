@@ -29,6 +29,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
+from .checks import as_list, check_request_id, is_int, is_known_key
 from .errors import (
     BlockListTooShortError,
     BlockNotOwnedError,
@@ -60,6 +61,8 @@ class Move(NamedTuple):
 def _as_move(req_id: object, m: object) -> Move:
     """Shape only; each field's type and range is checked where it is used."""
     try:
+        if isinstance(m, (str, bytes, dict)):
+            raise TypeError
         return Move(*m)  # type: ignore[misc]
     except TypeError:
         raise MoveSourceMismatchError(
@@ -126,17 +129,22 @@ class TokenTable:
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks <= 0 or block_size <= 0:
-            raise ConfigError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        if not (is_int(num_blocks) and is_int(block_size)) or num_blocks <= 0 or block_size <= 0:
+            raise ConfigError(f"num_blocks and block_size must be positive ints, got {num_blocks!r}, {block_size!r}")
         if num_blocks * block_size > _MAX_SLOTS:
             raise ConfigError(f"{num_blocks} blocks x {block_size} slots exceeds {_MAX_SLOTS} slots")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.occupancy = SlotOccupancy(num_blocks, block_size)
         self._requests: dict[object, RequestTokens] = {}
+        # per block, how many requests' block lists hold it (more than one only for shared prefix blocks);
+        # 2 bytes per block, pool-wide: who they are is found by a scan, only when the count is not 0
+        self._listed = array("H", bytes(2 * num_blocks))
 
     # ---- registration ------------------------------------------------------------
     def add_request(self, req_id: object) -> None:
+        """Register an empty request. Its id must be hashable, and neither None nor a bool."""
+        check_request_id(req_id)
         if req_id in self._requests:
             raise DuplicateRequestError(f"request {req_id!r} is already registered")
         self._requests[req_id] = RequestTokens()
@@ -147,11 +155,18 @@ class TokenTable:
         for s in r.slots:
             if s != NO_SLOT:
                 self.occupancy.release(s)
+        for b in r.blocks:
+            self._listed[b] -= 1
         del self._requests[req_id]
         return list(r.blocks)
 
     def __contains__(self, req_id: object) -> bool:
-        return req_id in self._requests
+        return is_known_key(self._requests, req_id)
+
+    def owners(self, block_id: int) -> list[object]:
+        """The requests whose block lists hold ``block_id`` (several only for a shared prefix block)."""
+        self._check_block(block_id)
+        return self._holders_of(block_id) if self._listed[block_id] else []
 
     def request_ids(self) -> list[object]:
         return list(self._requests)
@@ -163,6 +178,11 @@ class TokenTable:
         New tokens get consecutive logical ids and consecutive positions from the
         append cursor. Returns their write slots.
 
+        A block another request already holds may be appended only as a shared prefix block: full in
+        every request that holds it (its cursor lies past the block, so it is never written again) and
+        filled by this sync. Whether the pool's reference count covers the extra holder is the
+        allocator's to say; ``VTokenRuntime.sync`` checks that too.
+
         pre: req_id in self
         raises: TokenOutOfRangeError, BlockOutOfRangeError, BlockNotOwnedError, BlockListTooShortError
         post:
@@ -171,13 +191,40 @@ class TokenTable:
             # T1: the new tokens are live and counted; T2: the cursor moved past them
             self.num_live(req_id) == __old__.self.num_live(__old__.req_id) + len(__return__) == len(self.live_token_ids(req_id)) and self.write_pos(req_id) == __old__.self.write_pos(__old__.req_id) + len(__return__) and all(self.is_live(req_id, t) for t in range(__old__.self.total_len(__old__.req_id), total_len))
         """
+        r, new_ids, n_new = self._check_sync(req_id, block_ids, total_len)
+        # -- validated; mutate --
+        S = self.block_size
+        for b in new_ids:
+            r.blocks.append(b)
+            r.masks[b] = 0
+            self._listed[b] += 1
+        r.last_sync_start = r.total_len
+        out = []
+        for p in range(r.write_pos, r.write_pos + n_new):
+            b, o = r.blocks[p // S], p % S
+            slot = b * S + o
+            r.masks[b] |= 1 << o
+            self.occupancy.claim(slot)
+            r.slots.append(slot)
+            out.append(slot)
+        r.write_pos += n_new
+        r.num_live += n_new
+        return out
+
+    def check_sync(self, req_id: object, block_ids: Sequence[int], total_len: int) -> list[int]:
+        """Everything ``sync_new_tokens`` checks, changing nothing; returns the new blocks as a list."""
+        return self._check_sync(req_id, block_ids, total_len)[1]
+
+    def _check_sync(self, req_id: object, block_ids: Sequence[int], total_len: int
+                    ) -> tuple[RequestTokens, list[int], int]:
         r = self._get(req_id)
         S = self.block_size
-        if not isinstance(total_len, int) or total_len < r.total_len:
+        if total_len.__class__ is not int and not is_int(total_len) or total_len < r.total_len:
             raise TokenOutOfRangeError(
                 f"request {req_id!r}: total_len {total_len!r} is below the synced length {r.total_len}"
+                if is_int(total_len) else f"request {req_id!r}: total_len {total_len!r} is not an int"
             )
-        new_ids = list(block_ids)
+        new_ids = as_list(f"request {req_id!r}: new blocks", block_ids, BlockOutOfRangeError)
         seen: set[int] = set()
         for b in new_ids:
             self._check_block(b)
@@ -191,22 +238,31 @@ class TokenTable:
                 f"request {req_id!r}: {n_new} new tokens from position {r.write_pos} need "
                 f"{r.write_pos + n_new} slots, its {len(r.blocks) + len(new_ids)} blocks hold {capacity}"
             )
-        # -- validated; mutate --
-        for b in new_ids:
-            r.blocks.append(b)
-            r.masks[b] = 0
-        r.last_sync_start = r.total_len
-        out = []
-        for p in range(r.write_pos, r.write_pos + n_new):
-            b, o = r.blocks[p // S], p % S
-            slot = b * S + o
-            r.masks[b] |= 1 << o
-            self.occupancy.claim(slot)
-            r.slots.append(slot)
-            out.append(slot)
-        r.write_pos += n_new
-        r.num_live += n_new
-        return out
+        end = r.write_pos + n_new
+        for i, b in enumerate(new_ids):
+            if self._listed[b]:
+                self._check_shareable(req_id, b, self._holders_of(b), (len(r.blocks) + i) * S, end)
+        return r, new_ids, n_new
+
+    def _check_shareable(self, req_id: object, b: int, others: list[object], start: int, end: int) -> None:
+        """Block ``b``, held by ``others``, may join ``req_id``'s list at position ``start`` (its cursor
+        moving to ``end``) only as a full prefix block: written by no one ever again."""
+        S = self.block_size
+        if len(others) >= 0xFFFF:
+            raise BlockNotOwnedError(f"request {req_id!r}: block {b} is already shared by {len(others)} requests")
+        for o in others:
+            ro = self._requests[o]
+            i = ro.blocks.index(b)
+            if (i + 1) * S > ro.write_pos:
+                raise BlockNotOwnedError(
+                    f"request {req_id!r}: block {b} belongs to request {o!r}, whose append cursor "
+                    f"(position {ro.write_pos}) has not passed it; only a full block can be shared"
+                )
+        if start + S > end:
+            raise BlockNotOwnedError(
+                f"request {req_id!r}: block {b} belongs to request {others[0]!r}; a shared block must be "
+                f"filled by the sync that adds it (positions [{start}, {start + S}), tokens end at {end})"
+            )
 
     def evict_token(self, req_id: object, token_id: int) -> None:
         """Mark a token dead. Metadata only: nothing moves, nothing is freed.
@@ -246,7 +302,7 @@ class TokenTable:
         """
         r = self._get(req_id)
         S = self.block_size
-        batch = [_as_move(req_id, m) for m in moves]
+        batch = [_as_move(req_id, m) for m in as_list(f"request {req_id!r}: moves", moves, MoveSourceMismatchError)]
         if not batch:
             return  # nothing moves, so the layout (and any plan's snapshot of it) stays valid
         index = {b: i for i, b in enumerate(r.blocks)}
@@ -266,8 +322,8 @@ class TokenTable:
             vacated.add(slot)
         claimed: set[int] = set()
         for m in batch:
-            if not (isinstance(m.dst_block, int) and 0 <= m.dst_block < self.num_blocks
-                    and isinstance(m.dst_offset, int) and 0 <= m.dst_offset < S):
+            if not (is_int(m.dst_block) and 0 <= m.dst_block < self.num_blocks
+                    and is_int(m.dst_offset) and 0 <= m.dst_offset < S):
                 raise DestinationError(
                     f"request {req_id!r}: token {m.token_id} destination ({m.dst_block}, {m.dst_offset}) "
                     f"is outside the pool ({self.num_blocks} blocks of {S})"
@@ -307,16 +363,23 @@ class TokenTable:
         """Replace the block list and append cursor (attach destinations, drop emptied sources).
 
         Every block holding a live token of the request must stay; no live token
-        may end up at or after the new cursor (T2).
+        may end up at or after the new cursor (T2). A block joining the list must
+        not be in another request's list (sharing happens only through ``sync_new_tokens``).
         """
         r = self._get(req_id)
         S = self.block_size
-        new = list(blocks)
+        new = as_list(f"request {req_id!r}: new block list", blocks, BlockOutOfRangeError)
+        for b in new:
+            self._check_block(b)
         if len(set(new)) != len(new):
             raise BlockNotOwnedError(f"request {req_id!r}: new block list {new} repeats a block")
         for b in new:
-            self._check_block(b)
-        if not isinstance(write_pos, int) or not 0 <= write_pos <= len(new) * S:
+            if b not in r.masks and self._listed[b]:
+                raise BlockNotOwnedError(
+                    f"request {req_id!r}: block {b} belongs to request {self._holders_of(b)[0]!r} and cannot join "
+                    f"its block list"
+                )
+        if not is_int(write_pos) or not 0 <= write_pos <= len(new) * S:
             raise BlockListTooShortError(
                 f"request {req_id!r}: cursor {write_pos!r} outside its {len(new)} blocks of {S}"
             )
@@ -334,6 +397,13 @@ class TokenTable:
                     f"request {req_id!r}: block {b} holds live tokens at or after cursor {write_pos}"
                 )
         # -- validated; mutate --
+        keep_old = set(r.blocks)
+        for b in r.blocks:
+            if b not in keep:
+                self._listed[b] -= 1
+        for b in new:
+            if b not in keep_old:
+                self._listed[b] += 1
         r.masks = {b: r.masks.get(b, 0) for b in new}
         r.blocks = new
         r.write_pos = write_pos
@@ -389,7 +459,8 @@ class TokenTable:
 
     def snapshot(self, req_id: object, shared_blocks: Iterable[int] = ()) -> RequestSnapshot:
         r = self._get(req_id)
-        shared = frozenset(b for b in shared_blocks if b in r.masks)
+        shared = frozenset(b for b in as_list("shared blocks", shared_blocks, BlockOutOfRangeError)
+                           if is_known_key(r.masks, b))
         return RequestSnapshot(
             req_id=req_id,
             block_size=self.block_size,
@@ -417,17 +488,23 @@ class TokenTable:
     # ---- helpers --------------------------------------------------------------------
     def _get(self, req_id: object) -> RequestTokens:
         try:
+            if req_id.__class__ is bool:  # True == 1: it would find request 1
+                raise KeyError(req_id)
             return self._requests[req_id]
         except (KeyError, TypeError):
             raise UnknownRequestError(f"unknown request {req_id!r}") from None
 
+    def _holders_of(self, b: int) -> list[object]:
+        """The requests listing block ``b``: a scan of the requests (only for a block that is listed)."""
+        return [k for k, r in self._requests.items() if b in r.masks]
+
     def _check_block(self, b: int) -> None:
-        if not isinstance(b, int) or not 0 <= b < self.num_blocks:
+        if b.__class__ is not int and not is_int(b) or not 0 <= b < self.num_blocks:
             raise BlockOutOfRangeError(f"block {b!r} outside the pool [0, {self.num_blocks})")
 
     @staticmethod
     def _check_token(req_id: object, r: RequestTokens, token_id: int) -> None:
-        if not isinstance(token_id, int) or not 0 <= token_id < r.total_len:
+        if token_id.__class__ is not int and not is_int(token_id) or not 0 <= token_id < r.total_len:
             raise TokenOutOfRangeError(
                 f"request {req_id!r}: token {token_id!r} outside its synced tokens [0, {r.total_len})"
             )

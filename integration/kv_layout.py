@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from vtoken.core.checks import check_int
 from vtoken.core.errors import ConfigError
 
 
@@ -35,7 +36,8 @@ class Plane:
     at (block 0, offset o); block b's are ``offsets[o] + b * block_stride``.
 
     Invariant (checked at construction): all indices of all blocks lie inside the tensor's storage, and
-    the token tables of distinct offsets are disjoint.
+    the token tables of distinct offsets are disjoint; the tensor has at least one block, the block at
+    least one slot and a slot at least one element; ``offsets`` is an int64 tensor on the CPU.
     """
 
     layer: str
@@ -45,8 +47,24 @@ class Plane:
     parts: tuple[str, ...]  # what the elems are, in order: ("K",), ("V",) or ("K", "V")
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layer, str):
+            raise LayoutError(f"a plane's layer name must be a string, got {self.layer!r}")
+        if not isinstance(self.tensor, torch.Tensor):
+            raise LayoutError(f"layer {self.layer!r}: the KV tensor must be a torch.Tensor, got {type(self.tensor).__name__}")
+        if not isinstance(self.offsets, torch.Tensor) or self.offsets.dtype != torch.int64 or self.offsets.dim() != 2 \
+                or self.offsets.device.type != "cpu":
+            raise LayoutError(f"layer {self.layer!r}: offsets must be an int64 [block_size, elems] tensor on the CPU, "
+                              f"got {self.offsets!r:.80}")
+        if self.tensor.dim() == 0:
+            raise LayoutError(f"layer {self.layer!r}: the KV tensor has no block dimension (a scalar)")
+        check_int(f"layer {self.layer!r}: block_stride", self.block_stride, 1, error=LayoutError)
+        if not (isinstance(self.parts, tuple) and self.parts in (("K",), ("V",), ("K", "V"))):
+            raise LayoutError(f"layer {self.layer!r}: parts must be ('K',), ('V',) or ('K', 'V'), got {self.parts!r}")
         S, E = self.offsets.shape
         nb = self.num_blocks
+        if S < 1 or E < 1 or nb < 1 or E % len(self.parts):
+            raise LayoutError(f"layer {self.layer!r}: {nb} blocks of {S} slots of {E} elements; each must be "
+                              f"at least 1 (and the elements split evenly over {self.parts})")
         lo, hi = int(self.offsets.min()), int(self.offsets.max()) + (nb - 1) * self.block_stride
         size = self.tensor.untyped_storage().nbytes() // self.tensor.element_size()
         if lo < 0 or hi >= size:
@@ -74,6 +92,8 @@ class Plane:
 
 def _plane_from_view(layer: str, view: torch.Tensor, part: str) -> Plane:
     """A ``[num_blocks, block_size, heads, dim]`` view (any strides)."""
+    if not isinstance(view, torch.Tensor):
+        raise LayoutError(f"layer {layer!r}: {part} must be a torch.Tensor, got {type(view).__name__}")
     if view.dim() != 4:
         raise LayoutError(f"layer {layer!r}: {part} must be [num_blocks, block_size, num_kv_heads, head_dim], "
                           f"got shape {tuple(view.shape)}")
@@ -95,10 +115,17 @@ def gpu_planes(layer: str, kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor])
                               f"num_kv_heads, head_dim], got shape {tuple(kv.shape)}")
         k, v = kv[0], kv[1]
     else:
+        if not isinstance(kv, (tuple, list)) or len(kv) != 2 \
+                or not all(isinstance(t, torch.Tensor) for t in kv):
+            raise LayoutError(f"layer {layer!r}: KV must be a (K, V) pair of tensors or one stacked tensor, "
+                              f"got {type(kv).__name__} {kv!r:.60}")
         k, v = kv
         if k.shape != v.shape or k.dtype != v.dtype:
             raise LayoutError(f"layer {layer!r}: K {tuple(k.shape)} {k.dtype} and V {tuple(v.shape)} {v.dtype} "
                               f"differ")
+        if k.device != v.device:
+            raise LayoutError(f"layer {layer!r}: K is on {k.device} and V on {v.device}; a layer's K and V "
+                              f"must share a device")
     return [_plane_from_view(layer, k, "K"), _plane_from_view(layer, v, "V")]
 
 
@@ -108,6 +135,8 @@ def default_cpu_block_order(num_kv_heads: int, block_size: int, head_size: int) 
     dim-major (element d of the token at offset o at d * S + o) in the first S * D elements, then V
     token-major (o * D + d). int64 ``[block_size, 2 * heads * head_size]``, canonical order K[h][d] then
     V[h][d]. Other ISA paths (``amx``) may differ: probe them."""
+    for what, n in (("num_kv_heads", num_kv_heads), ("block_size", block_size), ("head_size", head_size)):
+        check_int(what, n, 1, error=LayoutError)
     H, S, D = num_kv_heads, block_size, head_size
     o = torch.arange(S).view(S, 1, 1)
     h = torch.arange(H).view(1, H, 1) * (2 * S * D)
@@ -120,11 +149,16 @@ def default_cpu_block_order(num_kv_heads: int, block_size: int, head_size: int) 
 def cpu_plane(layer: str, cache: torch.Tensor, block_order: torch.Tensor | None = None) -> Plane:
     """vLLM's CPU layout ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (contiguous), with the
     in-block order ``block_order`` (from ``probe_block_order``; default ``default_cpu_block_order``)."""
-    if cache.dim() != 4 or cache.shape[3] % 2 or not cache.is_contiguous():
+    if not isinstance(cache, torch.Tensor):
+        raise LayoutError(f"layer {layer!r}: a CPU KV tensor must be a torch.Tensor, got {type(cache).__name__}")
+    if cache.dim() != 4 or cache.shape[3] % 2 or not cache.is_contiguous() or 0 in cache.shape:
         raise LayoutError(f"layer {layer!r}: a CPU KV tensor must be contiguous [num_blocks, num_kv_heads, "
                           f"block_size, 2*head_size], got shape {tuple(cache.shape)}")
     nb, H, S, D2 = cache.shape
     order = default_cpu_block_order(H, S, D2 // 2) if block_order is None else block_order
+    if not isinstance(order, torch.Tensor) or order.dtype != torch.int64 or order.device.type != "cpu":
+        raise LayoutError(f"layer {layer!r}: block order must be an int64 CPU tensor (probe_block_order's), "
+                          f"got {order!r:.60}")
     if tuple(order.shape) != (S, H * D2):
         raise LayoutError(f"layer {layer!r}: block order has shape {tuple(order.shape)}, expected {(S, H * D2)}")
     block_elems = H * S * D2
@@ -145,6 +179,10 @@ def probe_block_order(write: CacheWriter, num_kv_heads: int, block_size: int, he
     canonical order (K[h][d] then V[h][d]), like ``default_cpu_block_order``.
     Raises ``LayoutError`` if the op writes outside block 1, loses or duplicates an element.
     """
+    if not callable(write):
+        raise LayoutError(f"probe: the cache-write op must be callable, got {write!r}")
+    for what, k in (("num_kv_heads", num_kv_heads), ("block_size", block_size), ("head_size", head_size)):
+        check_int(f"probe: {what}", k, 1, error=LayoutError)
     H, S, D = num_kv_heads, block_size, head_size
     n = S * 2 * H * D
     codes = torch.arange(1, n + 1, device=device).view(S, 2, H, D)

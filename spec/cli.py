@@ -1,15 +1,27 @@
-"""``vtoken spec check``: run every proof obligation and print invariant / transition / result / seconds."""
+"""``vtoken spec check``: run every proof obligation and print invariant / transition / result / seconds.
+
+z3 and CrossHair are imported when the check runs, not when ``vtoken`` registers the command; a missing
+one, a ``--filter`` that matches nothing or a ``--json`` file that cannot be written is refused in one
+line (exit 2) before any obligation runs. ``--json`` does not create folders: a path into a missing
+folder is most likely a typo.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .obligations import PROVED, Result, run
+from vtoken.core.cli import check_out_file
+from vtoken.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from .obligations import Result
 
 #: Modules whose ``obligations()`` make up the spec, in report order.
 MODULES = ["state_model", "protocol_model", "planner_model", "crosshair_check"]
@@ -33,13 +45,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=lambda a: (p.print_help(), 2)[1])
 
 
+def _needs(module: str, what: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise ModuleNotFoundError(f"{what} needs {module}", name=module)  # one line naming the extra (core/cli.py)
+
+
 def check(a: argparse.Namespace) -> int:
+    if a.json is not None:
+        check_out_file("--json", a.json)
+    _needs("z3", "the z3 models")
+    from .obligations import PROVED, run
+
+    todo = [ob for ob in all_obligations(a.only) if not a.filter or a.filter in ob.id]
+    if not todo:
+        raise ConfigError(f"--filter {a.filter!r} matches no obligation"
+                          + (f" of {a.only}" if a.only else "") + " (ids look like 'I2/T0', 'contracts/core')")
+    if any(ob.id.startswith("contracts/") for ob in todo):
+        _needs("crosshair", "the contracts check")
     t0 = time.perf_counter()
     results: list[Result] = []
     print(f"vtoken spec v1\n  {'obligation':<34}{'invariant':<10}{'transition / model':<40}{'result':<16}{'seconds':>8}")
-    for ob in all_obligations(a.only):
-        if a.filter and a.filter not in ob.id:
-            continue
+    for ob in todo:
         r = run(ob)
         results.append(r)
         print(f"  {ob.id:<33} {ob.invariant:<10}{ob.transition[:38]:<40}{r.outcome.status:<16}{r.seconds:>8.2f}",
@@ -58,5 +84,7 @@ def check(a: argparse.Namespace) -> int:
     return 1 if bad or not results else 0
 
 
-if __name__ == "__main__":
-    sys.exit(check(argparse.Namespace(only=None, filter=None, json=None)))
+if __name__ == "__main__":  # python -m vtoken.spec.cli [options]: same as vtoken spec check [options]
+    from vtoken.core.cli import main
+
+    sys.exit(main(["spec", "check", *sys.argv[1:]]))

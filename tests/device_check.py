@@ -129,14 +129,25 @@ def check_force_sync_waits_on_the_host():
 
 
 def check_strict_verify_on_cuda_detects_a_flip():
+    """A faulty copy kernel: the scatter tears one element of layer2.V at the destination. The flip runs on the
+    relocation stream inside the copy, between its scatter and its destination digest (a write after the copy
+    is later work's, and strict verify rightly ignores it: the check below)."""
     cache = cuda_cache(torch.bfloat16)
     eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict")))
-    h = eng.submit([Move(3, 1, 2, 7, 7)], req_id="gpu-req")
-    torch.cuda.synchronize()
     slot = torch.tensor([7 * S + 7], device="cuda")
-    v = cache.read("layer2.V", slot)
-    v.view(torch.int16)[0, 5] ^= 1
-    cache.write("layer2.V", slot, v)
+    real = cache.scatter
+
+    def torn_scatter(slots, values):
+        real(slots, values)
+        v = cache.read("layer2.V", slot)
+        v.view(torch.int16)[0, 5] ^= 1
+        cache.write("layer2.V", slot, v)
+
+    cache.scatter = torn_scatter
+    try:
+        h = eng.submit([Move(3, 1, 2, 7, 7)], req_id="gpu-req")
+    finally:
+        del cache.scatter
     try:
         settle(eng, h)
     except RelocationMismatch as e:
@@ -146,9 +157,9 @@ def check_strict_verify_on_cuda_detects_a_flip():
 
 
 def check_strict_verify_reads_its_digests_after_they_are_computed():
-    """Destination digests are computed on the relocation stream when the copy is seen complete; reading
-    them back must wait for those kernels. A long kernel queued on that stream after the copy makes a
-    read-back on any other stream see unfinished digests: false mismatches (found on an H200)."""
+    """Digests are computed on the relocation stream as part of the copy; reading them back must wait for
+    those kernels. A long kernel queued on that stream after the copy makes a read-back that does not wait
+    see unfinished digests: false mismatches (found on an H200)."""
     cache = cuda_cache(torch.float16)
     eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict")))
     h = eng.submit(moves_with_chain(300, 4), req_id="r")
@@ -157,6 +168,36 @@ def check_strict_verify_reads_its_digests_after_they_are_computed():
     assert eng.wait(h) is CopyStatus.DONE
     c = eng.verifier.counters
     assert (c.verified, c.mismatches) == (1, 0), (c.verified, c.mismatches)
+
+
+def check_two_ordered_copies_into_one_slot_verify_clean():
+    """Copy 1 (request "a") writes slot 9*S+3; copy 2 (request "b"), ORDERED after it, writes the same slot before
+    the host first sees copy 1 complete (a long kernel ahead of both keeps them pending meanwhile). Copy 1
+    wrote its destination correctly, so both verify clean: each copy's destination digest is taken on the
+    relocation stream right after its own scatter. Taken when copy 1 was first seen complete, it read copy 2's
+    value: RelocationMismatch under raise, a failed healthy request under quarantine."""
+    for mode in ("raise", "quarantine"):
+        cache = cuda_cache(torch.float16)
+        before = snapshot(cache)
+        evidence = tempfile.mkdtemp(prefix="vtoken-evidence-")
+        eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", on_mismatch=mode, evidence_dir=evidence)))
+        eng.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(eng.stream):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s ahead of both copies on the relocation stream
+        first = eng.submit([Move(0, 5, 0, 9, 3)], req_id="a")
+        assert eng.order_before_compute(first) is CopyStatus.ORDERED
+        second = eng.submit([Move(1, 6, 1, 9, 3)], req_id="b")
+        assert eng.order_before_compute(second) is CopyStatus.ORDERED
+        assert eng.poll(first) is CopyStatus.ORDERED, "copy 1 should still be running"
+        eng.before_compute()
+        torch.cuda.synchronize()
+        assert (eng.poll(first), eng.poll(second)) == (CopyStatus.DONE, CopyStatus.DONE), mode
+        c = eng.verifier.counters
+        assert (c.relocations, c.verified, c.mismatches) == (2, 2, 0), (mode, c)
+        assert eng.verifier.quarantined == {} and not any(Path(evidence).iterdir()), mode
+        after = snapshot(cache)
+        for n in before:
+            assert torch.equal(after[n][9 * S + 3].view(torch.uint8), before[n][6 * S + 1].view(torch.uint8)), n
 
 
 def check_submit_does_not_wait_for_the_device():
@@ -207,7 +248,9 @@ def check_cuda_graph_reads_relocations_through_an_updated_slot_buffer():
 
 CHECKS = [check_moves_exact_on_cuda, check_pre_attention_hook_orders_compute_after_the_copy,
           check_force_sync_waits_on_the_host, check_strict_verify_on_cuda_detects_a_flip,
-          check_strict_verify_reads_its_digests_after_they_are_computed, check_submit_does_not_wait_for_the_device,
+          check_strict_verify_reads_its_digests_after_they_are_computed,
+          check_two_ordered_copies_into_one_slot_verify_clean,
+          check_submit_does_not_wait_for_the_device,
           check_cuda_graph_reads_relocations_through_an_updated_slot_buffer]
 
 

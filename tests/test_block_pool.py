@@ -36,13 +36,15 @@ def assert_rejected(pool: BlockPool, exc: type, match: str, fn, *args) -> None:
 @pytest.mark.parametrize(
     "num_blocks, block_size, headroom, match",
     [
-        (0, 4, 0, "num_blocks must be positive, got 0"),
-        (-3, 4, 0, "num_blocks must be positive, got -3"),
-        (8, 0, 0, "block_size must be positive, got 0"),
-        (8, -1, 0, "block_size must be positive, got -1"),
-        (8, 4, -1, r"headroom must be in \[0, num_blocks=8\), got -1"),
-        (8, 4, 8, r"headroom must be in \[0, num_blocks=8\), got 8"),
-        (8, 4, 9, r"headroom must be in \[0, num_blocks=8\), got 9"),
+        (0, 4, 0, "num_blocks must be an int >= 1, got 0"),
+        (-3, 4, 0, "num_blocks must be an int >= 1, got -3"),
+        (8, 0, 0, "block_size must be an int >= 1, got 0"),
+        (8, -1, 0, "block_size must be an int >= 1, got -1"),
+        (8, 4, -1, r"headroom must be an int in \[0, 7\] \(num_blocks=8\), got -1"),
+        (8, 4, 8, r"headroom must be an int in \[0, 7\] \(num_blocks=8\), got 8"),
+        (8, 4, 9, r"headroom must be an int in \[0, 7\] \(num_blocks=8\), got 9"),
+        (8.0, 4, 0, "num_blocks must be an int >= 1, got 8.0"),
+        (True, 4, 0, "num_blocks must be an int >= 1, got True"),
     ],
 )
 def test_bad_config_is_rejected_with_config_error(num_blocks, block_size, headroom, match):

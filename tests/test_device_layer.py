@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from vtoken.core.block_pool import BlockPool, Purpose
 from vtoken.core.copy_engine import CopyStatus
-from vtoken.core.errors import DestinationError
+from vtoken.core.errors import DestinationError, MoveSourceMismatchError, TokenOutOfRangeError
 from vtoken.core.plan import PlanKind
 from vtoken.core.reclamation import ReclaimConfig, ReclamationManager
 from vtoken.core.token_table import Move, TokenTable
@@ -218,6 +219,90 @@ def test_bad_moves_are_rejected_and_change_nothing():
     assert all(torch.equal(after[n], before[n]) for n in before) and eng.pending() == []
 
 
+@pytest.mark.parametrize("move, error, culprit", [
+    (Move(0, 1.0, 0, 2, 0), MoveSourceMismatchError, "1.0"),  # torch.tensor would read it as block 1
+    (Move(0, 1, 0, 2.7, 0), DestinationError, "2.7"),  # ... and this as block 2
+    (Move(0, 1, 0, 2, True), DestinationError, "True"),  # ... and this as offset 1
+    (Move(0, False, 0, 2, 0), MoveSourceMismatchError, "False"),
+    (Move(0.5, 1, 0, 2, 0), TokenOutOfRangeError, "0.5"),
+    (Move(0, 1, -1, 2, 0), MoveSourceMismatchError, "-1"),
+    (Move(0, 1, 0, 2, S), DestinationError, f"dst_offset={S}"),
+    ((0, 1, 0, 2), MoveSourceMismatchError, "(0, 1, 0, 2)"),  # four fields
+])
+def test_submit_refuses_moves_that_are_not_exact_slots_and_changes_nothing(move, error, culprit):
+    cache, _ = mixed_cache()
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict")))
+    before = snapshot(cache)
+    with pytest.raises(error, match="'r'") as e:
+        eng.submit([Move(5, 3, 0, 4, 0), move], req_id="r")
+    assert culprit in str(e.value), str(e.value)
+    after = snapshot(cache)
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    assert eng.pending() == [] and eng.launches == 0 and eng.verifier.counters.relocations == 0
+
+
+class FakeEvent:
+    """A CUDA event on the CPU: ``query()`` is False until the test fires it (a copy not yet seen complete)."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def query(self) -> bool:
+        return self.fired
+
+    def synchronize(self) -> None:
+        self.fired = True
+
+
+class LateEngine(TorchCopyEngine):
+    """The CPU engine with each copy's completion reported late, as on CUDA when the host looks steps later."""
+
+    def _launch(self, c, src, verify):
+        super()._launch(c, src, verify)
+        c.event = FakeEvent()
+
+
+@pytest.mark.parametrize("on_mismatch, release_first", [("raise", True), ("raise", False), ("quarantine", False)])
+def test_a_later_copy_into_the_same_slot_is_no_mismatch(on_mismatch, release_first, tmp_path):
+    """Two chained ORDERED copies write slot 5*S: copy 1 (request "a"), then copy 2 (request "b", after "a"'s
+    plan committed and the slot was freed and planned again), before the host sees copy 1 complete. Copy 1
+    wrote its destination correctly, so it verifies clean. Taking its destination digest when it is first
+    seen complete read copy 2's value: RelocationMismatch, or under quarantine a failed healthy request."""
+    cache, _ = mixed_cache()
+    before = snapshot(cache)
+    eng = LateEngine(cache, Verifier(cache, VerifyConfig("strict", on_mismatch=on_mismatch,
+                                                         evidence_dir=str(tmp_path))))
+    first = eng.submit([Move(0, 1, 0, 5, 0)], req_id="a")
+    assert eng.order_before_compute(first) is CopyStatus.ORDERED and eng.poll(first) is CopyStatus.ORDERED
+    if release_first:
+        eng.release(first)  # "a"'s plan committed under EVENT ordering
+    second = eng.submit([Move(1, 2, 0, 5, 0)], req_id="b")
+    assert eng.order_before_compute(second) is CopyStatus.ORDERED
+    for h in (first, second):
+        eng._get(h).event.fired = True
+    assert (eng.poll(first), eng.poll(second)) == (CopyStatus.DONE, CopyStatus.DONE)
+    c = eng.verifier.counters
+    assert (c.relocations, c.verified, c.mismatches) == (2, 2, 0)
+    assert eng.verifier.quarantined == {} and list(tmp_path.iterdir()) == []
+    after = snapshot(cache)
+    for n in before:  # slot 5*S holds copy 2's source, block 1's first token is still there
+        assert torch.equal(after[n][5 * S], before[n][2 * S]) and torch.equal(after[n][1 * S], before[n][1 * S])
+
+
+def test_a_torn_write_is_still_caught_when_completion_is_seen_late():
+    """The same late completion does not blunt the check: a copy that wrote its destination wrongly fails."""
+    cache, _ = mixed_cache()
+    eng = LateEngine(cache, Verifier(cache, VerifyConfig("strict")))
+    with torn_writes(cache, "l1.V", 5 * S):
+        first = eng.submit([Move(0, 1, 0, 5, 0)], req_id="a")
+    eng.order_before_compute(first)
+    second = eng.submit([Move(1, 2, 0, 6, 0)], req_id="b")
+    eng._get(first).event.fired = eng._get(second).event.fired = True
+    with pytest.raises(RelocationMismatch, match=r"'a'.*l1\.V"):
+        eng.poll(first)
+    assert eng.poll(second) is CopyStatus.DONE
+
+
 # ---- strict verify ----------------------------------------------------------------------------------------
 def flip_one_element(cache, name, slot, elem=0):
     raw = cache.read(name, torch.tensor([slot]))
@@ -225,11 +310,32 @@ def flip_one_element(cache, name, slot, elem=0):
     cache.write(name, torch.tensor([slot]), raw)
 
 
+@contextmanager
+def torn_writes(cache, name, slot, elem=0):
+    """A faulty copy kernel: every scatter that writes ``slot`` flips one element of it in plane ``name``.
+
+    Strict verify checks what a copy itself wrote (its destination digests are taken right after its scatter),
+    so corruption is planted inside the copy, not after it: a write after the copy is later work's, not the
+    copy's (test_a_later_copy_into_the_same_slot_is_no_mismatch)."""
+    real = cache.scatter
+
+    def scatter(slots, values):
+        real(slots, values)
+        if slot in slots.tolist():
+            flip_one_element(cache, name, slot, elem)
+
+    cache.scatter = scatter
+    try:
+        yield
+    finally:
+        del cache.scatter  # the class's method again
+
+
 def test_strict_detects_one_flipped_element_and_names_everything():
     cache, _ = mixed_cache()
     eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict")))
-    h = eng.submit([Move(7, 1, 0, 4, 3), Move(8, 1, 1, 4, 2)], req_id="req-9")
-    flip_one_element(cache, "l2.V", 4 * S + 2, elem=4)
+    with torn_writes(cache, "l2.V", 4 * S + 2, elem=4):
+        h = eng.submit([Move(7, 1, 0, 4, 3), Move(8, 1, 1, 4, 2)], req_id="req-9")
     with pytest.raises(RelocationMismatch) as e:
         eng.poll(h)
     assert "req-9" in str(e.value) and "token 8" in str(e.value) and "l2.V" in str(e.value)
@@ -241,8 +347,8 @@ def test_strict_detects_one_flipped_element_and_names_everything():
 def test_off_misses_the_same_corruption():
     cache, _ = mixed_cache()
     eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("off")))
-    h = eng.submit([Move(7, 1, 0, 4, 3)], req_id="r")
-    flip_one_element(cache, "l0.K", 4 * S + 3)
+    with torn_writes(cache, "l0.K", 4 * S + 3):
+        h = eng.submit([Move(7, 1, 0, 4, 3)], req_id="r")
     assert eng.poll(h) is CopyStatus.DONE and eng.verifier.counters.verified == 0
 
 
@@ -251,10 +357,10 @@ def test_sampled_detects_at_the_expected_rate():
     eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("sampled", sample_every=4, on_mismatch="quarantine",
                                                               evidence_dir="/tmp/vtoken-test-evidence", seed=3)))
     detected = 0
-    for i in range(200):
-        h = eng.submit([Move(0, 0, 0, 1, 0)], req_id=i)
-        flip_one_element(cache, "l1.K", 1 * S)
-        detected += eng.poll(h) is CopyStatus.FAILED
+    with torn_writes(cache, "l1.K", 1 * S):
+        for i in range(200):
+            h = eng.submit([Move(0, 0, 0, 1, 0)], req_id=i)
+            detected += eng.poll(h) is CopyStatus.FAILED
     c = eng.verifier.counters
     assert c.relocations == 200 and detected == c.verified == c.mismatches
     assert 30 <= detected <= 70  # 1 in 4 of 200 (binomial: mean 50, sd 6.1), fixed by the seed
@@ -264,10 +370,10 @@ def test_quarantine_fails_that_relocation_keeps_others_and_writes_evidence(tmp_p
     cache, _ = mixed_cache()
     eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", on_mismatch="quarantine",
                                                               evidence_dir=str(tmp_path))))
-    bad = eng.submit([Move(0, 0, 0, 5, 0)], req_id="a")
-    good = eng.submit([Move(0, 2, 0, 6, 0)], req_id="b")
+    with torn_writes(cache, "l0.K", 5 * S):
+        bad = eng.submit([Move(0, 0, 0, 5, 0)], req_id="a")
+        good = eng.submit([Move(0, 2, 0, 6, 0)], req_id="b")
     b_after_copy = snapshot(cache)
-    flip_one_element(cache, "l0.K", 5 * S)
     assert eng.poll(bad) is CopyStatus.FAILED and eng.poll(good) is CopyStatus.DONE
     assert list(eng.verifier.quarantined) == ["a"]
     ev = json.loads(eng.verifier.quarantined["a"].read_text())
@@ -294,9 +400,9 @@ def test_a_quarantined_copy_is_aborted_by_the_manager_and_the_sources_stay_autho
             table.evict_token("r", t)
     rec = mgr.plan_request("r")
     assert rec and len(rec.plan.src_blocks) == 3 and len(rec.plan.dst_blocks) == 1
-    mgr.launch()
     d = rec.plan.moves[0]
-    flip_one_element(cache, "l1.V", d.dst_block * S + d.dst_offset)
+    with torn_writes(cache, "l1.V", d.dst_block * S + d.dst_offset):
+        assert mgr.launch() == []  # launched (a torn write is no launch failure)
     [done] = mgr.settle()
     assert done.state.value == "aborted" and "r" in eng.verifier.quarantined
     assert [store.read(s) for s in table.attention_slots("r")] == [1000, 1000 + S, 1000 + 2 * S]

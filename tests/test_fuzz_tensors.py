@@ -1,5 +1,7 @@
 """``vtoken fuzz --target tensors``: the state machine drives the torch device layer on real K/V."""
 
+import copy
+
 from vtoken.fuzz.campaign import CampaignConfig, pytest_file, replay_command, run_batch
 from vtoken.integration.kv_cache import PagedKVCache
 
@@ -26,9 +28,8 @@ def test_a_device_layer_bug_is_found_and_replays_on_the_tensor_target(monkeypatc
     assert "import TensorMachine as VTokenMachine" in pytest_file(res.failure, CFG)
 
 
-class _Drop:
-    """A view of a cache whose groups lack the last one."""
-
-    def __init__(self, cache):
-        self.__dict__.update(cache.__dict__)
-        self.groups = cache.groups[:-1]
+def _Drop(cache: PagedKVCache) -> PagedKVCache:
+    """A view of a cache whose groups lack the last one (the same object otherwise)."""
+    view = copy.copy(cache)
+    view.groups = cache.groups[:-1]
+    return view

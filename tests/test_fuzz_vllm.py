@@ -7,13 +7,17 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vtoken.fuzz.cli import VLLM_BUGS  # noqa: E402
 from vtoken.fuzz.vllm_campaign import episode_seed, main  # noqa: E402
-from vtoken.integration.vllm.fuzz_episode import Episode  # noqa: E402
+from vtoken.integration.vllm import fuzz_episode as F  # noqa: E402
+from vtoken.integration.vllm import scheduler_tokens  # noqa: E402
+from vtoken.integration.vllm.fuzz_episode import Episode, EpisodeResult, compare_outputs, planted  # noqa: E402
 from vtoken.integration.vllm.worker_tokens import WorkerTokens  # noqa: E402
 
 
 def args(out, **kw) -> argparse.Namespace:
-    base = dict(time=60.0, runs=3, seed=1, out=str(out), keep_going=False, replay=None, self_test=False, bug=None)
+    base = dict(time=60.0, runs=3, seed=1, out=str(out), keep_going=False, replay=None, self_test=False, bug=None,
+                planner=[], policy=[], time_per_bug=60.0)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -46,4 +50,68 @@ def test_a_planted_bug_is_saved_with_a_replay_that_reproduces_it(tmp_path, monke
     assert f["episode"] == Episode.draw(f["episode_seed"]).describe()
     assert main(args(tmp_path / "replay", replay=f["episode_seed"])) == 1
     monkeypatch.undo()
+    assert main(args(tmp_path / "fixed", replay=f["episode_seed"])) == 0
+
+
+# ---- the differential oracle (issue #15): prefix caching on vs off ------------------------------------------
+def _result(outputs, **kw) -> EpisodeResult:
+    return EpisodeResult(outputs=outputs, **kw)
+
+
+def test_the_differential_oracle_compares_ids_and_logprobs_and_forgives_only_near_ties():
+    same = {"0": ([5, 6, 7], [-0.5, -1.0, -0.25], [0.3, 0.2, 0.9])}
+    assert compare_outputs(_result(same), _result(same)) == ([], 1)
+    roundoff = {"0": ([5, 6, 7], [-0.5 + 4e-6, -1.0, -0.25], [0.3, 0.2, 0.9])}
+    assert compare_outputs(_result(roundoff), _result(same)) == ([], 1)
+    moved = {"0": ([5, 6, 7], [-0.5, -1.13, -0.25], [0.3, 0.2, 0.9])}
+    [bad], n = compare_outputs(_result(moved), _result(same))
+    assert n == 1 and bad.startswith("request 0 (0 prompt tokens from the cache): token 1 (6) has logprob -1.130000")
+    tie = {"0": ([5, 9, 1], [-0.5, -1.0, -3.0], [0.3, 0.0004, 0.9])}
+    other = {"0": ([5, 6, 7], [-0.5, -1.0004, -0.25], [0.3, 0.0004, 0.9])}
+    assert compare_outputs(_result(tie), _result(other)) == ([], 1)  # a near tie: the texts may part there
+    flipped = {"0": ([5, 9, 1], [-0.5, -1.0, -3.0], [0.3, 0.2, 0.9])}
+    [bad], _ = compare_outputs(_result(flipped), _result(same))
+    assert "token 1 is 9 with caching on, 6 off (no near tie" in bad
+    # preempted (recomputed with other K/V) and protected (other victims by design) requests are not compared
+    assert compare_outputs(_result(flipped, preempted={"0"}), _result(same)) == ([], 0)
+    assert compare_outputs(_result(flipped), _result(same, protected={"0"})) == ([], 0)
+
+
+def test_the_planted_bug_names_are_the_episode_modules():
+    assert set(VLLM_BUGS) == set(F.PLANTED)
+
+
+def _chain_episode() -> Episode:
+    """Issue #15's schedule (tests/test_vllm_prefix_hash.py) as a fuzz episode: A and Z (a second copy of the chain,
+    one token) together, B over A's prefix once A has finished."""
+    text = F.corpus()[:200]
+    reqs = [{"id": "0", "prompt": list(text[:120]), "max_tokens": 30, "arrive": 0, "abort": None, "skip_cache": False},
+            {"id": "1", "prompt": list(text[:121]), "max_tokens": 1, "arrive": 0, "abort": None, "skip_cache": True},
+            {"id": "2", "prompt": list(text[:110]), "max_tokens": 30, "arrive": 40, "abort": None, "skip_cache": False}]
+    vt = {"policy": "streaming_llm", "budget": 0.75, "strict_verify": "strict", "seed": 0, "drill_every": 0,
+          "read_path": "dense", "reclaim": "densify", "theta_f": 0.0, "headroom": 0}
+    return Episode(0, vt, True, None, reqs)
+
+
+def test_the_differential_oracle_alone_catches_a_stale_prefix_hash(monkeypatch):
+    """The bug of issue #15 planted, and B2 and B3 (the checks that name it) switched off: comparing the outputs
+    with prefix caching on and off still finds it. Without the bug the same episode is clean, all three
+    compared."""
+    ep = _chain_episode()
+    assert F.run_episode(ep).compared == 3
+    monkeypatch.setattr(scheduler_tokens, "writable_blocks", lambda table, req_id: [])
+    monkeypatch.setattr(scheduler_tokens.SchedulerTokens, "check_prefix_hashes", lambda self, r, request: None)
+    with planted("cursor_block_keeps_hash"):
+        with pytest.raises(AssertionError, match=r"prefix caching on and off generate differently: request 2 "
+                                                 r"\(96 prompt tokens from the cache\)"):
+            F.run_episode(ep)
+
+
+def test_a_campaign_catches_the_stale_prefix_hash_with_every_oracle_on(tmp_path):
+    """``cursor_block_keeps_hash`` planted: the first episode of campaign seed 0 fails on B2; unplanted it is
+    clean (the self-test's claim, on one episode)."""
+    with planted("cursor_block_keeps_hash"):
+        assert main(args(tmp_path, runs=1, seed=0)) == 1
+    [f] = [json.loads(p.read_text()) for p in (tmp_path / "vllm").glob("failure-*.json")]
+    assert f["episode_seed"] == episode_seed(0, 0) and "B2" in f["error"] and "prefix-cached" in f["error"]
     assert main(args(tmp_path / "fixed", replay=f["episode_seed"])) == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import vtoken.core.policies as policies_pkg
-from vtoken.core.errors import ConfigError, TokenOutOfRangeError, UnknownRequestError
+from vtoken.core.errors import ConfigError, InvalidArgumentError, TokenOutOfRangeError, UnknownRequestError
 from vtoken.core.policies import (
     H2O,
     POLICIES,
@@ -320,7 +320,7 @@ def test_record_rejects_bad_rows_and_changes_nothing():
     s = scores()
     s.record("r", [0, 1, 2], [0.5, 0.3, 0.2])
     before = [(s.accumulated("r", t), s.persistence("r", t)) for t in range(3)]
-    with pytest.raises(ConfigError, match="request 'r': 2 tokens but 3 weights"):
+    with pytest.raises(InvalidArgumentError, match="request 'r': 2 tokens but 3 weights"):
         s.record("r", [0, 1], [0.2, 0.3, 0.5])
     with pytest.raises(TokenOutOfRangeError, match="request 'r': score for unknown token 3"):
         s.record("r", [0, 1, 3], [0.2, 0.3, 0.5])

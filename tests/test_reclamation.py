@@ -17,11 +17,13 @@ import pytest
 
 from vtoken.core.block_pool import BlockPool, Purpose, blocks_needed
 from vtoken.core.copy_engine import CopyStatus
-from vtoken.core.errors import ConfigError, PlanConflictError, PoolExhaustedError, VTokenError
+from vtoken.core.errors import (ConfigError, DestinationError, InvariantViolation, PlanConflictError,
+                                 PoolExhaustedError, VTokenError)
 from vtoken.core.inmemory import EMPTY_TAG, InMemoryCopyEngine, TagStore
 from vtoken.core.invariants import check_all
 from vtoken.core.plan import NoPlan, NoPlanReason, PlanKind
 from vtoken.core.reclamation import (
+    LAUNCH_FAILED,
     Ordering,
     PlanRecord,
     PlanState,
@@ -639,8 +641,11 @@ def test_runtime_budget_drop_fixed_reclaims_on_the_cadence_adaptive_at_the_burst
     fixed, rt_fixed = _runtime_burst(None)
     adaptive, rt_adaptive = _runtime_burst(0.2)
     assert fixed == [8]  # iterations 3-7 wait for the cadence with F > theta_F
-    assert adaptive == [3, 4, 5]  # at the burst, then every iteration until F <= theta_F
-    assert (rt_adaptive.manager.stats.bursts, rt_adaptive.manager.stats.burst_rounds) == (1, 3)
+    # at the burst, then every iteration until F <= theta_F. The headroom of 2 bounds each round's destinations
+    # (destination_budget), so a round plans one request at a time while the other waits its turn: 4 rounds
+    assert adaptive == [3, 4, 5, 6]
+    assert rt_adaptive.manager.stats.no_plan == {NoPlanReason.NOT_ENOUGH_HEADROOM: 3}
+    assert (rt_adaptive.manager.stats.bursts, rt_adaptive.manager.stats.burst_rounds) == (1, 4)
     assert rt_fixed.manager.stats.bursts == rt_fixed.manager.stats.burst_rounds == 0
     # the same evictions either way (policies never see blocks): the ideal footprint is equal
     S = 4
@@ -674,6 +679,18 @@ def test_set_budget_rejects_bad_values_and_changes_nothing():
     ({"burst_df": 1.5}, "burst_df"),
     ({"burst_df": True}, "burst_df"),
     ({"burst_df": "0.1"}, "burst_df"),
+    # types, not just ranges: each used to raise TypeError or be accepted
+    ({"max_sources": 2.5}, "max_sources"),
+    ({"max_sources": True}, "max_sources"),
+    ({"check_every": True}, "check_every"),
+    ({"check_every": "2"}, "check_every"),
+    ({"max_plans_per_round": 4.0}, "max_plans_per_round"),
+    ({"theta_f": "0.3"}, "theta_f"),
+    ({"theta_f": True}, "theta_f"),
+    ({"theta_f": float("nan")}, "theta_f"),
+    ({"low_watermark": 1.5}, "low_watermark"),
+    ({"low_watermark": False}, "low_watermark"),
+    ({"low_watermark": "4"}, "low_watermark"),
 ])
 def test_reclaim_config_rejects_out_of_range_values_naming_the_key(kwargs, key):
     with pytest.raises(ConfigError) as err:
@@ -733,3 +750,175 @@ def test_commit_checks_that_the_ordered_live_ids_survive(monkeypatch):
     monkeypatch.setattr(TokenTable, "apply_moves", lossy)
     with pytest.raises(InvariantViolation, match="I2.*ordered live token ids"):
         s.manager.settle()
+
+
+# ---- a copy launch the engine refuses (issue #15) --------------------------------------------------------
+@pytest.mark.parametrize("ordering", list(Ordering))
+def test_a_refused_launch_aborts_the_plan_and_never_commits_it(ordering):
+    """submit raises: the plan is aborted at launch, its destination goes back, the table keeps the old
+    locations, launch does not raise. Before, the plan was COPYING with no handle, read as DONE, and the next
+    settle committed destination slots no copy had written."""
+    s = wasteful(ordering=ordering)
+    rec = s.manager.plan_request("a")
+    table_before = s.table.state()
+    s.engine.fail_next_submit()
+    assert s.manager.launch() == [rec]
+    assert (rec.state, rec.abort_reason, rec.handle) == (PlanState.ABORTED, LAUNCH_FAILED, None)
+    assert rec.abort_detail == "RuntimeError: copy launch failed (injected)"
+    assert s.manager.stats.plans_aborted == {LAUNCH_FAILED: 1} and s.manager.stats.plans_committed == 0
+    assert s.manager.inflight == {} and s.pool.free_block_ids() == [5, 4]  # the destination is back
+    assert s.engine.events["submitted"] == 0 and s.engine.events["refused"] == 1 and s.engine.pending() == []
+    assert s.manager.settle() == [] and s.table.state() == table_before
+    assert s.table.attention_slots("a") == LIVE and s.manager.admission_open()
+    assert s.check() == 7
+    again = s.manager.plan_request("a")  # the next launch goes ahead as usual
+    assert s.manager.launch() == [] and again.state is PlanState.COPYING and again.plan.dst_blocks == (5,)
+
+
+def test_a_refused_launch_does_not_stop_the_other_plans_of_the_round():
+    s = two_requests(max_plans_per_round=16)
+    b, a = s.manager.plan_round(["a", "b"])  # b is the more wasteful: planned, and submitted, first
+    s.engine.fail_next_submit(DestinationError("device says no"))
+    assert s.manager.launch() == [b]
+    assert b.state is PlanState.ABORTED and b.abort_detail == "DestinationError: device says no"
+    assert a.state is PlanState.COPYING and s.engine.pending() == [a.handle]
+    assert s.pool.ref_count(b.plan.dst_blocks[0]) == 0 and s.pool.ref_count(a.plan.dst_blocks[0]) == 1
+    s.engine.complete(a.handle)
+    assert s.manager.settle() == [a] and a.state is PlanState.COMMITTED
+    assert s.table.block_ids("b") == [4, 5, 6, 7]  # b kept its layout
+    s.check()
+
+
+def test_the_runtime_keeps_serving_the_old_locations_after_a_refused_launch():
+    """Through the runtime: end_step's launch is refused; the next step reads every token where it was."""
+    pool = BlockPool(6, 4, 2)
+    engine = InMemoryCopyEngine(TagStore(6, 4), auto_complete=True)
+    rt = VTokenRuntime(pool, engine, Scripted({("a", 0): EVICT}), budget=0.4, reclaim=ReclaimConfig())
+    rt.admit("a")
+    step = rt.begin_step({"a": 14})
+    for t, slot in zip(step.requests["a"].new_tokens, step.requests["a"].write_slots):
+        engine.store.write(slot, tag("a", t))
+    engine.fail_next_submit()
+    assert rt.end_step() == {"a": EVICT}  # planned, refused, aborted: no exception
+    assert rt.manager.stats.plans_aborted == {LAUNCH_FAILED: 1}
+    nxt = rt.begin_step({"a": 1})
+    req = nxt.requests["a"]
+    assert req.read_slots[:6] == LIVE and req.read_tokens == LIVE + [14]
+    assert [engine.store.read(x) for x in req.read_slots[:6]] == [tag("a", t) for t in LIVE]
+    check_all(rt)
+
+
+def test_a_bug_in_the_engine_is_no_refused_launch_and_propagates():
+    """Only an engine's VTokenError or a device's RuntimeError/MemoryError mean "not launched"; a TypeError in
+    engine code is a bug: it propagates and the plan stays PLANNED, holding its destination (launch retries)."""
+    s = wasteful()
+    rec = s.manager.plan_request("a")
+    s.engine.fail_next_submit(TypeError("'NoneType' object is not subscriptable"))
+    with pytest.raises(TypeError, match="not subscriptable"):
+        s.manager.launch()
+    assert rec.state is PlanState.PLANNED and s.manager.in_flight("a") is rec and s.pool.ref_count(4) == 1
+    assert s.manager.stats.plans_aborted == {}
+    assert s.manager.launch() == [] and rec.state is PlanState.COPYING
+
+
+def test_a_plan_whose_moves_collide_is_a_bug_not_a_refused_launch():
+    """The engine would refuse two moves onto one slot too; launch checks its own plan first, so a planner bug
+    raises InvariantViolation instead of being aborted and served around (the fuzzer must see it)."""
+    s = wasteful()
+    rec = s.manager.plan_request("a")
+    bad = rec.plan.moves[:1] + (rec.plan.moves[1]._replace(dst_offset=0),) + rec.plan.moves[2:]
+    object.__setattr__(rec.plan, "moves", bad)
+    with pytest.raises(InvariantViolation, match="I4.*two moves share a destination"):
+        s.manager.launch()
+    assert rec.state is PlanState.PLANNED and s.engine.events["submitted"] == 0
+
+
+def test_a_copying_plan_without_a_handle_is_never_read_as_done():
+    s = wasteful()
+    rec = s.manager.plan_request("a")
+    rec.state = PlanState.COPYING  # what the old launch left behind when submit raised
+    before = s.table.state()
+    with pytest.raises(InvariantViolation, match="I3.*COPYING 4 moves but has no copy handle"):
+        s.manager.settle()
+    assert s.table.state() == before
+
+
+# ---- a commit is all-or-nothing ------------------------------------------------------------------------------
+def test_a_commit_the_table_would_refuse_changes_nothing(monkeypatch):
+    """Planted bug: the compact cursor shift forgets the destinations. Commit's three table calls are checked
+    before the first: the old commit attached the destination, then failed in the last set_layout."""
+    from vtoken.core.plan import Plan
+    s, rec = launched()
+    s.engine.complete(rec.handle)
+    real = Plan.final_layout
+
+    def final_layout(self, blocks, write_pos, block_size, dst_blocks=None):
+        new, _ = real(self, blocks, write_pos, block_size, dst_blocks)
+        return new, max(0, write_pos - len(self.src_blocks) * block_size)
+
+    monkeypatch.setattr(Plan, "final_layout", final_layout)
+    before = (s.pool.snapshot(), s.table.state(), s.manager.stats.moves_dropped)
+    with pytest.raises(InvariantViolation, match="I4: request 'a'.*cursor 2.*nothing was changed"):
+        s.manager.settle()
+    assert (s.pool.snapshot(), s.table.state(), s.manager.stats.moves_dropped) == before
+    assert s.manager.in_flight("a") is rec and rec.state is PlanState.COPYING
+
+
+def test_a_commit_while_the_copy_is_pending_changes_nothing(monkeypatch):
+    s, rec = launched()
+    monkeypatch.setattr(ReclamationManager, "_status", lambda self, r: CopyStatus.DONE)  # the planted bug
+    before = (s.pool.snapshot(), s.table.state())
+    with pytest.raises(InvariantViolation, match="I3: request 'a': commit while its copy 1 is still pending"):
+        s.manager.settle()
+    assert (s.pool.snapshot(), s.table.state()) == before
+
+
+# ---- Stage 2: the headroom bounds compaction's destinations ---------------------------------------------------
+def sparse(headroom: int, num_blocks: int = 22, reqs=("a", "b")) -> System:
+    """Each request: 33 tokens in 9 blocks of 4 (cursor in block 8), offsets 2 and 3 of blocks 0-7 evicted,
+    so 16 live tokens sit in 8 half-full blocks: packing all 8 needs 4 destinations."""
+    s = System(num_blocks=num_blocks, headroom=headroom)
+    for r in reqs:
+        s.append(r, 33)
+        for t in range(32):
+            if t % 4 >= 2:
+                s.table.evict_token(r, t)
+    return s
+
+
+def test_a_compact_plan_takes_at_most_the_headroom_even_with_more_blocks_free():
+    s = sparse(headroom=2)
+    assert s.pool.num_free == 4 and s.manager.destination_budget() == 2
+    rec = s.manager.plan_request("a")
+    assert rec.plan.src_blocks == (0, 1, 2, 3) and rec.plan.dst_blocks == (18, 19)  # shrunk to fit 2
+    assert s.pool.num_free == 2 and s.manager.destination_budget() == 0
+    # all plans in flight together stay within the headroom: b waits although 2 blocks are free
+    got = s.manager.plan_request("b")
+    assert isinstance(got, NoPlan) and got.reason is NoPlanReason.NOT_ENOUGH_HEADROOM
+    assert s.manager.stats.no_plan == {NoPlanReason.NOT_ENOUGH_HEADROOM: 1} and s.pool.num_free == 2
+    s.manager.launch()
+    s.engine.complete(rec.handle)
+    s.manager.settle()
+    assert s.manager.destination_budget() == 2
+    assert s.manager.plan_request("b").plan.dst_blocks == (20, 21)
+    s.check()
+
+
+def test_an_orphaned_copy_still_counts_against_the_headroom():
+    s = sparse(headroom=2)
+    rec = s.manager.plan_request("a")
+    s.manager.launch()
+    s.remove("a")  # the copy is pending: its destinations are held
+    assert s.manager.orphans == [rec] and s.manager.destination_budget() == 0
+    assert s.manager.plan_request("b").reason is NoPlanReason.NOT_ENOUGH_HEADROOM
+    s.engine.complete(rec.handle)
+    s.manager.settle()
+    assert s.manager.orphans == [] and s.manager.destination_budget() == 2
+
+
+def test_headroom_zero_means_no_reserve_and_no_bound():
+    s = sparse(headroom=0)
+    assert s.pool.num_free == 4 and s.manager.destination_budget() == 4
+    rec = s.manager.plan_request("a")
+    assert rec.plan.src_blocks == tuple(range(8)) and rec.plan.dst_blocks == (18, 19, 20, 21)
+    assert s.manager.destination_budget() == 0

@@ -156,11 +156,19 @@ def test_dense_path_without_a_policy_needs_no_reclamation():
 @pytest.mark.parametrize("kwargs, match", [
     ({"budget": 0.0}, r"budget must be a ratio in \(0, 1\]"),
     ({"budget": 1.5}, r"budget must be a ratio in \(0, 1\]"),
-    ({"read_path": "dense"}, "read_path must be one of"),
+    ({"read_path": "sparse"}, r"read_path must be one of \['gather', 'dense'\] \(a ReadPath or its value\), got 'sparse'"),
+    ({"read_path": "GATHER"}, "read_path must be one of"),
 ])
 def test_runtime_config_errors(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         make(**kwargs)
+
+
+def test_read_path_accepts_the_string_value_of_its_enum():
+    rt, _ = make(policy=None, reclaim=None, read_path="dense")
+    assert rt.read_path is ReadPath.DENSE
+    rt, _ = make(read_path="gather")
+    assert rt.read_path is ReadPath.GATHER
 
 
 @pytest.mark.parametrize("ordering", [Ordering.EVENT, Ordering.FORCE_SYNC])
@@ -297,7 +305,8 @@ def test_begin_step_that_does_not_fit_raises_and_changes_nothing():
     before = (rt.table.state(), rt.pool.snapshot(), rt.iteration)
     with pytest.raises(PoolExhaustedError) as err:
         rt.begin_step({"a": 1, "b": 1})  # each fits alone, together they would take the headroom
-    assert str(err.value) == "step 1: appends need 2 blocks, 2 free with 1 reserved; preempt a request first"
+    assert str(err.value) == ("step 1: appends of request(s) ['a', 'b'] need 2 blocks, 2 free with 1 reserved; "
+                              "preempt a request first")
     assert (rt.table.state(), rt.pool.snapshot(), rt.iteration) == before
     with pytest.raises(VTokenError, match="end_step without begin_step"):
         rt.end_step()

@@ -756,3 +756,28 @@ def test_slot_of_names_the_request_in_its_error():
     t.add_request("a")
     with pytest.raises(TokenOutOfRangeError, match=r"^request 'a': token 0 outside its synced tokens \[0, 0\)$"):
         t.slot_of("a", 0)
+
+
+# ---- block ownership across requests (shared prefix blocks) ---------------------------------------------
+def test_a_full_block_of_another_request_may_be_shared_when_the_sync_fills_it():
+    t = TokenTable(8, 4)
+    t.add_request("a")
+    t.sync_new_tokens("a", [0, 1], 6)  # block 0 is full, block 1 holds a's cursor
+    t.add_request("b")
+    assert t.sync_new_tokens("b", [0, 2], 5) == [0, 1, 2, 3, 8]
+    assert t.owners(0) == ["a", "b"] and t.owners(1) == ["a"] and t.owners(3) == []
+    t.set_layout("b", [0, 2, 3], 5)  # a fresh block joins, none leaves
+    assert t.owners(3) == ["b"]
+    t.remove_request("a")
+    assert t.owners(0) == ["b"] and t.owners(1) == []
+
+
+def test_a_block_still_being_written_cannot_be_shared():
+    t = TokenTable(8, 4)
+    t.add_request("a")
+    t.sync_new_tokens("a", [0, 1], 6)
+    t.add_request("b")
+    before = t.state()
+    with pytest.raises(BlockNotOwnedError, match=r"block 1 belongs to request 'a', whose append cursor"):
+        t.sync_new_tokens("b", [0, 1], 8)
+    assert t.state() == before

@@ -117,3 +117,24 @@ def test_a_reserve_keeps_vllm_out_of_the_headroom_and_lets_evacuation_in():
     a.free(got)
     assert pool.get_num_free_blocks() == 0 and a.num_free == 2  # back in the headroom, still hidden from vLLM
     a.check()
+
+
+@pytest.mark.parametrize("call", [
+    lambda a: a.allocate(1.5, ADM), lambda a: a.allocate(True, EVAC), lambda a: a.allocate("1", ADM),
+    lambda a: a.allocate(1, "admission"), lambda a: a.allocate(8, "evacuation"), lambda a: a.can_allocate(1.0, ADM),
+    lambda a: a.can_allocate(1, "evacuation"),
+], ids=["float", "bool", "str", "str-purpose", "str-purpose-headroom", "can-float", "can-str-purpose"])
+def test_both_pools_refuse_a_count_or_purpose_of_the_wrong_type(alloc, call):
+    """The core's BlockPool and the vLLM adapter raise the same class for the same misuse."""
+    from vtoken.core.errors import InvalidArgumentError
+    alloc.allocate(1, ADM)
+    rejected(alloc, InvalidArgumentError, "must be", call, alloc)
+
+
+@pytest.mark.parametrize("call", [
+    lambda a: a.free([1.0]), lambda a: a.free([True]), lambda a: a.free("12"), lambda a: a.free(3),
+    lambda a: a.free([[1]]), lambda a: a.share(1.0), lambda a: a.share("1"), lambda a: a.ref_count(True),
+], ids=["float", "bool", "str", "int", "unhashable", "share-float", "share-str", "ref-bool"])
+def test_both_pools_refuse_block_ids_of_the_wrong_type(alloc, call):
+    alloc.allocate(2, ADM)
+    rejected(alloc, BlockOutOfRangeError, "block", call, alloc)

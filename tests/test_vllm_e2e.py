@@ -8,7 +8,7 @@ pytest.importorskip("vllm")
 
 import vllm_harness as H  # noqa: E402
 
-from vtoken.integration.copy_engine import TorchCopyEngine  # noqa: E402
+from test_vllm_quarantine import corrupt_inside_copies  # noqa: E402
 from vtoken.integration.verify import RelocationMismatch  # noqa: E402
 from vtoken.integration.vllm.worker_tokens import WorkerTokens  # noqa: E402
 
@@ -59,21 +59,8 @@ def test_a_relocation_without_the_block_table_rewrite_is_caught_or_changes_the_o
 
 
 def test_a_corrupted_copy_is_caught_naming_request_token_and_layer(monkeypatch):
-    """Planted corruption after the copy: one element of one layer's V at the first destination slot."""
-    real = TorchCopyEngine.submit
-
-    def corrupting(self, moves, req_id=None):
-        h = real(self, moves, req_id)
-        m = moves[0]
-        slot = m.dst_block * self.cache.block_size + m.dst_offset
-        name = "model.layers.1.self_attn.attn.V"
-        import torch
-        v = self.cache.read(name, torch.tensor([slot]))
-        v.view(torch.int32)[0, 3] ^= 1
-        self.cache.write(name, torch.tensor([slot]), v)
-        return h
-
-    monkeypatch.setattr(TorchCopyEngine, "submit", corrupting)
+    """Planted torn write inside every copy: one bit of one element of one layer's V at its first destination slot."""
+    corrupt_inside_copies(monkeypatch, lambda r, n: True, plane="model.layers.1.self_attn.attn.V", bit=0, element=3)
     with pytest.raises(Exception) as info:
         H.generate(DRILL, multiprocess=False)
     err = info.value
@@ -86,22 +73,9 @@ def test_a_corrupted_copy_is_caught_naming_request_token_and_layer(monkeypatch):
 
 def test_quarantine_fails_only_the_corrupted_request_and_keeps_its_evidence(plain, tmp_path, monkeypatch):
     """Planted corruption in every relocation of request 1 only; ``quarantine`` ends request 1 with an error,
-    writes the evidence, and requests 0 and 2 finish bit-identical to plain vLLM."""
-    real = TorchCopyEngine.submit
-
-    def corrupting(self, moves, req_id=None):
-        h = real(self, moves, req_id)
-        if str(req_id).startswith("1-"):
-            import torch
-            m = moves[0]
-            slot = torch.tensor([m.dst_block * self.cache.block_size + m.dst_offset])
-            name = "model.layers.0.self_attn.attn.K"
-            k = self.cache.read(name, slot)
-            k.view(torch.int32)[0, 0] ^= 1 << 20
-            self.cache.write(name, slot, k)
-        return h
-
-    monkeypatch.setattr(TorchCopyEngine, "submit", corrupting)
+    writes the evidence, and requests 0 and 2 finish bit-identical to plain vLLM (3 requests on the drill path:
+    the batch without request 1 reduces the same way; tests/test_vllm_quarantine.py covers the general case)."""
+    corrupt_inside_copies(monkeypatch, lambda r, n: r.startswith("1-"))
     res = H.run({**DRILL, "on_mismatch": "quarantine", "evidence_dir": str(tmp_path)})
     out = res["passes"][0]
     assert out[1][2] == "error" and len(out[1][0]) < 40  # failed early, with an error finish reason
@@ -114,3 +88,49 @@ def test_quarantine_fails_only_the_corrupted_request_and_keeps_its_evidence(plai
     assert files and all("model.layers.0.self_attn.attn.K" in f.read_text() and quarantined in f.read_text()
                          for f in files)
     assert res["scheduler"]["free"] == res["scheduler"]["blocks"] - 1  # its blocks went back like any other's
+
+
+# ---- wiring: the connector reaches vLLM's scheduler and model runner only through vtoken's two classes ----------
+def test_the_plugin_installs_the_scheduler_and_worker_that_wire_the_connector():
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vtoken.integration.vllm import connector, plugin
+    from vtoken.integration.vllm.compat import UnsupportedConfigError
+
+    def config(vtoken, **kw):
+        args = dict(model=H.TINY, load_format="dummy", skip_tokenizer_init=True, dtype="float32", block_size=32,
+                    enforce_eager=True, max_model_len=2048, **kw)
+        if vtoken is not None:
+            args["additional_config"] = {"vtoken": vtoken}
+        return EngineArgs(**args).create_engine_config()
+
+    c = config({})
+    assert c.scheduler_config.scheduler_cls == connector.SCHEDULER_CLS == plugin.SCHEDULER_CLS
+    assert c.parallel_config.worker_cls == connector.WORKER_CLS == plugin.WORKER_CLS
+    plain = config(None)
+    assert plain.scheduler_config.scheduler_cls is None and plain.parallel_config.worker_cls.endswith(".CPUWorker")
+    with pytest.raises(UnsupportedConfigError, match="remove --scheduler-cls"):
+        config({}, scheduler_cls="my.Scheduler")
+    with pytest.raises(UnsupportedConfigError, match="remove --worker-cls"):
+        config({}, worker_cls="my.Worker")
+
+
+def test_the_connector_without_its_scheduler_and_worker_refuses_to_run():
+    """Named by hand in ``kv_transfer_config`` (no vtoken block, so the plugin installs nothing), the connector has
+    neither the scheduler nor the model runner: the first step raises ``WiringError`` naming the missing class."""
+    from vllm.config import KVTransferConfig
+
+    from vtoken.integration.vllm.connector import VTokenConnector, VTokenMeta, WiringError
+    kv = KVTransferConfig(kv_connector="VTokenConnector", kv_connector_module_path="vtoken.integration.vllm.connector",
+                          kv_role="kv_both")
+    with pytest.raises(Exception) as info:
+        H.run(None, kv_transfer_config=kv)
+    err = info.value
+    while err is not None and not isinstance(err, WiringError):
+        err = err.__cause__ or err.__context__
+    assert err is not None or "WiringError" in str(info.value), f"expected WiringError, got {info.value!r}"
+    assert "scheduler_cls='vtoken.integration.vllm.connector.VTokenScheduler'" in str(info.value)
+    worker_side = VTokenConnector.__new__(VTokenConnector)  # the worker half alone: no model runner bound
+    worker_side.worker = None
+    with pytest.raises(WiringError, match="worker_cls='vtoken.integration.vllm.connector.VTokenCPUWorker'"):
+        worker_side.handle_preemptions(VTokenMeta(1))

@@ -230,8 +230,8 @@ def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int
         if rows:
             res["rows"] = recorded = []
             scores, names = conn.tokens.rt.scores, conn.tokens.rt.policy_names
-            record = scores.record
-            scores.record = lambda r, ids, w: (recorded.append((names[r], list(ids), list(w))), record(r, ids, w))[1]
+            apply = scores._apply  # every validated row the runtime records goes through it
+            scores._apply = lambda r, ids, w: (recorded.append((names[r], list(ids), list(w))), apply(r, ids, w))[1]
         if count_preemptions:
             res["preempted"] = preempted = []
             sched = llm.llm_engine.engine_core.engine_core.scheduler

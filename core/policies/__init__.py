@@ -13,10 +13,9 @@ POLICIES = {"h2o": H2O, "streaming_llm": StreamingLLM, "scissorhands": Scissorha
 
 
 def make_policy(name: str) -> EvictionPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ConfigError(f"policy must be one of {sorted(POLICIES)}, got {name!r}") from None
+    if not isinstance(name, str) or name not in POLICIES:
+        raise ConfigError(f"policy must be one of {sorted(POLICIES)}, got {name!r}")
+    return POLICIES[name]()
 
 
 __all__ = ["EvictionPolicy", "RequestView", "H2O", "StreamingLLM", "Scissorhands", "RandomPolicy",

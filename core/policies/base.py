@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
+
+from ..checks import check_callable, check_int, check_number
+from ..errors import ConfigError, InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,11 @@ class RequestView:
         seed: the run's seed, for randomized policies.
         step: the engine's iteration.
         protected: tokens the runtime forbids evicting (e.g. shared-prefix tokens on the dense path).
+
+    Construction checks every field in O(1) (``InvalidArgumentError``): ``live`` is a sequence no
+    longer than ``total_len``, ``budget`` an int >= 1, ``seed`` an int, ``step`` an int >= 0, the
+    readers callable, ``protected`` a set. That ``live`` is ascending and distinct is the builder's
+    promise (checking it would cost a pass over every live token per decision).
     """
 
     req_id: object
@@ -32,13 +41,33 @@ class RequestView:
     step: int = 0
     protected: frozenset[int] = field(default_factory=frozenset)
 
+    def __post_init__(self) -> None:
+        if (self.live.__class__ is list and self.total_len.__class__ is int and self.budget.__class__ is int
+                and self.seed.__class__ is int and self.step.__class__ is int
+                and self.protected.__class__ is frozenset and len(self.live) <= self.total_len
+                and self.budget >= 1 and self.step >= 0 and callable(self.accumulated) and callable(self.persistence)):
+            return  # what the runtime builds, per request per step: no ABC checks
+        what = f"view of request {self.req_id!r}"
+        if isinstance(self.live, (str, bytes)) or not isinstance(self.live, Sequence):
+            raise InvalidArgumentError(f"{what}: live must be a sequence of token ids, got {self.live!r:.80}")
+        check_int(f"{what}: total_len", self.total_len, len(self.live), hint=" (the number of live tokens)")
+        check_int(f"{what}: budget", self.budget, 1)
+        check_int(f"{what}: seed", self.seed)
+        check_int(f"{what}: step", self.step, 0)
+        check_callable(f"{what}: accumulated", self.accumulated, InvalidArgumentError)
+        check_callable(f"{what}: persistence", self.persistence, InvalidArgumentError)
+        if not isinstance(self.protected, Set):
+            raise InvalidArgumentError(f"{what}: protected must be a set of token ids, got {self.protected!r:.80}")
+
     @property
     def excess(self) -> int:
         """How many tokens must go to meet the budget."""
         return max(0, len(self.live) - self.budget)
 
     def candidates(self, keep_recent: int) -> list[int]:
-        """Live tokens that may be evicted: all but the newest ``keep_recent`` and the protected."""
+        """Live tokens that may be evicted: all but the newest ``keep_recent`` (>= 0) and the protected."""
+        if keep_recent.__class__ is not int or keep_recent < 0:
+            check_int("keep_recent", keep_recent, 0)
         older = self.live[: max(0, len(self.live) - keep_recent)]
         return [t for t in older if t not in self.protected]
 
@@ -49,3 +78,16 @@ class EvictionPolicy(Protocol):
     def select_victims(self, view: RequestView) -> list[int]:
         """Token ids to evict now: live, unprotected, distinct; at most ``view.excess``."""
         ...
+
+
+def check_policy_params(policy: object, fractions: Sequence[str] = (), counts: Sequence[str] = ()) -> None:
+    """A ``ConfigError`` naming the policy, the parameter and its value unless every field named in
+    ``fractions`` is a number in [0, 1], every one in ``counts`` an int >= 0, and ``name`` a non-empty str."""
+    cls = type(policy).__name__
+    for f in fractions:
+        check_number(f"{cls} {f}", getattr(policy, f), 0.0, 1.0)
+    for f in counts:
+        check_int(f"{cls} {f}", getattr(policy, f), 0, error=ConfigError)
+    name = getattr(policy, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{cls} name must be a non-empty string, got {name!r}")

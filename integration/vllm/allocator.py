@@ -10,7 +10,12 @@ Differences from ``vtoken.core.block_pool.BlockPool`` that callers see:
   * the free count includes cached blocks that hold no reference (vLLM evicts them on reuse), and
     the order in which free blocks are handed out is vLLM's (freed uncached blocks are reused first).
 Prefix-cache hashes of relocated blocks are the vLLM manager's business (next step of issue #6).
-Every call validates its whole batch before changing anything.
+Every call validates its whole batch before changing anything, and refuses what the core's
+``BlockPool`` refuses, with the same classes: a count that is not an int (a float, a bool, a string)
+or a purpose that is not a ``Purpose`` member (the string "admission" must not skip the headroom):
+``InvalidArgumentError``; a block id that is not an int in range, or a batch that is not a sequence of
+ids: ``BlockOutOfRangeError``. vLLM's own pool checks none of this (``get_new_blocks(1.5)`` would take
+one block and leave its free counter at a fraction).
 """
 
 from __future__ import annotations
@@ -19,19 +24,18 @@ from collections import Counter
 from typing import Iterable
 
 from vtoken.core.block_pool import Purpose
+from vtoken.core.checks import as_list, check_int, check_member
 from vtoken.core.errors import (BlockOutOfRangeError, ConfigError, DoubleFreeError, HeadroomReservedError,
-                                InvariantViolation, PoolExhaustedError)
+                                InvalidArgumentError, InvariantViolation, PoolExhaustedError)
 
 
 class VllmBlockAllocator:
     """``BlockAllocator`` over a vLLM ``BlockPool``; ``headroom`` blocks are reserved for evacuation."""
 
     def __init__(self, pool, block_size: int, headroom: int = 0, reserve=None) -> None:
-        if block_size <= 0:
-            raise ConfigError(f"block_size must be positive, got {block_size}")
-        if not 0 <= headroom < pool.num_gpu_blocks - 1:
-            raise ConfigError(f"headroom must be in [0, {pool.num_gpu_blocks - 1}) (the pool has "
-                              f"{pool.num_gpu_blocks} blocks including the null block), got {headroom}")
+        check_int("block_size", block_size, 1, error=ConfigError)
+        check_int("headroom", headroom, 0, pool.num_gpu_blocks - 2, error=ConfigError,
+                  hint=f" (the pool has {pool.num_gpu_blocks} blocks including the null block)")
         self.pool = pool
         self.block_size = block_size
         self.num_blocks = pool.num_gpu_blocks
@@ -44,6 +48,7 @@ class VllmBlockAllocator:
         return self.reserve.true_free() if self.reserve else self.pool.get_num_free_blocks()
 
     def can_allocate(self, n: int, purpose: Purpose) -> bool:
+        _check_request(n, purpose)
         reserve = self.headroom if purpose is Purpose.ADMISSION else 0
         return n == 0 or 0 <= n <= self.num_free - reserve
 
@@ -52,8 +57,9 @@ class VllmBlockAllocator:
 
     # ---- mutations -----------------------------------------------------------
     def allocate(self, n: int, purpose: Purpose) -> list[int]:
+        _check_request(n, purpose)
         if n < 0:
-            raise PoolExhaustedError(f"cannot allocate a negative number of blocks ({n})")
+            raise PoolExhaustedError(f"cannot allocate a negative number of blocks ({n}) for {purpose.value}")
         if not self.can_allocate(n, purpose):
             if purpose is Purpose.ADMISSION and n <= self.num_free:
                 raise HeadroomReservedError(f"admission of {n} blocks would leave {self.num_free - n} free, "
@@ -76,7 +82,9 @@ class VllmBlockAllocator:
         self.pool.touch([block])
 
     def free(self, block_ids: Iterable[int]) -> None:
-        ids = list(block_ids)
+        ids = as_list("blocks to free", block_ids, BlockOutOfRangeError)
+        for b in ids:
+            self._block(b)  # every id an int in range before any is hashed or counted
         for b, k in Counter(ids).items():
             held = self._block(b).ref_cnt
             if held < k:
@@ -91,6 +99,7 @@ class VllmBlockAllocator:
         return self.pool.blocks[block_id]
 
     def snapshot(self) -> tuple:
+        """vLLM's reference counts and free queue, for tests that check a rejected call changed nothing."""
         q, out, node = self.pool.free_block_queue, [], self.pool.free_block_queue.fake_free_list_head.next_free_block
         while node is not None and node is not q.fake_free_list_tail:
             out.append(node.block_id)
@@ -111,3 +120,10 @@ class VllmBlockAllocator:
         leaked = [b for b in range(1, self.num_blocks) if refs[b] == 0 and b not in free_set]
         if leaked:
             raise InvariantViolation("P1", f"blocks {leaked[:5]} have no reference and are not free (leaked)")
+
+
+def _check_request(n: object, purpose: object) -> None:
+    """What ``BlockPool._check_request`` refuses: a count that is not an int, a purpose that is not a member."""
+    if n.__class__ is not int or purpose.__class__ is not Purpose:
+        check_int("block count", n, error=InvalidArgumentError, hint=f" (for {purpose!r})")
+        check_member("purpose", purpose, Purpose)

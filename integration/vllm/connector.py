@@ -11,9 +11,31 @@ tables, policy, densify, the block manager's sizing: ``manager_hooks``) and
                   the step's orders travel to the workers in ``SchedulerOutput``.
                   ``update_connector_output`` runs after the forward, in ``update_from_output``, after
                   finished requests were freed: copy reports come back, then evict + densify.
-  worker side     ``register_kv_caches``: every layer's KV tensor; its caller is the model runner
-                  (``v1/worker/gpu_model_runner.py``, asserted). ``handle_preemptions`` runs at the top of
+  worker side     ``register_kv_caches``: every layer's KV tensor (``GPUModelRunner.initialize_kv_cache``,
+                  ``v1/worker/gpu_model_runner.py``). ``handle_preemptions`` runs at the top of
                   ``execute_model``, before ``_update_states`` and ``_prepare_inputs``.
+
+Wiring. A KV connector sees neither the scheduler that built it nor the model runner whose KV it gets, and
+vtoken needs both (the scheduler to fail a request, the runner to rewrite block tables and slot mappings). The
+plugin (``plugin.install_connector``) therefore also installs two thin subclasses of vLLM's own classes, and
+they hand themselves to the connector explicitly:
+  ``VTokenScheduler``  (``scheduler_cls``) after ``Scheduler.__init__``: ``connector.bind_scheduler(self)``;
+                  and at the top of ``update_from_output``, before vLLM builds the step's outputs:
+                  ``connector.quarantine_before_outputs`` (below).
+  ``VTokenCPUWorker``  (``worker_cls``) after ``Worker.initialize_from_config`` (which creates the
+                  worker-side connector and, inside ``initialize_kv_cache``, registers the KV caches):
+                  ``connector.bind_model_runner(self.model_runner)``.
+A connector used without them raises ``WiringError`` at its first step instead of guessing.
+
+Quarantine (``on_mismatch: quarantine``). A copy that fails verification at the top of step k has already
+been read by step k's forward for that request, so step k's sampled token comes from unverified K/V. The
+workers report the failure in step k's ``VTokenWorkerMeta``; ``update_from_output`` k reads it (through
+``VTokenScheduler``) *before* its per-request loop: the request's sampled token (and prompt logprobs) are
+dropped from the step's ``ModelRunnerOutput`` and the request goes into ``grammar_compile_error_reqs``, which
+the same call ends with ``FINISHED_ERROR`` after the loop (vLLM 0.32's one way to fail a running request). So
+the client receives no token computed after the failed copy, and the request leaves the batch at step k+1,
+exactly as if it had been aborted after step k. ``update_connector_output`` runs later in the same call
+(after the error pass), so it cannot do this itself.
 
 Why the order is safe (no async scheduling, which ``compat`` refuses): blocks densify empties are freed
 in ``update_connector_output`` after step k-1; schedule k may hand them to another request, but the
@@ -25,11 +47,14 @@ before schedule k can hand it out (``manager_hooks.uncache``).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                               KVConnectorWorkerMetadata)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vtoken.core.errors import ConfigError
 
 from ..copy_engine import TorchCopyEngine
 from ..verify import Verifier, VerifyConfig
@@ -52,7 +77,13 @@ def match_threads_to_cores() -> None:
         torch._C.set_num_threads(cores)
 
 
-POOL_CHECK_EVERY = 64  # strict verify walks vLLM's whole pool (P1) once per this many steps: O(pool size)
+class WiringError(ConfigError):
+    """vtoken's KV connector runs without vtoken's scheduler or worker class (``plugin.install_connector`` sets
+    both; a ``kv_transfer_config`` naming the connector by hand does not)."""
+
+
+POOL_CHECK_EVERY = 64  # strict verify walks vLLM's whole pool (P1) and checks every prefix-cached block against
+# its request's hash chain (B3) once per this many steps; B1, B2 and I7 run every step
 
 
 @dataclass
@@ -101,8 +132,8 @@ class VTokenConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.step = 0
         self.tokens: SchedulerTokens | None = None  # scheduler side
-        self._scheduler = None
-        self.quarantined: list[str] = []
+        self.scheduler: Scheduler | None = None  # scheduler side: bound by ``VTokenScheduler``
+        self.quarantined: list[str] = []  # requests quarantine failed, each once, in order
         self.workers = WorkerCounters()
         self.worker = None  # WorkerTokens, worker side
         self.engine: TorchCopyEngine | None = None
@@ -117,6 +148,17 @@ class VTokenConnector(KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         self.tokens = SchedulerTokens(self.settings, kv_cache_manager, self.block_size)
 
+    def bind_scheduler(self, scheduler) -> None:
+        """``VTokenScheduler.__init__``, right after vLLM's (which built this connector and bound the manager)."""
+        if not isinstance(scheduler, Scheduler):
+            raise WiringError(f"vtoken needs vLLM's Scheduler (v1/core/sched/scheduler.py), got "
+                              f"{type(scheduler).__name__}")
+        if self.tokens is None:
+            raise WiringError("bind_scheduler before bind_kv_cache_manager: vLLM's Scheduler binds the KV cache "
+                              "manager in its constructor")
+        self.scheduler = scheduler
+        self.tokens.scheduler = scheduler
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         return 0, False
 
@@ -124,10 +166,10 @@ class VTokenConnector(KVConnectorBase_V1):
         return None
 
     def build_connector_meta(self, scheduler_output) -> VTokenMeta:
-        if self._scheduler is None:  # the caller is ``Scheduler._build_kv_connector_meta``
-            from vllm.v1.core.sched.scheduler import Scheduler
-            self._scheduler = inspect.currentframe().f_back.f_locals.get("self")
-            assert isinstance(self._scheduler, Scheduler), f"build_connector_meta called by {self._scheduler!r}"
+        if self.scheduler is None:
+            raise WiringError(f"vtoken's connector runs under a scheduler that did not bind itself: set "
+                              f"scheduler_cls={SCHEDULER_CLS!r} (the vtoken plugin does, given "
+                              f"additional_config={{'vtoken': {{...}}}})")
         self.step += 1
         every = self.settings.drill_every
         drill = self.step // every if every and self.step % every == 0 else None
@@ -147,16 +189,44 @@ class VTokenConnector(KVConnectorBase_V1):
             w.seconds += meta.seconds
         self.tokens.after_step(meta.attention if isinstance(meta, VTokenWorkerMeta) else None)
         if self.settings.strict_verify == "strict":
-            self.tokens.check(pool=self.step % POOL_CHECK_EVERY == 0)
+            periodic = self.step % POOL_CHECK_EVERY == 0  # O(pool) and O(hashed blocks x S): not every step
+            self.tokens.check(pool=periodic, requests=self.scheduler.requests if periodic else None)
 
-    def fail_requests(self, req_ids: list[str]) -> None:
-        """Quarantine: end these requests with an error at the next ``update_from_output``, which sends the
+    def quarantine_before_outputs(self, model_runner_output) -> list[str]:
+        """``VTokenScheduler.update_from_output``, before vLLM builds the step's outputs: the requests whose
+        copies failed verification in this step lose what this step computed for them (sampled tokens, prompt
+        logprobs: their forward read the unverified K/V) and are failed in this same ``update_from_output``.
+        Returns the requests failed now."""
+        kv = model_runner_output.kv_connector_output
+        meta = kv.kv_connector_worker_meta if kv is not None else None
+        if not isinstance(meta, VTokenWorkerMeta) or not (meta.failed or meta.failed_requests):
+            return []
+        failed = self.fail_requests([self.tokens.engine.request_of(h) for h in meta.failed] + meta.failed_requests)
+        out = model_runner_output
+        index = out.req_id_to_index
+        drop = {index[r] for r in failed if r in index}
+        if drop and out.sampled_token_ids:
+            out.sampled_token_ids = [[] if i in drop else ids for i, ids in enumerate(out.sampled_token_ids)]
+        for r in failed:
+            out.prompt_logprobs_dict.pop(r, None)
+            out.prompt_token_id_logprobs_dict.pop(r, None)
+        return failed
+
+    def fail_requests(self, req_ids: list[str]) -> list[str]:
+        """Quarantine: end these requests with an error in the current ``update_from_output``, which sends the
         client a FINISHED_ERROR output; every other request keeps running. vLLM 0.32 has no connector API
         for this; ``v1/core/sched/scheduler.py`` fails the requests in ``grammar_compile_error_reqs`` that
-        way, with no other effect, so vtoken adds its own there."""
-        self.quarantined.extend(req_ids)
-        self.workers.quarantined += len(req_ids)
-        self._scheduler.grammar_compile_error_reqs.update(req_ids)
+        way, with no other effect, so vtoken adds its own there. Counts requests, not failures: a request
+        with several failed copies, or reported again after vLLM ended it, is failed and counted once.
+        Returns the requests newly failed."""
+        requests, pending = self.scheduler.requests, self.scheduler.grammar_compile_error_reqs
+        new = [r for r in dict.fromkeys(req_ids) if r in requests and not requests[r].is_finished() and r not in pending]
+        self.quarantined.extend(new)
+        self.workers.quarantined += len(new)
+        for r in new:
+            self.tokens.uncache_request(r)
+        self.scheduler.grammar_compile_error_reqs.update(new)
+        return new
 
     def get_kv_connector_stats(self):
         """vtoken's counters for vLLM's stats logging and Prometheus (``metrics.py``); scheduler side only."""
@@ -181,32 +251,51 @@ class VTokenConnector(KVConnectorBase_V1):
 
     # ---- worker side ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
+        """The KV tensors (``GPUModelRunner.initialize_kv_cache``); the runner itself follows in
+        ``bind_model_runner``."""
         from .kv_bridge import paged_cache
-        from .worker_tokens import WorkerTokens
 
-        runner = inspect.currentframe().f_back.f_locals.get("self")
-        assert isinstance(runner, GPUModelRunner), f"register_kv_caches called by {type(runner).__name__}"
         match_threads_to_cores()
         cache = paged_cache(kv_caches, self.vllm_config)
         s = self.settings
         self.engine = TorchCopyEngine(cache, Verifier(cache, VerifyConfig(
             s.strict_verify, sample_every=s.sample_every, on_mismatch=s.on_mismatch,
             evidence_dir=s.evidence_dir, seed=s.seed)))
-        from .settings import SCORE_POLICIES
+        self._layer_names = list(kv_caches)
+
+    def bind_model_runner(self, runner) -> None:
+        """``VTokenCPUWorker.initialize_from_config``, after vLLM's (which registered the KV caches)."""
         from vllm.model_executor.models.utils import extract_layer_index
-        layers = sorted(kv_caches, key=extract_layer_index)  # the model's attention layers, in order
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        from .settings import SCORE_POLICIES
+        from .worker_tokens import WorkerTokens
+
+        if not isinstance(runner, GPUModelRunner):
+            raise WiringError(f"vtoken needs vLLM's V1 model runner (v1/worker/gpu_model_runner.py), got "
+                              f"{type(runner).__name__}")
+        if self.engine is None:
+            raise WiringError("bind_model_runner before register_kv_caches: vLLM registers the KV caches in "
+                              "initialize_kv_cache")
+        s = self.settings
+        layers = sorted(self._layer_names, key=extract_layer_index)  # the model's attention layers, in order
         scored = frozenset(layers[-s.score_layers:] if s.score_layers else layers) if s.policy in SCORE_POLICIES \
             else frozenset()
         self.worker = WorkerTokens(runner, self.engine, self.block_size, scored)
 
+    def _worker(self):
+        if self.worker is None:
+            raise WiringError(f"vtoken's connector runs in a worker that did not bind its model runner: set "
+                              f"worker_cls={WORKER_CLS!r} (the vtoken plugin does, given "
+                              f"additional_config={{'vtoken': {{...}}}})")
+        return self.worker
+
     def handle_preemptions(self, kv_connector_metadata) -> None:
         if isinstance(kv_connector_metadata, VTokenMeta):
-            self.worker.apply(kv_connector_metadata.orders)
+            self._worker().apply(kv_connector_metadata.orders)
 
     def build_connector_worker_meta(self) -> VTokenWorkerMeta | None:
-        w, c = self.worker, self.engine.verifier.counters
+        w, c = self._worker(), self.engine.verifier.counters
         done, failed, failed_requests = w.take_reports()
         now = VTokenWorkerMeta(done, failed, failed_requests, w.relocated, c.verified, c.mismatches, w.audited,
                                w.seconds)
@@ -231,3 +320,39 @@ class VTokenConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return None
+
+
+# ---- the two classes that wire the connector (installed by ``plugin.install_connector``) ----------------------
+SCHEDULER_CLS = f"{__name__}.VTokenScheduler"
+WORKER_CLS = f"{__name__}.VTokenCPUWorker"
+
+
+class VTokenScheduler(Scheduler):
+    """vLLM's scheduler, unchanged except that it hands itself to vtoken's connector once built, and lets the
+    connector quarantine before each step's outputs are built (module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.connector, VTokenConnector):
+            raise WiringError(f"{type(self).__name__} is vtoken's scheduler; its KV connector is "
+                              f"{type(self.connector).__name__}, not VTokenConnector")
+        self.connector.bind_scheduler(self)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        self.connector.quarantine_before_outputs(model_runner_output)
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+
+class VTokenCPUWorker(CPUWorker):
+    """vLLM's CPU worker, unchanged except that it hands its model runner to vtoken's connector once the KV
+    caches exist (module docstring)."""
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        super().initialize_from_config(kv_cache_config)
+        connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+        if not isinstance(connector, VTokenConnector):
+            raise WiringError(f"{type(self).__name__} is vtoken's worker; its KV connector is "
+                              f"{type(connector).__name__}, not VTokenConnector")
+        connector.bind_model_runner(self.model_runner)

@@ -1,21 +1,55 @@
 """One episode of ``vtoken fuzz --target vllm``: a random request mix through real vLLM (in-process engine).
 
 An episode is a pure function of its seed: the vtoken settings (policy, budget, relocation drill), the
-engine (prefix caching, pool size) and a script of requests (prompt lengths, shared prefixes, output
-lengths, arrival steps, aborts). Oracles, every step: strict verify on every copy (raise), the worker's
-audit of every write slot against the scheduler's token tables, and ``SchedulerTokens.check`` (vLLM's
-block lists equal the tables', the dense prefix I7, vLLM's pool P1). At the end: every block is back in
-the pool and no token table is left.
+engine (prefix caching, pool size) and a script of requests (prompts, shared prefixes, whether a request
+skips reading the prefix cache, output lengths, arrival steps, aborts). The model is the trained byte-level
+Llama (``models/byte-llama``): its outputs depend on its KV, so wrong K/V shows in what it generates. Prompts
+are windows of a few standard-library modules (``corpus``), fixed for a given Python.
+
+Oracles, every step: strict verify on every copy (raise), the worker's audit of every write slot against the
+scheduler's token tables, and ``SchedulerTokens.check`` (B1: vLLM's block lists equal the tables'; I7: the
+dense prefix; B2: no block a request may still write is prefix-cached or shared; B3: every prefix-cached block
+matches vLLM's hash chain; P1: vLLM's pool). At the end: every block is back in the pool and no token table is
+left. And the differential oracle (``compare_outputs``): an episode drawn with prefix caching on runs a second
+time with it off, same requests, same steps; every request that finished in both runs, and was never
+preempted, and whose victims were never chosen around tokens protected because they were shared (the dense
+path protects those, so caching changes what such a request evicts), must generate the same tokens with the
+same logprobs (up to fp32 roundoff: the cached K/V of
+another request's prefill went through other batch shapes), except after a near tie. It runs where victims
+do not depend on float scores (policies none, StreamingLLM, Random); H2O's and Scissorhands' choices may
+legitimately flip on the same roundoff.
 """
 
 from __future__ import annotations
 
 import os
 import random
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
-MODEL = str(Path(__file__).parent / "models" / "tiny-llama")
+from vtoken.core.errors import InvariantViolation
+
+MODEL = str(Path(__file__).parent / "models" / "byte-llama")
+SCORE_POLICIES = ("h2o", "scissorhands")
+LOGPROB_TOL = 1e-3  # same token, caching on vs off: roundoff measured <= 1e-5; wrong K/V moves it by ~0.1-2
+TIE = 1e-3  # a first differing token is legitimate only where the top two logprobs are this close
+
+
+@lru_cache(maxsize=1)
+def corpus() -> bytes:
+    """Prompt text: a few standard-library modules (what the byte-level model was trained on)."""
+    import argparse
+    import json.decoder
+    import textwrap
+    return b"".join(Path(m.__file__).read_bytes() for m in (argparse, textwrap, json.decoder))
+
+
+def _window(rng: random.Random, n: int) -> list[int]:
+    text = corpus()
+    start = rng.randrange(len(text) - n)
+    return list(text[start:start + n])
 
 
 @dataclass
@@ -24,37 +58,56 @@ class Episode:
     vtoken: dict
     prefix_caching: bool
     num_blocks: int | None  # None: as many as 1 GiB holds
-    requests: list[dict] = field(default_factory=list)  # id, prompt, max_tokens, arrive (step), abort (step|None)
+    # id, prompt, max_tokens, arrive (step), abort (step|None), skip_cache (computes its own copy of a prefix)
+    requests: list[dict] = field(default_factory=list)
 
     @classmethod
     def draw(cls, seed: int, max_requests: int = 10) -> Episode:
         rng = random.Random(seed)
-        policy = rng.choice(["none", "streaming_llm", "random"])
-        budget = rng.choice([0.3, 0.5, 0.75, 0.9, rng.randint(8, 96)])
+        # the score-free policies mostly (the differential oracle runs on them), budgets mostly high enough that
+        # densify's cursor lands in a prompt block and not only far back in the first ones
+        policy = rng.choice(["none"] + ["streaming_llm"] * 5 + ["random"] * 4)
+        budget = rng.choice([0.3, 0.5, 0.75, 0.75, 0.8, 0.9, 0.9, rng.randint(8, 64)])
         vt = {"policy": policy, "budget": budget, "strict_verify": "strict", "seed": rng.randint(0, 99),
               "drill_every": rng.choice([0, 0, 1, 2, 3])}
-        prefixes = [[rng.randint(3, 500) for _ in range(rng.randint(1, 100))] for _ in range(2)]
+        # families: requests over one text, cut at different lengths (often at a block boundary, where vLLM
+        # recomputes the last block and so hashes a second copy of it), some skipping the cache (a second copy
+        # of the whole chain), arriving together or after the others finished: prefix hits on every kind of
+        # block, and cached copies outliving the requests that wrote them
+        families = [_window(rng, rng.randint(32, 200)) for _ in range(2)]
         reqs = []
         for i in range(rng.randint(1, max_requests)):
-            head = rng.choice(prefixes) if rng.random() < 0.5 else []
-            prompt = head + [rng.randint(3, 500) for _ in range(rng.randint(1, 80))]
-            arrive = rng.randint(0, 30)
-            abort = arrive + rng.randint(0, 40) if rng.random() < 0.2 else None
-            reqs.append({"id": str(i), "prompt": prompt, "max_tokens": rng.randint(1, 60), "arrive": arrive,
-                         "abort": abort})
+            head = []
+            if rng.random() < 0.7:
+                text = rng.choice(families)
+                cut = rng.randint(1, len(text))
+                head = text[:cut - cut % 32 if rng.random() < 0.3 and cut >= 32 else cut]
+            prompt = head + _window(rng, rng.randint(0 if head else 1, 60))
+            arrive = rng.choice([0, rng.randint(0, 40)])
+            abort = arrive + rng.randint(0, 40) if rng.random() < 0.15 else None
+            reqs.append({"id": str(i), "prompt": prompt, "max_tokens": rng.choice([1, rng.randint(1, 60)]),
+                         "arrive": arrive, "abort": abort, "skip_cache": rng.random() < 0.3})
         num_blocks = rng.choice([None, None, rng.randint(9, 24)])  # >= 9: one 256-token request must fit
-        prefix_caching = rng.random() < 0.5
-        vt["read_path"] = rng.choice(["dense", "gather"])  # drawn last: earlier seeds keep their episodes
+        prefix_caching = rng.random()
+        vt["read_path"] = rng.choice(["dense", "gather"])
         vt["reclaim"] = "densify" if vt["read_path"] == "dense" else rng.choice(["compact", "off", "densify"])
         vt["theta_f"] = rng.choice([0.0, 0.1, 0.3, 0.6])
         vt["headroom"] = rng.choice([0, 1, 2]) if vt["reclaim"] == "compact" else 0
-        if vt["policy"] != "none" and rng.random() < 0.5:
-            vt["policy"] = rng.choice(["h2o", "scissorhands"])  # scores: the gather backend or the score pass
+        if vt["policy"] != "none" and rng.random() < 0.4:
+            vt["policy"] = rng.choice(SCORE_POLICIES)  # scores: the gather backend or the score pass
             vt["score_layers"] = rng.choice([0, 1, 2])
+        # caching on, except a quarter of the score-policy episodes: the others also run with caching off
+        # (differential), which covers that engine with every oracle too
+        prefix_caching = vt["policy"] not in SCORE_POLICIES or prefix_caching < 0.75
         return cls(seed, vt, prefix_caching, num_blocks, reqs)
 
     def describe(self) -> dict:
         return asdict(self)
+
+    @property
+    def differential(self) -> bool:
+        """Whether the episode also runs with prefix caching off, to compare outputs (module docstring)."""
+        return self.prefix_caching and self.vtoken["policy"] not in SCORE_POLICIES
 
 
 @dataclass
@@ -62,20 +115,57 @@ class EpisodeResult:
     steps: int = 0
     finished: int = 0
     aborted: int = 0
+    compared: int = 0  # requests the differential oracle compared, caching on vs off
     stats: dict = field(default_factory=dict)
     worker: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)  # request -> (token ids, logprobs, top-2 margins)
+    preempted: set = field(default_factory=set)
+    cached: dict = field(default_factory=dict)  # request -> prompt tokens served from the prefix cache
+    protected: set = field(default_factory=set)  # requests whose victims were chosen around shared tokens
 
 
 def run_episode(ep: Episode) -> EpisodeResult:
     """Raises on any oracle failure; the engine is gone when this returns or raises."""
+    res = _run_engine(ep, ep.prefix_caching)
+    if ep.differential:
+        off = _run_engine(ep, False)
+        mismatches, res.compared = compare_outputs(res, off)
+        if mismatches:
+            raise InvariantViolation("differential", f"episode {ep.seed}: prefix caching on and off generate differently: "
+                                 + "; ".join(mismatches[:3]))
+    return res
+
+
+def compare_outputs(on: EpisodeResult, off: EpisodeResult) -> tuple[list[str], int]:
+    """The differential oracle: (what differs, how many requests were compared)."""
+    bad, compared = [], 0
+    skip = on.preempted | off.preempted | on.protected | off.protected
+    for rid in sorted(set(on.outputs) & set(off.outputs) - skip, key=int):
+        (ids_a, lp_a, gap_a), (ids_b, lp_b, gap_b) = on.outputs[rid], off.outputs[rid]
+        compared += 1
+        who = f"request {rid} ({on.cached.get(rid, 0)} prompt tokens from the cache)"
+        for i, (x, y) in enumerate(zip(ids_a, ids_b)):
+            if x != y:
+                if min(gap_a[i], gap_b[i]) > TIE:
+                    bad.append(f"{who}: token {i} is {x} with caching on, {y} off (no near tie: top-2 "
+                               f"margins {gap_a[i]:.2g}, {gap_b[i]:.2g})")
+                break
+            if abs(lp_a[i] - lp_b[i]) > LOGPROB_TOL:
+                bad.append(f"{who}: token {i} ({x}) has logprob {lp_a[i]:.6f} with caching on, "
+                           f"{lp_b[i]:.6f} off")
+                break
+    return bad, compared
+
+
+def _run_engine(ep: Episode, prefix_caching: bool) -> EpisodeResult:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the oracles read the scheduler's state directly
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = dict(model=MODEL, load_format="dummy", skip_tokenizer_init=True, dtype="float32", block_size=32,
-              enforce_eager=True, max_model_len=256 if ep.num_blocks else 2048, seed=0,
-              enable_prefix_caching=ep.prefix_caching, additional_config={"vtoken": ep.vtoken})
+    kw = dict(model=MODEL, skip_tokenizer_init=True, dtype="float32", block_size=32, enforce_eager=True,
+              max_model_len=256 if ep.num_blocks else 2048, seed=0, enable_prefix_caching=prefix_caching,
+              additional_config={"vtoken": ep.vtoken})
     if ep.num_blocks:
         kw["num_gpu_blocks_override"] = ep.num_blocks
     llm = LLM(**kw)
@@ -92,8 +182,18 @@ def run_episode(ep: Episode) -> EpisodeResult:
 
 def _drive(llm, ep: Episode, SamplingParams, TokensPrompt) -> EpisodeResult:
     eng = llm.llm_engine
-    conn = eng.engine_core.engine_core.scheduler.connector
+    scheduler = eng.engine_core.engine_core.scheduler
+    conn = scheduler.connector
     res = EpisodeResult()
+    preempt = scheduler._preempt_request
+    scheduler._preempt_request = lambda request, *a, **k: (res.preempted.add(_external(request.request_id)),
+                                                           preempt(request, *a, **k))[1]
+    # NOTE: on the dense path a request's tokens in shared blocks are protected from eviction (densify cannot
+    # fill holes there), so with prefix caching on its victims, and then its outputs, may differ from the
+    # caching-off run by design; such requests are left out of the comparison
+    rt = conn.tokens.rt
+    protected = rt._protected
+    rt._protected = lambda r: (p := protected(r)) and (res.protected.add(_external(r)) or p) or p
     pending = sorted(ep.requests, key=lambda r: (r["arrive"], int(r["id"])))
     live: dict[str, dict] = {}
     step = 0
@@ -103,7 +203,8 @@ def _drive(llm, ep: Episode, SamplingParams, TokensPrompt) -> EpisodeResult:
             r = pending.pop(0)
             max_tokens = min(r["max_tokens"], (256 if ep.num_blocks else 2048) - len(r["prompt"]))
             eng.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]),
-                            SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))
+                            SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, logprobs=2,
+                                           skip_reading_prefix_cache=r.get("skip_cache") or None))
             live[r["id"]] = r
         for rid, r in list(live.items()):
             if r["abort"] is not None and r["abort"] <= step:
@@ -114,18 +215,84 @@ def _drive(llm, ep: Episode, SamplingParams, TokensPrompt) -> EpisodeResult:
             if out.finished and out.request_id in live:
                 del live[out.request_id]
                 res.finished += 1
-        conn.tokens.check()  # the connector checks the bridge every step under strict; the fuzzer the pool too
+                res.outputs[out.request_id] = _generated(out.outputs[0])
+                res.cached[out.request_id] = out.num_cached_tokens or 0
+        # every oracle of the scheduler side, every step (the connector runs them under strict too, the pool
+        # walk only every 64 steps)
+        conn.tokens.check(requests=scheduler.requests)
         step += 1
-        assert step < limit, f"episode {ep.seed}: not finished after {limit} steps"
+        if step >= limit:  # progress: an episode that does not end is a finding
+            raise InvariantViolation("progress", f"episode {ep.seed}: not finished after {limit} steps")
     res.steps = step
     tokens = conn.tokens
     tokens.check()
-    assert tokens.allocator.num_free == tokens.allocator.num_blocks - 1, \
-        f"leak: {tokens.allocator.num_blocks - 1 - tokens.allocator.num_free} blocks still held after every request left"
-    assert not tokens.rt.table.request_ids(), f"token tables left behind: {tokens.rt.table.request_ids()}"
+    if tokens.allocator.num_free != tokens.allocator.num_blocks - 1:
+        raise InvariantViolation("P2", f"leak: {tokens.allocator.num_blocks - 1 - tokens.allocator.num_free} blocks "
+                                       f"still held after every request left")
+    if tokens.rt.table.request_ids():
+        raise InvariantViolation("B1", f"token tables left behind: {tokens.rt.table.request_ids()}")
     res.stats = dict(vars(tokens.stats))
     res.worker = dict(vars(conn.workers))
     return res
+
+
+def _external(req_id: str) -> str:
+    """The id the episode gave a request: vLLM's engine appends ``-<random suffix>`` to it internally."""
+    return req_id.rsplit("-", 1)[0]
+
+
+def _generated(completion) -> tuple[list[int], list[float], list[float]]:
+    """Token ids, their logprobs, and the margin between the top two logprobs at each position (near ties)."""
+    ids = list(completion.token_ids)
+    lps, gaps = [], []
+    for t, d in zip(ids, completion.logprobs):
+        lps.append(d[t].logprob)
+        top = sorted((lp.logprob for lp in d.values()), reverse=True)
+        gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+    return ids, lps, gaps
+
+
+# ---- planted bugs (``vtoken fuzz --target vllm --self-test``) ---------------------------------------------
+def _destinations_only(self, r, plan):
+    """Issue #15's bug: a commit drops the hashes of the blocks that received a moved token, and no more."""
+    from . import manager_hooks
+    return manager_hooks.uncache(self.allocator.pool, {m.dst_block for m in plan.moves})
+
+
+def _no_uncache(self, r, plan):
+    return 0
+
+
+def _ignore_layout(self, rid, blocks):
+    return None
+
+
+PLANTED = {  # name -> (what is wrong, (module path, class, attribute, replacement))
+    "cursor_block_keeps_hash": ("densify rewinds the cursor into a prefix-cached block and keeps its hash: the "
+                                "next appends overwrite K/V a later request's prefix hit reads",
+                                ("vtoken.integration.vllm.scheduler_tokens", "SchedulerTokens",
+                                 "_drop_stale_hashes", _destinations_only)),
+    "moved_into_block_keeps_hash": ("no hash is dropped after a commit, not even of blocks that received moved "
+                                    "tokens", ("vtoken.integration.vllm.scheduler_tokens", "SchedulerTokens",
+                                               "_drop_stale_hashes", _no_uncache)),
+    "worker_ignores_layouts": ("the worker keeps its old block table after a commit shortened or swapped the "
+                               "request's blocks", ("vtoken.integration.vllm.worker_tokens", "WorkerTokens",
+                                                    "_install_layout", _ignore_layout)),
+}
+
+
+@contextmanager
+def planted(name: str):
+    """Plant one bug in this process (the scheduler and, in-process, the worker) while the block runs."""
+    import importlib
+    module, cls, attr, replacement = PLANTED[name][1]
+    owner = getattr(importlib.import_module(module), cls)
+    original = owner.__dict__[attr]
+    setattr(owner, attr, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, original)
 
 
 def drop_frames(err: BaseException) -> None:

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from vtoken.core.block_pool import Purpose
+from vtoken.core.errors import InvariantViolation
 from vtoken.core.plan import PlanKind
 from vtoken.core.policies.h2o import H2O
 from vtoken.core.policies.random_policy import RandomPolicy
@@ -56,6 +57,12 @@ def reclaim_config(settings: VTokenSettings) -> ReclaimConfig | None:
         return ReclaimConfig(PlanKind.DENSIFY, ordering=Ordering.EVENT)
     return ReclaimConfig(PlanKind.COMPACT, theta_f=settings.theta_f, max_sources=settings.max_sources,
                          ordering=Ordering.EVENT)
+
+def writable_blocks(table, req_id: str) -> list[int]:
+    """The blocks of ``req_id`` that appends may still write: the append cursor's block and every one after it.
+    NOTE: vLLM hashes only full blocks it will never write again; none of these may carry a hash (B2)."""
+    return table.block_ids(req_id)[table.write_pos(req_id) // table.block_size:]
+
 
 Relocation = tuple[str, int, int, int]  # (request, index in its block list, old block, new block)
 
@@ -150,7 +157,8 @@ class SchedulerTokens:
         cached = so.scheduled_cached_reqs
         for r, computed in zip(cached.req_ids, cached.num_computed_tokens):
             if r in cached.resumed_req_ids:
-                assert r not in t, f"resumed request {r!r} still has a token table"
+                if r in t:
+                    raise InvariantViolation("B1", f"resumed request {r!r} still has a token table")
                 self.rt.admit(r)
             syncs.append((r, computed, so.num_scheduled_tokens[r]))
         if drill_round is not None:
@@ -160,10 +168,12 @@ class SchedulerTokens:
             held = req_to_blocks[r]
             known = t.block_ids(r)
             # new and resumed requests start empty: a prefix-cache hit arrives as computed tokens in held blocks
-            assert t.total_len(r) in (0, computed), \
-                f"request {r!r}: vLLM computed {computed} tokens, the token table has {t.total_len(r)}"
-            assert [b.block_id for b in held[:len(known)]] == known, \
-                f"request {r!r}: token table blocks {known} are not a prefix of vLLM's {[b.block_id for b in held]}"
+            if t.total_len(r) not in (0, computed):
+                raise InvariantViolation("B1", f"request {r!r}: vLLM computed {computed} tokens, the token table has "
+                                               f"{t.total_len(r)}")
+            if [b.block_id for b in held[:len(known)]] != known:
+                raise InvariantViolation("B1", f"request {r!r}: token table blocks {known} are not a prefix of vLLM's "
+                                               f"{[b.block_id for b in held]}")
             slots = self.rt.sync(r, [b.block_id for b in held[len(known):]], computed + scheduled)
             g = self.gap(r)
             if g:
@@ -233,22 +243,49 @@ class SchedulerTokens:
         for rec in self.rt.manager.settle():  # EVENT ordering: ORDERED copies commit at once
             r = rec.plan.req_id
             if rec.state is not PlanState.COMMITTED:
-                self.stats.plans_aborted += 1
                 continue
             self.stats.plans_committed += 1
             self.stats.moves += len(rec.plan.moves)
             self.stats.blocks_released += len(rec.plan.src_blocks) - len(set(rec.plan.dst_blocks) & set(self.rt.table.block_ids(r)))
-            self.stats.uncached += manager_hooks.uncache(self.allocator.pool, {m.dst_block for m in rec.plan.moves})
             self._mirror(r)
+            self.stats.uncached += self._drop_stale_hashes(r, rec.plan)
+        # every abort, whichever path made it (a refused launch, a failed copy, a request that left mid-copy)
+        self.stats.plans_aborted = sum(self.rt.manager.stats.plans_aborted.values())
         self.stats.seconds += time.perf_counter() - t0
         return victims
+
+    def _drop_stale_hashes(self, r: str, plan) -> int:
+        """B2 after a commit: no block the request may still write keeps a prefix-cache hash.
+
+        vLLM hashes a block once it is full, as if it held logical tokens [i*S, (i+1)*S) forever. A commit breaks
+        that in two places: a move's destination receives another token's K/V, and densify's new cursor
+        (n_live) usually lies inside a block vLLM hashed when it filled, whose tail the next appends overwrite.
+        Either block, left hashed, would be served to a later request whose prompt matches the chain, with
+        another request's K/V in it (issue #15). So every destination and every block from the cursor's block
+        on loses its hash before vLLM can schedule again. None of them may be shared: the planners never
+        write a shared block (``plan_densify``: SHARED_BLOCK), and this is where that is relied on."""
+        t, pool = self.rt.table, self.allocator.pool
+        written = {m.dst_block for m in plan.moves} | set(writable_blocks(t, r))
+        shared = sorted(b for b in written if pool.blocks[b].ref_cnt > 1)
+        if shared:
+            raise InvariantViolation("B2", f"request {r!r}: committed plan writes shared block(s) {shared}")
+        return manager_hooks.uncache(pool, written)
+
+    def uncache_request(self, r: str) -> int:
+        """Quarantine: the request's K/V is unverified from the failed copy on, and so is everything computed from
+        it (the step's new tokens, every layer above the first), possibly in blocks vLLM hashed this step. None of
+        its private blocks may serve a prefix hit; shared ones it never wrote. Returns the hashes dropped."""
+        pool = self.allocator.pool
+        private = [b.block_id for b in self.manager.req_to_blocks.get(r, []) if not b.is_null and b.ref_cnt == 1]
+        return manager_hooks.uncache(pool, private)
 
     def _mirror(self, r: str) -> None:
         """Make vLLM's block list for ``r`` the table's, after a commit."""
         held = self.manager.req_to_blocks[r]
         blocks = self.rt.table.block_ids(r)
         pool = self.allocator.pool
-        assert all(pool.blocks[b].ref_cnt >= 1 for b in blocks), f"request {r!r}: table lists a free block"
+        if not all(pool.blocks[b].ref_cnt >= 1 for b in blocks):
+            raise InvariantViolation("B1", f"request {r!r}: table lists a free block")
         held[:] = [pool.blocks[b] for b in blocks]  # densify drops tail blocks; compact swaps in destinations
         self._layouts[r] = list(blocks)
 
@@ -275,17 +312,51 @@ class SchedulerTokens:
         ids = t.request_ids()
         return sum(len(t.block_ids(r)) for r in ids), sum(-(-t.num_live(r) // S) for r in ids)
 
-    def check(self, pool: bool = True) -> None:
-        """Under strict verify, after every step: the bridge (vLLM's block lists are the tables') and the dense
-        prefix, O(blocks held); with ``pool``, also P1 over vLLM's whole pool, O(pool size)."""
-        from vtoken.core.errors import InvariantViolation
-
-        t = self.rt.table
+    def check(self, pool: bool = True, requests=None) -> None:
+        """Under strict verify, after every step: the bridge (vLLM's block lists are the tables', B1), the dense
+        prefix (I7) and B2 (no block a request may still write is prefix-cached or shared), O(blocks held). With
+        ``pool``, also P1 over vLLM's whole pool, O(pool size); with ``requests`` (the scheduler's
+        ``requests``: id -> vLLM ``Request``), also B3 over every prefix-cached block a request holds."""
+        t, blocks = self.rt.table, self.allocator.pool.blocks
         for r in t.request_ids():
             held = [b.block_id for b in self.manager.req_to_blocks.get(r, [])]
             if held != t.block_ids(r):
                 raise InvariantViolation("B1", f"request {r!r}: vLLM holds blocks {held}, its token table {t.block_ids(r)}")
             if self.read_path is ReadPath.DENSE and t.write_pos(r) != t.num_live(r):
                 raise InvariantViolation("I7", f"request {r!r}: {t.num_live(r)} live tokens but cursor {t.write_pos(r)}")
+            for b in writable_blocks(t, r):
+                if manager_hooks.is_cached(self.allocator.pool, blocks[b]) or blocks[b].ref_cnt > 1:
+                    raise InvariantViolation("B2", f"request {r!r}: block {b} at or after its append cursor "
+                                                   f"(position {t.write_pos(r)}) is "
+                                                   f"{'shared' if blocks[b].ref_cnt > 1 else 'prefix-cached'}; "
+                                                   f"the next appends would overwrite what another request reads")
+            if requests is not None and r in requests:
+                self.check_prefix_hashes(r, requests[r])
         if pool:
             self.allocator.check()
+
+    def check_prefix_hashes(self, r: str, request) -> None:
+        """B3: every prefix-cached block of ``r`` is what vLLM's hash chain claims. Block i hashed means "holds the
+        K/V of logical tokens [i*S, (i+1)*S) of this chain, each written at its own position", so: its hash is
+        the request's own chain hash i (``request.block_hashes``), and every live token of ``r`` in it is the
+        logical token of its offset (a relocation never leaves a token of another position in a hashed
+        block). Holes are fine: eviction leaves a dead token's K/V in place. O(S) per hashed block."""
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        t, S, pool = self.rt.table, self.block_size, self.allocator.pool
+        if pool.hash_block_size != S:
+            return  # hashes at another granularity: not a configuration vtoken runs (compat)
+        chain, counts = request.block_hashes, t.block_live_counts(r)
+        for i, b in enumerate(t.block_ids(r)):
+            blk = pool.blocks[b]
+            if blk.block_hash is None:
+                continue
+            if i >= len(chain) or blk.block_hash != make_block_hash_with_group_id(chain[i], 0):
+                raise InvariantViolation("B3", f"request {r!r}: block {b} at index {i} carries a prefix-cache hash "
+                                               f"that is not the request's chain hash {i}")
+            live_here = counts[b]
+            in_place = sum(t.slot_of(r, i * S + o) == b * S + o for o in range(S) if i * S + o < t.total_len(r))
+            if in_place != live_here:
+                raise InvariantViolation("B3", f"request {r!r}: prefix-cached block {b} (index {i}) holds "
+                                               f"{live_here - in_place} live token(s) of other positions than "
+                                               f"[{i * S}, {(i + 1) * S})")

@@ -10,6 +10,7 @@ accepts, and unknown keys are refused (a typo must not silently turn a feature o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 from vtoken.core.errors import ConfigError
@@ -70,8 +71,8 @@ class VTokenSettings:
                                 f"reclaim='compact', got reclaim={self.reclaim!r}")
         if not isinstance(self.drill_every, int) or isinstance(self.drill_every, bool) or self.drill_every < 0:
             raise SettingsError(f"vtoken.drill_every must be an integer >= 0 (0: off), got {self.drill_every!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise SettingsError(f"vtoken.seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise SettingsError(f"vtoken.seed must be an integer >= 0, got {self.seed!r}")
         if not isinstance(self.evidence_dir, str) or not self.evidence_dir:
             raise SettingsError(f"vtoken.evidence_dir must be a non-empty path, got {self.evidence_dir!r}")
         # combinations
@@ -81,14 +82,30 @@ class VTokenSettings:
                                 f"reclaim='densify', or read_path='gather'")
 
     @classmethod
-    def from_additional_config(cls, additional_config: dict | None) -> VTokenSettings | None:
-        """The settings in ``additional_config["vtoken"]``, or None if vtoken is not enabled."""
-        if not additional_config or "vtoken" not in additional_config:
+    def from_additional_config(cls, additional_config: Mapping | None) -> VTokenSettings | None:
+        """The settings in ``additional_config["vtoken"]``, or None if vtoken is not enabled.
+
+        ``additional_config`` is vLLM's: None, a mapping, or a platform's own config object (vLLM's
+        ``SupportsHash``: it has ``compute_hash``), which cannot carry vtoken's block (None). Anything
+        else (a list, a string, a number) is refused, as are a block that is not a mapping and keys
+        that are not strings; nothing is read from a refused config."""
+        if additional_config is None:
+            return None
+        if not isinstance(additional_config, Mapping):
+            if callable(getattr(additional_config, "compute_hash", None)):
+                return None  # a platform's config object: vLLM's, not ours
+            raise SettingsError(f"additional_config must be a mapping (a dict), got "
+                                f"{type(additional_config).__name__} {additional_config!r:.80}")
+        if "vtoken" not in additional_config:
             return None
         block = additional_config["vtoken"]
-        if not isinstance(block, dict):
+        if not isinstance(block, Mapping):
             raise SettingsError(f"additional_config['vtoken'] must be a mapping of settings, got "
-                                f"{type(block).__name__}")
+                                f"{type(block).__name__} {block!r:.80}")
+        not_str = [k for k in block if not isinstance(k, str)]
+        if not_str:
+            raise SettingsError(f"vtoken setting names must be strings, got {not_str!r:.200} in "
+                                f"additional_config['vtoken']")
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(block) - set(known))
         if unknown:

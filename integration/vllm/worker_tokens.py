@@ -29,6 +29,7 @@ from vtoken.core.errors import InvariantViolation
 from vtoken.core.token_table import Move
 
 from ..copy_engine import TorchCopyEngine
+from .compat import UnsupportedConfigError
 
 
 @dataclass
@@ -62,7 +63,10 @@ class ReadPlan:
 class WorkerTokens:
     def __init__(self, runner, engine: TorchCopyEngine, block_size: int,
                  scored_layers: frozenset = frozenset()) -> None:
-        assert len(runner.input_batch.block_table.block_tables) == 1, "one KV cache group (compat)"
+        groups = len(runner.input_batch.block_table.block_tables)
+        if groups != 1:
+            raise UnsupportedConfigError(f"vtoken supports one KV cache group (full attention); this model has "
+                                         f"{groups}")
         self.runner = runner
         self.engine = engine
         self.scored_layers = scored_layers  # H2O, Scissorhands: the layers whose attention rows are recorded
@@ -115,14 +119,17 @@ class WorkerTokens:
     def _rewrite_index(self, rid: str, i: int, old: int, new: int) -> None:
         r = self.runner
         ids = r.requests[rid].block_ids[0]
-        assert ids[i] == old, f"worker has block {ids[i]} at index {i} of {rid!r}, scheduler moved {old}"
+        if ids[i] != old:
+            raise InvariantViolation("B1", f"worker has block {ids[i]} at index {i} of {rid!r}, scheduler moved {old}")
         ids[i] = new
         self.moved[(rid, i)] = self.moved.get((rid, i), 0) + 1
         self.tail_moves += i == len(ids) - 1
         row = r.input_batch.req_id_to_index.get(rid)
         if row is not None:
             table = r.input_batch.block_table[0].block_table.np
-            assert table[row, i] == old
+            if table[row, i] != old:
+                raise InvariantViolation("B1", f"worker's block table row {row} has block {table[row, i]} at index {i} "
+                                               f"of {rid!r}, scheduler moved {old}")
             table[row, i] = new
 
     # ---- slot mapping through the table (dense read path); what attention reads (gather, scores) ----------------------------------------

@@ -1,0 +1,175 @@
+"""The argument checks every public call of the core runs before it changes anything.
+
+One small set of helpers, so that every boundary refuses the same things the same way and names the
+culprit in its message:
+
+  * an int is an ``int`` and never a ``bool`` (``True`` is an int subclass, but never a count, an id
+    or a budget here);
+  * a number is finite (no NaN, no infinity) and not a ``bool``;
+  * a request id is hashable and neither ``None`` (the "no request" sentinel) nor a ``bool``;
+  * an enum-typed argument is a member, or the string value of one (``ReadPath("gather")``);
+  * a sequence argument is an iterable that is not a ``str``/``bytes`` (a lone string id iterated as
+    characters is never what the caller meant) and not a mapping.
+
+Every check is O(size of its input) and raises the ``VTokenError`` subclass the caller names (default
+``InvalidArgumentError``). Standard library only, like the rest of ``vtoken.core``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from array import array
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+
+from .errors import ConfigError, InvalidArgumentError, VTokenError
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def is_int(value: object) -> bool:
+    """An ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(what: str, value: object, lo: int | None = None, hi: int | None = None,
+              error: type[VTokenError] = InvalidArgumentError, hint: str = "") -> int:
+    """``value`` if it is an int (not a bool) with ``lo <= value <= hi`` (either bound optional).
+
+    ``what`` names the argument in the message (e.g. "request 'a': total_len"); the message always
+    ends with the offending value's repr.
+    """
+    if not is_int(value) or (lo is not None and value < lo) or (hi is not None and value > hi):  # type: ignore[operator]
+        if lo is not None and hi is not None:
+            rng = f"an int in [{lo}, {hi}]"
+        elif lo is not None:
+            rng = f"an int >= {lo}"
+        elif hi is not None:
+            rng = f"an int <= {hi}"
+        else:
+            rng = "an int"
+        raise error(f"{what} must be {rng}{hint}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def check_number(what: str, value: object, lo: float | None = None, hi: float | None = None,
+                 lo_open: bool = False, hi_open: bool = False,
+                 error: type[VTokenError] = ConfigError) -> float:
+    """``value`` if it is a finite real number (int or float, not a bool) within the bounds."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and lo is not None:
+        ok = value > lo if lo_open else value >= lo  # type: ignore[operator]
+    if ok and hi is not None:
+        ok = value < hi if hi_open else value <= hi  # type: ignore[operator]
+    if not ok:
+        lb = "" if lo is None else f"{'(' if lo_open else '['}{lo}, "
+        ub = "" if hi is None else f"{hi}{')' if hi_open else ']'}"
+        rng = f" in {lb or '(-inf, '}{ub or 'inf)'}" if lo is not None or hi is not None else ""
+        raise error(f"{what} must be a finite number{rng}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def check_request_id(req_id: object, error: type[VTokenError] = InvalidArgumentError) -> object:
+    """``req_id`` if it can name a request: hashable, not ``None``, not a ``bool``."""
+    if req_id is None or isinstance(req_id, bool):
+        raise error(f"request id must be a hashable value other than None and True/False, got {req_id!r}")
+    try:
+        hash(req_id)
+    except TypeError:
+        raise error(f"request id must be hashable, got {req_id!r} ({type(req_id).__name__})") from None
+    return req_id
+
+
+def is_known_key(mapping: Mapping, key: object) -> bool:
+    """``key in mapping``, False (not TypeError) for an unhashable key and for a bool key."""
+    if isinstance(key, bool):
+        return False
+    try:
+        return key in mapping
+    except TypeError:
+        return False
+
+
+def check_enum(what: str, value: object, cls: type[E], error: type[VTokenError] = ConfigError) -> E:
+    """A member of ``cls``: ``value`` itself, or the member whose value is the string ``value``."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        for m in cls:
+            if m.value == value:
+                return m
+    raise error(f"{what} must be one of {[m.value for m in cls]} (a {cls.__name__} or its value), got {value!r}")
+
+
+def check_member(what: str, value: object, cls: type[E], error: type[VTokenError] = InvalidArgumentError) -> E:
+    """A member of ``cls`` and nothing else (no string form), for per-call arguments on hot paths."""
+    if not isinstance(value, cls):
+        raise error(f"{what} must be a {cls.__name__} ({', '.join(f'{cls.__name__}.{m.name}' for m in cls)}), "
+                    f"got {value!r}")
+    return value
+
+
+def as_list(what: str, value: object, error: type[VTokenError] = InvalidArgumentError) -> list:
+    """``list(value)`` for an iterable that is neither a string, bytes, nor a mapping."""
+    if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
+        raise error(f"{what} must be a sequence, got {value!r}")
+    try:
+        return list(value)
+    except TypeError:  # an __iter__ that is not one
+        raise error(f"{what} must be a sequence, got {value!r}") from None
+
+
+def check_mapping(what: str, value: object, error: type[VTokenError] = InvalidArgumentError) -> Mapping:
+    """``value`` if it is a mapping (``None`` is the caller's business)."""
+    if not isinstance(value, Mapping):
+        raise error(f"{what} must be a mapping, got {value!r}")
+    return value
+
+
+def check_token_ids(what: str, ids: object, total_len: int,
+                    error: type[VTokenError] = InvalidArgumentError) -> list[int]:
+    """Distinct int token ids in ``[0, total_len)`` as a list (one pass, then C-speed min/max/set)."""
+    out = as_list(what, ids, error)
+    for t in out:
+        if t.__class__ is not int and not is_int(t):
+            raise error(f"{what}: token id {t!r} is not an int")
+    if out:
+        lo, hi = min(out), max(out)
+        if lo < 0 or hi >= total_len:
+            bad = lo if lo < 0 else hi
+            raise error(f"{what}: token {bad} outside the synced tokens [0, {total_len})")
+        if len(set(out)) != len(out):
+            seen: set[int] = set()
+            dup = next(t for t in out if t in seen or seen.add(t))  # type: ignore[func-returns-value]
+            raise error(f"{what}: token {dup} appears twice")
+    return out
+
+
+def check_weights(what: str, weights: object, n: int | None = None,
+                  error: type[VTokenError] = InvalidArgumentError) -> array:
+    """An attention row as ``array('d')``: ``n`` (if given) finite, non-negative real weights."""
+    if isinstance(weights, (str, bytes, bytearray, Mapping)) or not isinstance(weights, Iterable):
+        raise error(f"{what}: weights must be a sequence of numbers, got {weights!r}")
+    try:
+        row = array("d", weights)
+    except (TypeError, ValueError, OverflowError):
+        bad = next((w for w in weights if not isinstance(w, (int, float)) or isinstance(w, bool)), weights)
+        raise error(f"{what}: weight {bad!r} is not a number") from None
+    if n is not None and len(row) != n:
+        raise error(f"{what}: {len(row)} weights for {n} tokens")
+    if row and not (math.isfinite(sum(row)) and min(row) >= 0.0):  # C loops; NaN and inf poison the sum
+        bad = next((w for w in row if not math.isfinite(w) or w < 0.0), None)
+        if bad is not None:  # (None: finite weights whose sum overflowed, which are fine)
+            raise error(f"{what}: weight {bad!r} is not a finite non-negative number")
+    return row
+
+
+def check_callable(what: str, value: object, error: type[VTokenError] = ConfigError) -> Any:
+    if not callable(value):
+        raise error(f"{what} must be callable, got {value!r}")
+    return value
+
+
+__all__ = ["is_int", "check_int", "check_number", "check_request_id", "is_known_key", "check_enum", "check_member",
+           "as_list", "check_mapping", "check_token_ids", "check_weights", "check_callable"]
