@@ -468,10 +468,10 @@ class ReclamationManager:
         """Executed precondition of ``_commit``: every mutation it makes will succeed.
 
         Mirrors the rules of ``TokenTable.set_layout`` (staged layout), ``TokenTable.apply_moves`` (the moves,
-        against the staged layout) and ``TokenTable.set_layout`` (final layout), on a local copy of the
-        request's live slots, and checks the copy is settled and the blocks to free are held. All the
-        caller's input was validated long before, so a commit that would be refused is a bug: it raises
-        InvariantViolation before anything changes.
+        against the staged layout) and ``TokenTable.set_layout`` (final layout) on a copy of the request's
+        per-block masks, O(blocks + moves), and checks the copy is settled and the blocks to free are held.
+        All the caller's input was validated long before, so a commit that would be refused is a bug: it
+        raises InvariantViolation before anything changes.
         """
         t, S, req = self.table, self.pool.block_size, rec.plan.req_id
 
@@ -481,13 +481,14 @@ class ReclamationManager:
 
         if rec.handle is not None and not self.engine.poll(rec.handle).settled:
             raise InvariantViolation("I3", f"request {req!r}: commit while its copy {rec.handle} is still pending")
-        slots = dict(t.live_slots(req))  # token -> slot
-        self._check_layout(staged, slots, fail)
+        masks = t.block_masks(req)
+        self._check_layout(staged, masks, fail)
         index = {b: i for i, b in enumerate(staged[0])}
-        vacated = {slots[m.token_id] for m in moves if m.token_id in slots}
+        sources = [t.slot_of(req, m.token_id) for m in moves]
+        vacated = set(sources)
         claimed: set[int] = set()
-        for m in moves:
-            if slots.get(m.token_id) != m.src_block * S + m.src_offset:
+        for m, src in zip(moves, sources):
+            if src != m.src_block * S + m.src_offset:
                 fail(f"move {m} reads a slot token {m.token_id} does not hold")
             dst = m.dst_block * S + m.dst_offset
             if m.dst_block not in index or index[m.dst_block] * S + m.dst_offset >= staged[1]:
@@ -497,25 +498,30 @@ class ReclamationManager:
             claimed.add(dst)
         if len({m.token_id for m in moves}) != len(moves):
             fail("a token moves twice")
-        slots.update({m.token_id: m.dst_block * S + m.dst_offset for m in moves})
-        self._check_layout(final, slots, fail)
+        for m, src in zip(moves, sources):  # the masks after the moves: all sources vacated, then all claims
+            masks[src // S] &= ~(1 << (src % S))
+        for m in moves:
+            masks[m.dst_block] = masks.get(m.dst_block, 0) | (1 << m.dst_offset)
+        self._check_layout(final, masks, fail)
         for b, k in Counter(to_free).items():
             if self.pool.ref_count(b) < k:
                 fail(f"block {b} would be freed {k} time(s) with {self.pool.ref_count(b)} reference(s)")
 
-    def _check_layout(self, layout: tuple[list[int], int], slots: dict[int, int], fail) -> None:
-        """``TokenTable.set_layout``'s rules for (block list, cursor) given every live token's slot."""
+    def _check_layout(self, layout: tuple[list[int], int], masks: dict[int, int], fail) -> None:
+        """``TokenTable.set_layout``'s rules for (block list, cursor), given each block's mask of live offsets."""
         blocks, pos = layout
         S = self.pool.block_size
         if len(set(blocks)) != len(blocks) or not all(is_int(b) and 0 <= b < self.pool.num_blocks for b in blocks):
             fail(f"block list {blocks} repeats a block or names one outside the pool")
         if not is_int(pos) or not 0 <= pos <= len(blocks) * S:
             fail(f"cursor {pos!r} outside its {len(blocks)} blocks")
-        index = {b: i for i, b in enumerate(blocks)}
-        for tok, slot in slots.items():
-            b = slot // S
-            if b not in index or index[b] * S + slot % S >= pos:
-                fail(f"token {tok} at slot {slot} would be outside block list {blocks} or at or after cursor {pos}")
+        listed = set(blocks)
+        for b, mask in masks.items():
+            if mask and b not in listed:
+                fail(f"block {b} holds live tokens but would leave block list {blocks}")
+        for i, b in enumerate(blocks):
+            if masks.get(b, 0) >> max(0, pos - i * S):
+                fail(f"block {b} would hold live tokens at or after cursor {pos}")
 
     def _abort(self, rec: PlanRecord, reason: str, detail: str = "") -> None:
         unlaunched = rec.state is PlanState.PLANNED and rec.handle is None  # no copy was ever started

@@ -453,6 +453,10 @@ class TokenTable:
         r = self._get(req_id)
         return r.slots[r.last_sync_start:].tolist()
 
+    def block_masks(self, req_id: object) -> dict[int, int]:
+        """A copy of the per-block bitmasks of this request's live offsets (what ``set_layout`` validates)."""
+        return dict(self._get(req_id).masks)
+
     def block_live_counts(self, req_id: object) -> dict[int, int]:
         """Live tokens of this request per block of its block list (incrementally maintained)."""
         return {b: m.bit_count() for b, m in self._get(req_id).masks.items()}
