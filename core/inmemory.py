@@ -51,15 +51,23 @@ class InMemoryCopyEngine(CopyRegistry):
 
     With ``auto_complete`` (the default) a copy is DONE as soon as it is
     submitted. Without it, copies stay PENDING until the test or fuzzer calls
-    ``complete`` or ``fail`` in any order; ordered copies complete at the next
+    ``complete`` or ``fail``; ordered copies complete at the next
     ``before_compute``, as a GPU stream waiting on an event would. ``fail_next_submit``
     makes the next ``submit`` raise, as a device whose copy launch fails would.
+
+    ``one_stream`` (the default) is the real engine's device: every copy runs on one relocation
+    stream (``integration/copy_engine.py``), so copies finish in the order they were submitted.
+    Completing, failing or waiting for a copy first completes every earlier unsettled one, and an
+    ordered copy that runs drains the stream up to it. ``one_stream=False`` lets unordered copies
+    finish in any order (each behind only the earlier *ordered* ones): no engine vtoken ships
+    does that, so it is only for tests that exercise the manager against an arbitrary device.
     """
 
-    def __init__(self, store: TagStore, auto_complete: bool = True) -> None:
+    def __init__(self, store: TagStore, auto_complete: bool = True, one_stream: bool = True) -> None:
         super().__init__()
         self.store = store
         self.auto_complete = auto_complete
+        self.one_stream = one_stream
         self.events = {"submitted": 0, "completed": 0, "failed": 0, "waited": 0, "refused": 0}
         self._refuse_next: Exception | None = None  # raised by the next submit (test control)
 
@@ -86,6 +94,11 @@ class InMemoryCopyEngine(CopyRegistry):
         if c.status in (CopyStatus.PENDING, CopyStatus.ORDERED):
             self._execute(handle)
         return c.status
+
+    def statuses(self) -> list[tuple[CopyHandle, CopyStatus, bool]]:
+        """Every registered copy, its status and whether its owner released it, in submission order (the
+        fuzzer's stream-order and handle-leak oracles). A released copy stays registered until it has run."""
+        return [(h, c.status, c.released) for h, c in sorted(self._copies.items())]
 
     # ---- the simulated compute stream ---------------------------------------------
     def before_compute(self) -> None:
@@ -114,14 +127,14 @@ class InMemoryCopyEngine(CopyRegistry):
         if not isinstance(written, int) or isinstance(written, bool) or not 0 <= written <= len(c.moves):
             raise CopyStateError(f"copy {handle}: written={written!r}; expected an int in [0, {len(c.moves)}] "
                                  f"(the destinations it wrote before failing)")
-        self._drain_ordered_before(handle)
+        self._drain_before(handle)
         self._write(c.moves[:written])
         c.status = CopyStatus.FAILED
         self.events["failed"] += 1
 
     # ---- helpers ---------------------------------------------------------------------
     def _execute(self, handle: CopyHandle) -> None:
-        self._drain_ordered_before(handle)
+        self._drain_before(handle)
         c = self._copies[handle]
         self._write(c.moves)
         c.status = CopyStatus.DONE
@@ -129,10 +142,13 @@ class InMemoryCopyEngine(CopyRegistry):
         if c.released:
             del self._copies[handle]
 
-    def _drain_ordered_before(self, handle: CopyHandle) -> None:
-        """Later work runs after every earlier ordered copy (stream order of the event)."""
+    def _drain_before(self, handle: CopyHandle) -> None:
+        """Copies submitted before ``handle`` that must run first: on one stream every unsettled one (FIFO),
+        otherwise the ordered ones (later work runs after the event it waits on)."""
+        # NOTE: handles are issued in submission order (CopyRegistry._add), so h < handle means "earlier"
+        waits = (CopyStatus.PENDING, CopyStatus.ORDERED) if self.one_stream else (CopyStatus.ORDERED,)
         for h in sorted(self._copies):
-            if h < handle and self._copies[h].status is CopyStatus.ORDERED:
+            if h < handle and self._copies[h].status in waits:
                 self._execute(h)
 
     def _write(self, moves: Sequence[Move]) -> None:

@@ -110,6 +110,9 @@ def run_batch(cfg: CampaignConfig, index: int, seed_override: int | None = None)
     test = get_state_machine_test(
         machine_class(cfg),
         settings=settings(
+            # parent: Hypothesis's defaults, not whatever profile is loaded, so a batch is a function of its seed
+            # alone (the tests' "ci" profile derandomizes: every batch would replay the same examples)
+            parent=settings.get_profile("default"),
             max_examples=cfg.examples, stateful_step_count=cfg.steps, deadline=None, database=db,
             suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False,
             phases=[Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if cfg.shrink else []),

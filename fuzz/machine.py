@@ -41,13 +41,14 @@ from vtoken.core.runtime import ReadPath, VTokenRuntime
 from vtoken.core.simulator import attention_weights
 from vtoken.core.token_table import NO_SLOT, Move
 
+from .oracles import Oracles, check_policy_choice
 from .profiles import PROFILES, Profile
 
 BAD_CALLS = tuple(
     f"{group}:{what}"
     for group, whats in [
         ("evict", ["dead", "out_of_range", "unknown"]),
-        ("move", ["stale", "occupied", "twice", "unlisted", "cursor", "malformed"]),
+        ("move", ["stale", "occupied", "twice", "unlisted", "cursor", "malformed", "same_dst"]),
         ("pool", ["free", "over", "admit_headroom", "evacuate"]),
         ("request", ["range", "listed", "shrink", "short", "conflict", "duplicate"]),
         # issue #15: the wrong types and shapes, and calls out of order
@@ -72,13 +73,18 @@ class FuzzPolicy:
     base: object | None
     queued: dict = field(default_factory=dict)
     name: str = "fuzz"
+    oracles: Oracles | None = None  # checks every choice of ``base`` against its reference rule
 
     def select_victims(self, view: RequestView) -> list[int]:
         live = set(view.live)
         chosen = [t for t in dict.fromkeys(self.queued.pop(view.req_id, [])) if t in live and t not in view.protected]
         chosen = chosen[: view.excess]
         if self.base is not None and len(chosen) < view.excess:
-            chosen += [t for t in self.base.select_victims(view) if t not in chosen][: view.excess - len(chosen)]
+            base = list(self.base.select_victims(view))
+            if self.oracles is not None:
+                self.oracles.scores.check_view(view.req_id, view)
+                check_policy_choice(self.base, view, base)
+            chosen += [t for t in base if t not in chosen][: view.excess - len(chosen)]
         return chosen
 
 
@@ -87,6 +93,8 @@ class VTokenMachine(RuleBasedStateMachine):
 
     profiles: tuple[str, ...] = tuple(PROFILES)
     policies: tuple[str, ...] = tuple(sorted(POLICIES)) + ("none",)
+    #: the device model: one relocation stream, as the real engine has (False: copies finish in any order)
+    one_stream: bool = True
 
     requests = Bundle("requests")
 
@@ -123,6 +131,7 @@ class VTokenMachine(RuleBasedStateMachine):
                                     burst_df=burst_df)
         self.policy = FuzzPolicy(None if policy == "none" else make_policy(policy))
         self.rt = VTokenRuntime(self.pool, self.engine, self.policy, budget, reclaim, prof.read_path, seed=0)
+        self.oracles = self.policy.oracles = Oracles(self.rt, self.engine).attach()
         self.S = block_size
         self.content: dict[int, list[int]] = {}  # every synced or to-be-synced token's tag
         self.shadow: dict[int, dict[int, int]] = {}  # live tokens: request -> token -> tag
@@ -135,7 +144,7 @@ class VTokenMachine(RuleBasedStateMachine):
     # ---- helpers ---------------------------------------------------------------------------------
     def make_engine(self, num_blocks: int, block_size: int):
         """The copy engine under test, with a ``store`` of content tags (``TensorMachine``: real tensors)."""
-        return InMemoryCopyEngine(TagStore(num_blocks, block_size), auto_complete=False)
+        return InMemoryCopyEngine(TagStore(num_blocks, block_size), auto_complete=False, one_stream=self.one_stream)
 
     @property
     def table(self):
@@ -192,6 +201,7 @@ class VTokenMachine(RuleBasedStateMachine):
         req = self.next_req
         self.next_req += 1
         self.rt.admit(req)
+        self.oracles.scores.forget(req)
         self.content[req] = self._tags(prompt)
         self.shadow[req] = {}
         self.prefill[req] = prompt
@@ -210,6 +220,7 @@ class VTokenMachine(RuleBasedStateMachine):
             assert self.state() == before, "a rejected prefix share changed the state"
             return multiple()
         self.next_req += 1
+        self.oracles.scores.forget(req)
         n = blocks * self.S
         self.content[req] = self.content[source][:n] + self._tags(extra)
         self.shadow[req] = {t: self.content[req][t] for t in range(n)}
@@ -256,6 +267,7 @@ class VTokenMachine(RuleBasedStateMachine):
             return multiple()
         self.waiting.pop(0)
         self.rt.admit(req)
+        self.oracles.scores.forget(req)
         self.prefill[req] = n
         return req
 
@@ -297,7 +309,12 @@ class VTokenMachine(RuleBasedStateMachine):
             weights[r] = attention_weights(r, req.read_tokens, self.table.total_len(r))
         if self.engine.pending():
             EVENTS["steps_with_copies_in_flight"] += 1
-        victims = rt.end_step(weights)
+        self.oracles.scores.apply({r: (inputs.requests[r].read_tokens, w) for r, w in weights.items()})
+        try:
+            victims = rt.end_step(weights)
+        except BaseException:
+            self.oracles.scores.undo()
+            raise
         for r, ts in victims.items():
             for t in ts:
                 del self.shadow[r][t]
@@ -402,10 +419,10 @@ class VTokenMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.rt is not None and self.engine.pending())
     @rule(index=st.integers(0, 2**16))
     def complete_copy(self, index):
-        """Complete any pending copy: late, and in any order."""
+        """Complete any pending copy, late. On one stream (the default) the copies before it complete first."""
         hs = self._pending()
         self.engine.complete(hs[index % len(hs)])
-        EVENTS["copies_completed_out_of_order" if index % len(hs) else "copies_completed"] += 1
+        EVENTS["copies_completed_behind_others" if index % len(hs) else "copies_completed"] += 1
 
     @precondition(lambda self: self.rt is not None and self._pending(CopyStatus.PENDING))
     @rule(index=st.integers(0, 2**16), written=st.integers(0, 64))
@@ -422,6 +439,98 @@ class VTokenMachine(RuleBasedStateMachine):
         hs = self._pending(CopyStatus.PENDING)
         self.engine.order_before_compute(hs[index % len(hs)])
         EVENTS["copies_ordered"] += 1
+
+    # ---- schedules and inputs uniform rule choice rarely reaches --------------------------------------
+    def _movable(self, req: int) -> tuple[list[int], list[int]]:
+        """``req``'s live tokens outside shared blocks, and the free slots of its unshared blocks before the
+        cursor (holes a direct move may fill)."""
+        S, t = self.S, self.table
+        blocks = t.block_ids(req)
+        mine = [i for i, b in enumerate(blocks) if self.pool.ref_count(b) == 1]
+        tokens = [x for x in self._live(req) if self.pool.ref_count(t.slot_of(req, x) // S) == 1]
+        w = t.write_pos(req)
+        holes = [blocks[i] * S + o for i in mine for o in range(S)
+                 if i * S + o < w and not t.occupancy.holders(blocks[i] * S + o)]
+        return tokens, holes
+
+    @precondition(lambda self: self.rt is not None and self.profile.read_path is ReadPath.GATHER)
+    @rule(req=requests, index=st.integers(0, 2**16))
+    def chained_moves(self, req, index):
+        """A valid chained batch, copied on the relocation stream and applied directly: x moves into a hole
+        and y into the slot x vacates (or, with no hole, x and y swap). Planners never chain moves, so
+        only this rule exercises apply_moves' "all sources vacate before any destination is claimed"."""
+        if not self._running(req) or req in self.manager.inflight:
+            return
+        tokens, holes = self._movable(req)
+        if len(tokens) < 2:
+            return
+        S, t = self.S, self.table
+        x, y = tokens[index % len(tokens)], tokens[(index // len(tokens) + 1 + index) % len(tokens)]
+        if x == y:
+            y = tokens[(tokens.index(x) + 1) % len(tokens)]
+        sx, sy = t.slot_of(req, x), t.slot_of(req, y)
+        into = holes[index % len(holes)] if holes else sy
+        moves = [Move(x, sx // S, sx % S, into // S, into % S), Move(y, sy // S, sy % S, sx // S, sx % S)]
+        h = self.engine.submit(moves, req_id=req)
+        self.engine.wait(h)
+        self.engine.release(h)
+        t.apply_moves(req, moves)
+        EVENTS["chained_batches" if holes else "swapped_batches"] += 1
+
+    @precondition(lambda self: self.rt is not None and self.profile.planner is not None)
+    @rule(req=requests, rounds=st.integers(2, 4), evict=st.integers(0, 2**16), order=st.booleans(),
+          newest_first=st.booleans())
+    def relocation_burst(self, req, rounds, evict, order, newest_first):
+        """Several plans of one request between two steps: settle (commit), evict, re-plan, launch, and so
+        on; then (``newest_first``) the newest copy completes first, and a step runs. A newer plan's copy reads what the older
+        one writes, so one stream's order is what keeps I1 (this schedule is 4 rules per round, which
+        uniform rule choice almost never strings together)."""
+        if not self._running(req):
+            return
+        for k in range(rounds):
+            self.manager.settle()
+            if not self._running(req):
+                return
+            if self.profile.read_path is ReadPath.GATHER and len(self.shadow[req]) > 1:
+                live = self._live(req)
+                victim = live[(evict + k) % len(live)]
+                self.table.evict_token(req, victim)
+                del self.shadow[req][victim]
+                EVENTS["evictions"] += 1
+            if req in self.manager.inflight:
+                break
+            rec = self.manager.plan_request(req)
+            EVENTS["plans_made" if rec else "no_plan"] += 1
+            self.manager.launch()
+            if order and rec and rec.handle is not None and self.engine.poll(rec.handle) is CopyStatus.PENDING:
+                self.engine.order_before_compute(rec.handle)
+        pending = self._pending()
+        if newest_first and pending and hasattr(self.engine, "complete"):
+            self.engine.complete(pending[-1])
+            EVENTS["bursts_completed_newest_first"] += 1
+        self.step()
+
+    @precondition(lambda self: self.rt is not None)
+    @rule(now=st.integers(0, 31))
+    def quiesce(self, now):
+        """Every request finishes, every copy settles: the pool must be whole again (quiescence oracle).
+        Only one draw in 32 (``now == 0``) quiesces: as often as other rules, it would empty the system
+        before anything interesting builds up."""
+        if now:
+            return
+        for r in list(self.table.request_ids()):
+            self.rt.finish(r)
+        pending = self._pending()
+        if pending and hasattr(self.engine, "complete"):
+            self.engine.complete(pending[-1])  # one stream: the last one's completion drains the rest
+        for h in self._pending():
+            self.engine.wait(h)
+        self.manager.settle()
+        self.oracles.check_quiescent()
+        for d in (self.content, self.shadow, self.prefill, self.policy.queued):
+            d.clear()
+        self.waiting.clear()
+        EVENTS["quiesced"] += 1
 
     # ---- invalid calls: each raises its specific error and changes nothing ----------------------------
     @precondition(lambda self: self.rt is not None)
@@ -462,6 +571,15 @@ class VTokenMachine(RuleBasedStateMachine):
         if kind == "twice":
             return self._rejected(E.MoveSourceMismatchError, self.table.apply_moves, req,
                                   [Move(t, slot // S, slot % S, slot // S, slot % S)] * 2)
+        if kind == "same_dst":  # two tokens into one slot: the table and every engine refuse it
+            others = [u for u in self.shadow[req] if u != t]
+            if not others:
+                return
+            u = others[index % len(others)]
+            su = self.table.slot_of(req, u)
+            both = [Move(t, slot // S, slot % S, su // S, su % S), Move(u, su // S, su % S, su // S, su % S)]
+            self._rejected(E.DestinationError, self.table.apply_moves, req, both)
+            return self._rejected(E.DestinationError, self.engine.submit, both, req)
         if kind == "unlisted":
             outside = [b for b in range(self.pool.num_blocks) if b not in blocks]
             if outside:
@@ -654,10 +772,19 @@ class VTokenMachine(RuleBasedStateMachine):
         assert set(self.table.request_ids()) == set(self.shadow) - set(self.waiting)
         EVENTS["invariant_checks"] += 1
 
+    @invariant()
+    def function_and_progress_hold(self):
+        """The functional and progress oracles (fuzz/oracles.py): Eq. 1, block arithmetic, headroom, stream."""
+        if self.rt is None:
+            return
+        self.oracles.check_state()
+        EVENTS["oracle_checks"] += 1
+
     def check_all_invariants(self) -> None:
-        """Both invariants at once: what replay files call after every rule."""
+        """Every invariant at once: what replay files call after every rule."""
         self.core_invariants_hold()
         self.shadow_model_agrees()
+        self.function_and_progress_hold()
 
     def teardown(self):
         if self.rt is not None:

@@ -11,8 +11,11 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from vtoken.core import block_pool, compact, densify, reclamation, token_table
+from vtoken.core import block_pool, compact, densify, inmemory, reclamation, runtime, token_table
+from vtoken.core.block_pool import blocks_needed
 from vtoken.core.copy_engine import CopyStatus
+from vtoken.core.policies.h2o import H2O
+from vtoken.core.policies.streaming_llm import StreamingLLM
 from vtoken.core.plan import Plan, PlanKind
 from vtoken.core.reclamation import PlanState
 from vtoken.core.token_table import NO_SLOT, Move
@@ -263,6 +266,143 @@ def _no_pre_attention_wait():
     return {(inmemory.InMemoryCopyEngine, "before_compute"): before_compute}
 
 
+# ---- issue #16: bugs that break function or progress, not safety (each state they reach is legal) ------
+def _streaming_sinks_off_by_one():
+    def select_victims(self, view):
+        if not view.excess:
+            return []
+        sinks = set(view.live[: max(0, min(self.sinks, view.budget - 1) - 1)])  # one sink too few
+        window = view.budget - len(sinks)
+        middle = [t for t in view.candidates(keep_recent=window) if t not in sinks]
+        return middle[: view.excess]
+
+    return {(StreamingLLM, "select_victims"): select_victims}
+
+
+def _h2o_window_one_short():
+    def select_victims(self, view):
+        if not view.excess:
+            return []
+        recent = max(1, int(view.budget * self.recent_fraction)) - 1  # the newest token is no longer kept
+        pool = view.candidates(keep_recent=recent)
+        pool.sort(key=lambda t: (view.accumulated(t), t))
+        return pool[: view.excess]
+
+    return {(H2O, "select_victims"): select_victims}
+
+
+def _waste_ratio_over_whole_pool():
+    def waste_ratio(self):
+        return 1.0 - self.table.occupancy.live_slots / (self.pool.num_blocks * self.pool.block_size)  # Eq. 1: allocated
+
+    return {(reclamation.ReclamationManager, "waste_ratio"): waste_ratio}
+
+
+def _trigger_ignores_watermark():
+    original = reclamation.ReclamationManager.should_reclaim
+
+    def should_reclaim(self, iteration):
+        c = self.config
+        if c.burst_df is None:  # the fixed trigger forgets "free blocks <= the low watermark"
+            return iteration % c.check_every == 0 and self.waste_ratio() > c.theta_f
+        return original(self, iteration)
+
+    return {(reclamation.ReclamationManager, "should_reclaim"): should_reclaim}
+
+
+def _settle(skip_failed: bool = False, skip_orphans: bool = False):
+    """ReclamationManager.settle, with one of two mistakes."""
+    def settle(self):
+        done = []
+        for req_id, rec in list(self.inflight.items()):
+            if rec.state is not PlanState.COPYING:
+                continue
+            status = self._status(rec)
+            if status is CopyStatus.PENDING or (skip_failed and status is CopyStatus.FAILED):
+                continue  # skip_failed: "a failed copy may still be retried"; it never is
+            if status is CopyStatus.FAILED:
+                self._abort(rec, "copy failed")
+            else:
+                self._commit(rec)
+            done.append(rec)
+        if skip_orphans:
+            return done  # orphans are "released when their request's id is reused": never
+        for rec in list(self.orphans):
+            if self._status(rec).settled:
+                self.orphans.remove(rec)
+                self._release_handle(rec)
+                self.pool.free(rec.held)
+        return done
+
+    return {(reclamation.ReclamationManager, "settle"): settle}
+
+
+def _commit_keeps_copy_handle():
+    original = reclamation.ReclamationManager._commit
+
+    def _commit(self, rec):
+        self._release_handle = lambda rec: None  # the handle is "released with the record": it never is
+        try:
+            original(self, rec)
+        finally:
+            del self._release_handle
+
+    return {(reclamation.ReclamationManager, "_commit"): _commit}
+
+
+def _copies_on_two_streams():
+    def _drain_before(self, handle):
+        for h in sorted(self._copies):  # only ordered copies run first: as if each copy had its own stream
+            if h < handle and self._copies[h].status is CopyStatus.ORDERED:
+                self._execute(h)
+
+    return {(inmemory.InMemoryCopyEngine, "_drain_before"): _drain_before}
+
+
+def _headroom_budget_ignores_held():
+    def destination_budget(self):
+        free, H = self.pool.num_free, self.pool.headroom
+        return free if H == 0 else min(free, H)  # forgets what outstanding plans already hold
+
+    return {(reclamation.ReclamationManager, "destination_budget"): destination_budget}
+
+
+def _blocks_to_grow_one_early():
+    def blocks_to_grow(self, req_id, n_new):
+        pos = self.table.write_pos(req_id)
+        # "room for the next token too": a block is allocated one token before it is needed
+        return max(0, blocks_needed(pos + n_new + 1, self.pool.block_size) - len(self.table.block_ids(req_id)))
+
+    return {(runtime.VTokenRuntime, "blocks_to_grow"): blocks_to_grow}
+
+
+def _densify_keeps_a_tail_block():
+    def plan_densify(snap):
+        plan = densify.plan_densify(snap)
+        if not plan or not plan.src_blocks:
+            return plan
+        return Plan(plan.kind, plan.req_id, plan.version, plan.moves, plan.src_blocks[1:], (), plan.dense_write_pos)
+
+    return {(reclamation, "plan_densify"): plan_densify}
+
+
+def _compact_underfills_destinations():
+    def plan_compaction(snap, dst_blocks, max_sources):
+        plan = compact.plan_compaction(snap, dst_blocks, max_sources)
+        S = snap.block_size
+        if not plan or len(plan.dst_blocks) < 2 or S < 2:
+            return plan
+        # one slot of the first destination is left free; the last destination takes the spill-over
+        moves = tuple(Move(m.token_id, m.src_block, m.src_offset,
+                           *((plan.dst_blocks[-1], S - 1) if i == S - 1 else (m.dst_block, m.dst_offset)))
+                      for i, m in enumerate(plan.moves))
+        if len({(m.dst_block, m.dst_offset) for m in moves}) != len(moves):
+            return plan
+        return Plan(plan.kind, plan.req_id, plan.version, moves, plan.src_blocks, plan.dst_blocks)
+
+    return {(reclamation, "plan_compaction"): plan_compaction}
+
+
 BUGS: dict[str, PlantedBug] = {
     b.name: b
     for b in [
@@ -300,6 +440,31 @@ BUGS: dict[str, PlantedBug] = {
                    _cursor_shift_forgets_destinations),
         PlantedBug("state_before_submit", "launch marks a plan COPYING before submit; a refused launch is committed "
                    "unwritten", _state_before_submit),
+        # function and progress (issue #16): legal states, wrong behaviour
+        PlantedBug("streaming_sinks_off_by_one", "StreamingLLM keeps one attention sink too few (policy rule)",
+                   _streaming_sinks_off_by_one),
+        PlantedBug("h2o_window_one_short", "H2O's recent window is one token short (policy rule)",
+                   _h2o_window_one_short),
+        PlantedBug("waste_ratio_over_whole_pool", "F's denominator is the whole pool, not the allocated blocks "
+                   "(Eq. 1)", _waste_ratio_over_whole_pool),
+        PlantedBug("trigger_ignores_watermark", "the fixed trigger fires above the low watermark", 
+                   _trigger_ignores_watermark),
+        PlantedBug("failed_copy_never_aborts", "settle leaves a plan whose copy failed COPYING forever (progress)",
+                   lambda: _settle(skip_failed=True)),
+        PlantedBug("orphan_never_released", "settle never releases what departed requests' copies held "
+                   "(progress)", lambda: _settle(skip_orphans=True)),
+        PlantedBug("commit_keeps_copy_handle", "a committed plan's copy handle is never released (quiescence)",
+                   _commit_keeps_copy_handle),
+        PlantedBug("copies_on_two_streams", "the device model lets a later copy finish before an earlier one "
+                   "(stream order)", _copies_on_two_streams),
+        PlantedBug("headroom_budget_ignores_held", "the destination budget forgets what outstanding plans hold "
+                   "(headroom)", _headroom_budget_ignores_held),
+        PlantedBug("blocks_to_grow_one_early", "a request gets its next block one token early (block arithmetic)",
+                   _blocks_to_grow_one_early),
+        PlantedBug("densify_keeps_a_tail_block", "densify keeps one emptied block past the cursor (planner "
+                   "quality)", _densify_keeps_a_tail_block),
+        PlantedBug("compact_underfills_destinations", "compact leaves a slot of a destination empty and spills into "
+                   "the last (planner quality)", _compact_underfills_destinations),
     ]
 }
 

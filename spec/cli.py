@@ -64,22 +64,25 @@ def check(a: argparse.Namespace) -> int:
         _needs("crosshair", "the contracts check")
     t0 = time.perf_counter()
     results: list[Result] = []
-    print(f"vtoken spec v1\n  {'obligation':<34}{'invariant':<10}{'transition / model':<40}{'result':<16}{'seconds':>8}")
+    print(f"vtoken spec v1\n  {'obligation':<34}{'invariant':<10}{'transition / model':<40}{'result':<24}{'seconds':>8}")
     for ob in todo:
         r = run(ob)
         results.append(r)
-        print(f"  {ob.id:<33} {ob.invariant:<10}{ob.transition[:38]:<40}{r.outcome.status:<16}{r.seconds:>8.2f}",
+        print(f"  {ob.id:<33} {ob.invariant:<10}{ob.transition[:38]:<40}{r.outcome.label:<24}{r.seconds:>8.2f}",
               flush=True)
-        if r.outcome.status != PROVED:
+        if not r.outcome.passed:
             print("    " + r.outcome.detail.replace("\n", "\n    "))
-    bad = [r for r in results if r.outcome.status != PROVED]
+    bad = [r for r in results if not r.outcome.passed]
+    proved = sum(r.outcome.status == PROVED for r in results)
     total = time.perf_counter() - t0
-    print(f"\n{len(results) - len(bad)}/{len(results)} obligations proved in {total:.1f} s"
-          + (f"; {len(bad)} not proved: {', '.join(r.obligation.id for r in bad)}" if bad else ""))
+    print(f"\n{len(results) - len(bad)}/{len(results)} obligations hold in {total:.1f} s: {proved} proved for every "
+          f"state, {len(results) - len(bad) - proved} bounded (each within the bound printed beside it)"
+          + (f"; {len(bad)} failed: {', '.join(r.obligation.id + ' ' + r.outcome.label for r in bad)}" if bad else ""))
     if a.json:
         Path(a.json).write_text(json.dumps([
             {"id": r.obligation.id, "invariant": r.obligation.invariant, "transition": r.obligation.transition,
-             "claim": r.obligation.claim, "status": r.outcome.status, "detail": r.outcome.detail,
+             "claim": r.obligation.claim, "status": r.outcome.status, "bound": r.outcome.bound,
+             "detail": r.outcome.detail,
              "seconds": round(r.seconds, 3)} for r in results], indent=2) + "\n")
     return 1 if bad or not results else 0
 

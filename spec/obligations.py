@@ -4,11 +4,17 @@ Every module in spec/ exposes ``obligations() -> list[Obligation]``. ``vtoken sp
 check`` runs them all and prints invariant / transition / result / seconds.
 
 An obligation's ``check`` returns an ``Outcome``:
-  proved          the solver showed the negated claim unsatisfiable (or, for a
-                  bounded claim, no counterexample exists within the stated bound);
+  proved          the solver showed the negated claim unsatisfiable for every
+                  state (an inductive step, an unbounded CHC proof);
+  bounded         no counterexample exists within the stated bound, which the
+                  outcome carries (``bound``) and ``spec check`` prints as
+                  ``bounded (…)``; nothing is claimed beyond it;
   counterexample  a concrete state/trace violating the claim, printed in the
                   project's own terms (requests, tokens, blocks);
   unknown         the solver gave up (timeout, incompleteness).
+
+``spec check`` passes when every obligation is proved or bounded: a bounded
+claim is an honest, stated result, but it is never printed as proved.
 """
 
 from __future__ import annotations
@@ -19,13 +25,28 @@ from typing import Callable
 
 import z3
 
-PROVED, COUNTEREXAMPLE, UNKNOWN = "proved", "counterexample", "unknown"
+PROVED, BOUNDED, COUNTEREXAMPLE, UNKNOWN = "proved", "bounded", "counterexample", "unknown"
+PASSING = (PROVED, BOUNDED)
 
 
 @dataclass(frozen=True)
 class Outcome:
     status: str
-    detail: str = ""  # the counterexample, or why unknown, or the bound that was covered
+    detail: str = ""  # the counterexample, or why unknown, or what was covered
+    bound: str = ""  # BOUNDED only: the bound, short (e.g. "12 steps", "S<=16, 8 blocks")
+
+    def __post_init__(self) -> None:
+        assert self.status in (PROVED, BOUNDED, COUNTEREXAMPLE, UNKNOWN), self.status
+        assert bool(self.bound) == (self.status == BOUNDED), "a bounded outcome states its bound, and only it"
+
+    @property
+    def passed(self) -> bool:
+        return self.status in PASSING
+
+    @property
+    def label(self) -> str:
+        """What ``spec check`` prints: ``proved``, ``bounded (…)``, ``counterexample`` or ``unknown``."""
+        return f"bounded ({self.bound})" if self.status == BOUNDED else self.status
 
 
 @dataclass(frozen=True)

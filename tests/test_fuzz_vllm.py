@@ -45,7 +45,7 @@ def test_a_planted_bug_is_saved_with_a_replay_that_reproduces_it(tmp_path, monke
     monkeypatch.setattr(WorkerTokens, "_install_layout", lambda self, rid, blocks: None)
     assert main(args(tmp_path)) == 1
     [f] = [json.loads(p.read_text()) for p in (tmp_path / "vllm").glob("failure-*.json")]
-    assert "I3" in f["error"] or "blocks" in f["error"]
+    assert "I2" in f["error"] or "blocks" in f["error"]
     assert f["replay"] == f"vtoken fuzz --target vllm --replay {f['episode_seed']}"
     assert f["episode"] == Episode.draw(f["episode_seed"]).describe()
     assert main(args(tmp_path / "replay", replay=f["episode_seed"])) == 1

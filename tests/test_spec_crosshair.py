@@ -21,7 +21,7 @@ from vtoken.spec.crosshair_check import (
     obligations,
     run_crosshair,
 )
-from vtoken.spec.obligations import COUNTEREXAMPLE, PROVED, UNKNOWN
+from vtoken.spec.obligations import BOUNDED, COUNTEREXAMPLE, UNKNOWN
 
 # Postcondition lines in core's docstrings (a drop means a contract stopped parsing or was lost).
 MIN_CORE_CONDITIONS = 21
@@ -112,7 +112,7 @@ def test_obligation_outcomes(monkeypatch):
 
     monkeypatch.setattr(crosshair_check, "run_crosshair", lambda: _report(0, "/x/plan.py:80: info: Not confirmed.\n"))
     out = ob.check()
-    assert out.status == PROVED and out.detail.startswith(NOT_FOUND)
+    assert out.status == BOUNDED and out.label == "bounded (1.5 s CPU per condition)" and out.detail.startswith(NOT_FOUND)
 
     bad = "/x/block_pool.py:213: error: false when calling blocks_needed(1, 2) (which returns 0)\n"
     monkeypatch.setattr(crosshair_check, "run_crosshair", lambda: _report(1, bad))

@@ -53,7 +53,7 @@ def test_a_relocation_without_the_block_table_rewrite_is_caught_or_changes_the_o
     monkeypatch.setattr(WorkerTokens, "_rewrite_index", lambda self, *a: None)
     with pytest.raises(Exception) as info:
         H.generate(DRILL, multiprocess=False)  # in-process, so the patch applies
-    assert "I3: request" in str(info.value) and "the worker writes slots" in str(info.value)
+    assert "I2: request" in str(info.value) and "the worker writes slots" in str(info.value)
     out, _ = H.generate({"drill_every": 2}, multiprocess=False)
     assert [lp for _, lp in out] != [lp for _, lp in plain]
 

@@ -73,7 +73,7 @@ def test_a_slot_mapping_that_ignores_the_table_is_caught_by_the_slot_audit():
             H.run({"policy": "streaming_llm", "budget": 0.5, "strict_verify": "strict"})
     finally:
         WorkerTokens._map_through_table = real
-    assert "I3: request" in str(info.value) and "its token table assigned" in str(info.value)
+    assert "I2: request" in str(info.value) and "its token table assigned" in str(info.value)
 
 
 def test_a_token_count_budget_keeps_that_many_tokens():

@@ -200,7 +200,7 @@ class WorkerTokens:
             i = batch.req_id_to_index[rid]
             got = slots[starts[i]:starts[i + 1]]
             if got != expected:
-                raise InvariantViolation("I3", f"request {rid!r}: the worker writes slots {got[:8]}, its token table "
+                raise InvariantViolation("I2", f"request {rid!r}: the worker writes slots {got[:8]}, its token table "
                                                f"assigned {expected[:8]}")
             self.audited += len(got)
 
