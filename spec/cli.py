@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .obligations import Result
 
 #: Modules whose ``obligations()`` make up the spec, in report order.
-MODULES = ["state_model", "protocol_model", "planner_model", "crosshair_check"]
+MODULES = ["state_model", "protocol_model", "protocol_two_plans", "planner_model", "crosshair_check"]
 
 
 def all_obligations(only: list[str] | None = None):

@@ -4,12 +4,13 @@ Bounded model checking in the style of mypyvy's ``bmc``: the state variables are
 copied once per step, the transition relation is unrolled N times, and each
 claim is checked at every step of every trace of up to N transitions (an
 ``idle`` transition lets a trace stop early, so "length N" means "length <= N").
-A claim is *proved* (for the bound) when the query "a trace reaches a violation
-at step k" is unsat for every k < N; otherwise the shortest violating trace (the
+A claim holds *for the bound* when the query "a trace reaches a violation at
+step k" is unsat for every k < N; otherwise the shortest violating trace (the
 lexicographically least one, so the text is stable) is printed, one transition
-per line. After a bounded proof the same transition relation is also given to
-Spacer as constrained Horn clauses, which settles the claim for every depth; the
-outcome's detail reports that verdict. ``witness`` shows the behaviours the
+per line. After a clean BMC the same transition relation is also given to
+Spacer as constrained Horn clauses: the outcome is PROVED (every depth) only
+when Spacer finds an inductive invariant, and BOUNDED ("N transitions")
+when Spacer gives no answer in time or is not asked. ``witness`` shows the behaviours the
 proofs quantify over are reachable (no vacuity), and ``successors`` lets the
 tests run the core and the model side by side.
 
@@ -73,7 +74,7 @@ from dataclasses import dataclass, fields, replace
 
 import z3
 
-from .obligations import COUNTEREXAMPLE, PROVED, UNKNOWN, Obligation, Outcome
+from .obligations import BOUNDED, COUNTEREXAMPLE, PROVED, UNKNOWN, Obligation, Outcome
 
 DEFAULT_BOUND = 12  # transitions per trace (states 0..N)
 
@@ -403,12 +404,16 @@ def _canonical(s: z3.Solver, u: Unrolling, k: int) -> z3.ModelRef:
         for e in (c.act, u.states[i + 1].wr, *(getattr(c, x) for x in _CHOICES[1:])):
             cur = s.model().eval(e, model_completion=True)
             if z3.is_bool(e):
+                # NOTE: pinned either way: a value left free could change under a later choice's query
                 if z3.is_true(cur):
                     s.push()
                     s.add(z3.Not(e))
                     if s.check() != z3.sat:
                         s.pop()
-                        s.check()
+                        s.add(e)
+                else:
+                    s.add(z3.Not(e))
+                s.check()
                 continue
             while True:
                 s.push()
@@ -428,8 +433,10 @@ def check(protocol: Protocol, invariant: str, n: int = DEFAULT_BOUND, timeout_ms
 
     Deepens k from 0, so a counterexample is a shortest one. When the bounded
     query is unsat for every k and ``unbounded`` is set, the same transition
-    relation is also handed to Spacer as constrained Horn clauses; its verdict
-    (all depths) is reported in the detail. The status stays that of the BMC.
+    relation is also handed to Spacer as constrained Horn clauses. PROVED only
+    when Spacer proves it (unsat: an inductive invariant, every depth); a clean
+    BMC alone, or one Spacer cannot settle in ``timeout_ms``, is BOUNDED by
+    ``n transitions``; a violation Spacer finds deeper is a COUNTEREXAMPLE.
     """
     u = Unrolling(protocol, n)
     s = _solver(u, timeout_ms)
@@ -443,17 +450,18 @@ def check(protocol: Protocol, invariant: str, n: int = DEFAULT_BOUND, timeout_ms
             return Outcome(UNKNOWN, f"BMC step {k}: {s.reason_unknown()}")
         s.pop()
     detail = f"BMC: no violation in any trace of up to {n} transitions ({n + 1} states)"
-    if unbounded:
-        r = chc_check(protocol, invariant, timeout_ms)
-        if r == z3.unsat:
-            detail += "; unbounded: Spacer (CHC) found an inductive invariant, so no trace of any length violates it"
-        elif r == z3.sat:
-            deeper = check(protocol, invariant, 3 * n, timeout_ms, unbounded=False)
-            return Outcome(COUNTEREXAMPLE, deeper.detail if deeper.status == COUNTEREXAMPLE else
-                           f"Spacer (CHC) reaches a violation beyond {3 * n} transitions")
-        else:
-            detail += "; unbounded: Spacer (CHC) gave no answer"
-    return Outcome(PROVED, detail)
+    if not unbounded:
+        return Outcome(BOUNDED, detail + "; Spacer not asked", bound=f"{n} transitions")
+    r = chc_check(protocol, invariant, timeout_ms)
+    if r == z3.unsat:
+        return Outcome(PROVED, detail + "; unbounded: Spacer (CHC) found an inductive invariant, so no trace "
+                                        "of any length violates it")
+    if r == z3.sat:
+        deeper = check(protocol, invariant, 3 * n, timeout_ms, unbounded=False)
+        return Outcome(COUNTEREXAMPLE, deeper.detail if deeper.status == COUNTEREXAMPLE else
+                       f"Spacer (CHC) reaches a violation beyond {3 * n} transitions")
+    # NOTE: silence is not a proof: without Spacer's invariant only the BMC's bound is claimed
+    return Outcome(BOUNDED, detail + "; unbounded: Spacer (CHC) gave no answer", bound=f"{n} transitions")
 
 
 def chc_check(protocol: Protocol, invariant: str, timeout_ms: int = 30_000) -> z3.CheckSatResult:
@@ -547,7 +555,8 @@ def obligations(n: int = DEFAULT_BOUND) -> list[Obligation]:
             obs.append(Obligation(
                 id=f"{inv}/{p.transition.removeprefix('protocol ')}", invariant=inv, transition=p.transition,
                 claim=f"{CLAIMS[inv]}, in every interleaving of the host, the relocation stream and the compute "
-                      f"stream of up to {n} transitions",
+                      f"stream of up to {n} transitions (one request, one plan, one copy); of any length where "
+                      f"Spacer finds an inductive invariant (then proved, else bounded by {n} transitions)",
                 check=lambda p=p, inv=inv: check(p, inv, n)))
     return obs
 

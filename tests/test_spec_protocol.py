@@ -25,7 +25,7 @@ from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
 from vtoken.core.runtime import VTokenRuntime
 from vtoken.spec import protocol_model as pm
-from vtoken.spec.obligations import COUNTEREXAMPLE, PROVED, run
+from vtoken.spec.obligations import BOUNDED, COUNTEREXAMPLE, PROVED, run
 
 # ---- the obligations -------------------------------------------------------------------------------
 OBLIGATIONS = pm.obligations()
@@ -40,6 +40,7 @@ def test_six_obligations_one_per_invariant_and_ordering():
     for ob in OBLIGATIONS:
         assert ob.id == f"{ob.invariant}/{ob.transition.removeprefix('protocol ')}"  # e.g. I3/commit-at-launch
         assert f"up to {pm.DEFAULT_BOUND} transitions" in ob.claim
+        assert f"else bounded by {pm.DEFAULT_BOUND} transitions" in ob.claim  # the claim states its bound
 
 
 @functools.cache
@@ -126,7 +127,20 @@ def test_event_needs_no_holding_at_removal_because_the_wait_covers_it():
     """The core frees everything at once when an EVENT request leaves (ORDERED counts as settled)."""
     p = replace(pm.EVENT, hold_on_removal=False)
     for inv in pm.INVARIANTS:
-        assert pm.check(p, inv, unbounded=False).status == PROVED
+        out = pm.check(p, inv, unbounded=False)
+        # the BMC alone claims no more than its bound (issue #16: a bounded run is never printed as proved)
+        assert (out.status, out.bound, out.label) == (BOUNDED, "12 transitions", "bounded (12 transitions)")
+        assert "Spacer not asked" in out.detail
+
+
+def test_a_silent_spacer_leaves_the_claim_bounded(monkeypatch):
+    """A clean BMC whose unbounded step gives no answer is BOUNDED by the BMC's depth, not PROVED."""
+    monkeypatch.setattr(pm, "chc_check", lambda *a, **k: z3.unknown)  # Spacer's "no answer", whatever the cause
+    out = pm.check(pm.EVENT, "I3")
+    assert (out.status, out.bound) == (BOUNDED, f"{pm.DEFAULT_BOUND} transitions")
+    assert out.detail == (f"BMC: no violation in any trace of up to {pm.DEFAULT_BOUND} transitions "
+                          f"({pm.DEFAULT_BOUND + 1} states); unbounded: Spacer (CHC) gave no answer")
+    assert out.passed
 
 
 def test_planted_variants_also_fail_the_unbounded_check():

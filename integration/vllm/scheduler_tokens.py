@@ -64,6 +64,26 @@ def writable_blocks(table, req_id: str) -> list[int]:
     return table.block_ids(req_id)[table.write_pos(req_id) // table.block_size:]
 
 
+def check_copies_sent(manager, engine: WorkerCopyEngine) -> None:
+    """I3 inside vLLM, when a step's reads are built: every copy not yet handed to the workers belongs to a plan
+    still in flight. A plan commits in the scheduler before its copy runs (``after_step`` launches and, under
+    EVENT, commits at once: the table points at the destinations one step before the workers copy), so a read
+    list built from the table while a committed plan's copy is still unsent would send the workers to read
+    destinations no worker has written; an aborted plan's unsent copy would write blocks back in vLLM's pool
+    (I6). O(unsent copies).
+
+    NOTE: relied on by ``on_schedule``'s order: it takes the outbox (every copy ``after_step`` launched) into
+    this step's orders *before* it builds the read lists, and the workers run those copies before they prepare
+    the step's inputs. Between ``after_step`` and the next ``on_schedule`` unsent committed copies are normal;
+    the check is only meaningful where ``on_schedule`` runs it."""
+    in_flight = {rec.handle for rec in manager.inflight.values()}
+    for h, r, _ in engine.unsent():
+        if h not in in_flight:
+            raise InvariantViolation("I3", f"request {r!r}: its plan left flight (committed or aborted) while its "
+                                           f"copy {h} has not been sent to the workers: this step would read its "
+                                           f"destinations before any worker wrote them")
+
+
 Relocation = tuple[str, int, int, int]  # (request, index in its block list, old block, new block)
 
 
@@ -182,6 +202,8 @@ class SchedulerTokens:
                 orders.write_slots[r] = slots[len(slots) - scheduled:]  # a prefix hit's tokens are not rewritten
             if self.read_path is ReadPath.GATHER or self.settings.policy in SCORE_POLICIES:
                 orders.read[r] = (t.attention_slots(r), t.live_token_ids(r))
+        if self.settings.strict_verify == "strict":
+            check_copies_sent(self.rt.manager, self.engine)
         self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - t0
         return orders

@@ -56,6 +56,10 @@ class WorkerCopyEngine(CopyRegistry):
         out, self._outbox = self._outbox, []
         return out
 
+    def unsent(self) -> list[tuple[CopyHandle, object, tuple[Move, ...]]]:
+        """The copies submitted since the last ``take_outbox``, in submission order (read-only)."""
+        return list(self._outbox)
+
     def drop_request(self, req_id: object) -> int:
         """The request left before its copies were sent (finished, aborted, preempted): its blocks went
         back to vLLM, so they must not be written. Returns how many copies were dropped."""
