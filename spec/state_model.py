@@ -298,6 +298,173 @@ def tr_share_first_block(s: State, s2: State, r, q):
     return pre, post
 
 
+# ---- batched transitions: what one call of the code does, as the refinement check (spec/refinement.py) sees it --
+def lex_lt(i, o, j, p):
+    """Position (i, o) (block index, offset) lies before (j, p)."""
+    return z3.Or(i < j, z3.And(i == j, o < p))
+
+
+def lex_le(i, o, j, p):
+    return z3.Or(lex_lt(i, o, j, p), z3.And(i == j, o == p))
+
+
+def successor(i, o, j, p):
+    """(j, p) is the position right after (i, o) in blocks of S slots (linear: no multiplication by S)."""
+    return z3.If(o + 1 == S, z3.And(j == i + 1, p == 0), z3.And(j == i, p == o + 1))
+
+
+def live_keep_content(s: State, C2):
+    """Every live token's slot holds the same content in ``C2`` as in ``s.C``: a write touched no slot a token reads."""
+    p, u = z3.Ints("kp ku")
+    return z3.ForAll([p, u], z3.Implies(
+        z3.And(0 <= u, u < s.len[p], s.live[p][u]),
+        C2[s.slot_block(p, u)][s.off[p][u]] == s.C[s.slot_block(p, u)][s.off[p][u]]))
+
+
+def tr_sync_batch(s: State, s2: State, r, k, nbk, isnew, at, L, ni, no, wi2, wo2, C2):
+    """T2b sync_new_tokens + the forward's writes, batched (T1 k times and T2 L times in one call).
+
+    k free blocks ``nbk[0..k)`` join the end of r's list (``isnew``/``at`` is their inverse: b is new at
+    ``at[b]``); tokens len..len+L-1 become live at consecutive positions (``ni``, ``no``) from the cursor, each
+    slot receiving the token's tag; the cursor moves to (wi2, wo2), the position after the last. ``C2`` is the
+    content after the forward: the new tokens' slots hold their tags and no live token's slot changed.
+    Consecutive positions are a successor chain; that they increase (what the proofs need, and no solver
+    derives by induction) is stated alongside it, and the refinement check shows the code satisfies both.
+    """
+    j, b, t, u = z3.Ints("sj sb st su")
+    n0, l0 = s.nb[r], s.len[r]
+    nb2 = n0 + k
+    lst2 = z3.Lambda([j], z3.If(z3.And(n0 <= j, j < nb2), nbk[j - n0], s.lst[r][j]))
+    new = lambda x: z3.And(l0 <= x, x < l0 + L)  # noqa: E731
+    last = l0 + L - 1
+    blocks = z3.And(
+        k >= 0,
+        z3.ForAll([j], z3.Implies(z3.And(0 <= j, j < k), z3.And(
+            0 <= nbk[j], nbk[j] < N, s.free[nbk[j]], isnew[nbk[j]], at[nbk[j]] == j))),
+        z3.ForAll([b], z3.Implies(isnew[b], z3.And(0 <= at[b], at[b] < k, nbk[at[b]] == b))),
+    )
+    tokens = z3.And(
+        L >= 0, 0 <= wo2, wo2 < S, wi2 <= nb2,
+        z3.If(L == 0, z3.And(wi2 == s.wi[r], wo2 == s.wo[r]), z3.And(ni[l0] == s.wi[r], no[l0] == s.wo[r])),
+        z3.ForAll([t], z3.Implies(new(t), z3.And(
+            0 <= no[t], no[t] < S, ni[t] < nb2,
+            successor(ni[t], no[t], z3.If(t < last, ni[t + 1], wi2), z3.If(t < last, no[t + 1], wo2)),
+            lex_le(s.wi[r], s.wo[r], ni[t], no[t]), lex_lt(ni[t], no[t], wi2, wo2)))),
+        z3.ForAll([t, u], z3.Implies(z3.And(new(t), new(u), t < u), lex_lt(ni[t], no[t], ni[u], no[u]))),
+    )
+    writes = z3.And(z3.ForAll([t], z3.Implies(new(t), C2[lst2[ni[t]]][no[t]] == E[r][t])), live_keep_content(s, C2))
+    post = s2.same_as(s.replace(
+        ref=z3.Lambda([b], z3.If(isnew[b], 1, s.ref[b])), free=z3.Lambda([b], z3.And(s.free[b], z3.Not(isnew[b]))),
+        lst=z3.Store(s.lst, r, lst2), nb=z3.Store(s.nb, r, nb2),
+        mem=z3.Store(s.mem, r, z3.Lambda([b], z3.Or(s.mem[r][b], isnew[b]))),
+        pos=z3.Store(s.pos, r, z3.Lambda([b], z3.If(isnew[b], n0 + at[b], s.pos[r][b]))),
+        rank=z3.Store(s.rank, r, z3.Lambda([b], z3.If(isnew[b], 1, s.rank[r][b]))),
+        len=z3.Store(s.len, r, l0 + L), live=z3.Store(s.live, r, z3.Lambda([t], z3.Or(s.live[r][t], new(t)))),
+        ix=z3.Store(s.ix, r, z3.Lambda([t], z3.If(new(t), ni[t], s.ix[r][t]))),
+        off=z3.Store(s.off, r, z3.Lambda([t], z3.If(new(t), no[t], s.off[r][t]))),
+        wi=z3.Store(s.wi, r, wi2), wo=z3.Store(s.wo, r, wo2), C=C2,
+    ))
+    return z3.And(blocks, tokens, writes), post
+
+
+def tr_move_batch(s: State, s2: State, r, mv, di, do):
+    """T4b apply_moves, one batch: every token t with ``mv[t]`` moves to (lst[r][di[t]], do[t]) at once.
+
+    Precondition as commit and the table check it: each moved token is live and its copy has landed (the
+    destination already holds the source's content: the copy engine wrote it, transition T9); destinations
+    are in r's list, before the cursor, distinct, and unclaimed except by a token of the same batch (a move
+    may take a slot another move vacates); no block a move reads or writes is in another request's list
+    (I4's shared clause). Only the mapping changes.
+    """
+    t, u, p = z3.Ints("mt mu mp")
+    dst = lambda x: s.lst[r][di[x]]  # noqa: E731
+    each = z3.ForAll([t], z3.Implies(mv[t], z3.And(
+        0 <= t, t < s.len[r], s.live[r][t], 0 <= di[t], di[t] < s.nb[r], 0 <= do[t], do[t] < S,
+        before_cursor(s, r, di[t], do[t]), s.C[dst(t)][do[t]] == s.C[s.slot_block(r, t)][s.off[r][t]])))
+    distinct = z3.ForAll([t, u], z3.Implies(z3.And(mv[t], mv[u], t != u), z3.Or(di[t] != di[u], do[t] != do[u])))
+    vacant = z3.ForAll([t, p, u], z3.Implies(
+        z3.And(mv[t], 0 <= u, u < s.len[p], s.live[p][u], s.slot_block(p, u) == dst(t), s.off[p][u] == do[t]),
+        z3.And(p == r, mv[u])))
+    unshared = z3.ForAll([t, p], z3.Implies(z3.And(mv[t], p != r), z3.And(
+        z3.Not(s.mem[p][s.slot_block(r, t)]), z3.Not(s.mem[p][dst(t)]))))
+    post = s2.same_as(s.replace(
+        ix=z3.Store(s.ix, r, z3.Lambda([t], z3.If(mv[t], di[t], s.ix[r][t]))),
+        off=z3.Store(s.off, r, z3.Lambda([t], z3.If(mv[t], do[t], s.off[r][t]))),
+    ))
+    return z3.And(each, distinct, vacant, unshared), post
+
+
+def tr_share_prefix(s: State, s2: State, r, q, k, L):
+    """T8b admit sharing k prefix blocks (T8 for any k >= 1): an empty request q takes r's first k blocks.
+
+    As ``VTokenRuntime.admit(share_prefix_of=r, shared_blocks=k)`` checks: the blocks lie before r's cursor
+    block, and r's tokens 0..L-1 are live in place (token 0 at (0, 0), each next token at the next position,
+    the last followed by (k, 0): L = k·S, stated without multiplication). q gets them live, at the same slots,
+    with the same content; each shared block gains a reference.
+    """
+    t, b = z3.Ints("pt pb")
+    shared = lambda x: z3.And(s.mem[r][x], 0 <= s.pos[r][x], s.pos[r][x] < k)  # noqa: E731
+    last = L - 1
+    in_place = z3.And(
+        L >= 1, s.ix[r][0] == 0, s.off[r][0] == 0,
+        z3.ForAll([t], z3.Implies(z3.And(0 <= t, t < L), z3.And(
+            t < s.len[r], s.live[r][t], 0 <= s.ix[r][t], s.ix[r][t] < k,
+            successor(s.ix[r][t], s.off[r][t], z3.If(t < last, s.ix[r][t + 1], k), z3.If(t < last, s.off[r][t + 1], 0)),
+            E[q][t] == E[r][t]))),  # same prefix content
+    )
+    pre = z3.And(r != q, 1 <= k, k <= s.wi[r], in_place, s.nb[q] == 0, s.len[q] == 0, s.wi[q] == 0, s.wo[q] == 0,
+                 z3.ForAll([b], z3.And(z3.Not(s.mem[q][b]), z3.Not(s.live[q][b]))))
+    post = s2.same_as(s.replace(
+        ref=z3.Lambda([b], z3.If(shared(b), s.ref[b] + 1, s.ref[b])),
+        lst=z3.Store(s.lst, q, s.lst[r]), nb=z3.Store(s.nb, q, k),
+        mem=z3.Store(s.mem, q, z3.Lambda([b], shared(b))), pos=z3.Store(s.pos, q, s.pos[r]),
+        len=z3.Store(s.len, q, L), live=z3.Store(s.live, q, z3.Lambda([t], z3.And(0 <= t, t < L))),
+        ix=z3.Store(s.ix, q, s.ix[r]), off=z3.Store(s.off, q, s.off[r]),
+        wi=z3.Store(s.wi, q, k), wo=z3.Store(s.wo, q, 0),
+        rank=z3.Store(s.rank, q, z3.Lambda([b], z3.If(shared(b), s.ref[b] + 1, s.rank[q][b]))),
+    ))
+    return pre, post
+
+
+def tr_copy_lands(s: State, s2: State, C2):
+    """T9 a copy writes (completes, fails part-way, or is ordered before the next read): content changes only in
+    slots no live token reads (I3, I6: destinations are fresh blocks or holes)."""
+    return live_keep_content(s, C2), s2.same_as(s.replace(C=C2))
+
+
+def tr_densify_rewind(s: State, s2: State, r, wi2, wo2):
+    """T10 densify's commit, after its moves: the cursor moves back to (wi2, wo2) = n_live, and the blocks written
+    beyond it, [keep, written), leave r's list, one reference each; later blocks move down.
+
+    Precondition: no live token of r lies at or after the new cursor (commit's layout check), and no block
+    released, nor the new cursor's block (the appends that follow write its tail), is in another request's list.
+    """
+    t, b, q, j = z3.Ints("dt db dq dj")
+    keep = wi2 + z3.If(wo2 > 0, 1, 0)
+    written = s.wi[r] + z3.If(s.wo[r] > 0, 1, 0)
+    d = written - keep
+    drop = lambda x: z3.And(s.mem[r][x], keep <= s.pos[r][x], s.pos[r][x] < written)  # noqa: E731
+    pre = z3.And(
+        0 <= wi2, 0 <= wo2, wo2 < S, lex_le(wi2, wo2, s.wi[r], s.wo[r]), written <= s.nb[r],
+        z3.ForAll([t], z3.Implies(z3.And(0 <= t, t < s.len[r], s.live[r][t]),
+                                  lex_lt(s.ix[r][t], s.off[r][t], wi2, wo2))),
+        z3.ForAll([q, b], z3.Implies(q != r, z3.And(
+            z3.Implies(wo2 > 0, z3.Not(s.mem[q][s.lst[r][wi2]])), z3.Implies(drop(b), z3.Not(s.mem[q][b]))))),
+    )
+    post = s2.same_as(s.replace(
+        lst=z3.Store(s.lst, r, z3.Lambda([j], z3.If(j < keep, s.lst[r][j], s.lst[r][j + d]))),
+        nb=z3.Store(s.nb, r, s.nb[r] - d),
+        mem=z3.Store(s.mem, r, z3.Lambda([b], z3.And(s.mem[r][b], z3.Not(drop(b))))),
+        pos=z3.Store(s.pos, r, z3.Lambda([b], z3.If(s.pos[r][b] >= written, s.pos[r][b] - d, s.pos[r][b]))),
+        ref=z3.Lambda([b], z3.If(drop(b), s.ref[b] - 1, s.ref[b])),
+        free=z3.Lambda([b], z3.If(drop(b), s.ref[b] == 1, s.free[b])),
+        wi=z3.Store(s.wi, r, wi2), wo=z3.Store(s.wo, r, wo2),
+        rank=z3.Lambda([q], z3.Lambda([b], z3.If(z3.And(drop(b), s.rank[q][b] == s.ref[b]),
+                                                 s.rank[r][b], s.rank[q][b]))),
+    ))
+    return pre, post
+
+
 # ---- obligations -------------------------------------------------------------------------------------------
 def _holders_free(s: State):
     """No live token of any request occupies (b, o)."""
@@ -306,6 +473,40 @@ def _holders_free(s: State):
         return z3.ForAll([r, t], z3.Implies(
             z3.And(0 <= t, t < s.len[r], s.live[r][t]), z3.Or(s.slot_block(r, t) != b, s.off[r][t] != o)))
     return free
+
+
+A1I = z3.ArraySort(I, I)
+A1B = z3.ArraySort(I, B)
+
+
+def _batch_params() -> dict:
+    """The batched transitions' own parameters (arrays where a call names many blocks, tokens or slots)."""
+    k, L, wi2, wo2 = z3.Ints("xk xL xwi2 xwo2")
+    c = lambda n, sort: z3.Const(n, sort)  # noqa: E731
+    return {"k": k, "L": L, "wi2": wi2, "wo2": wo2, "nbk": c("xnbk", A1I), "isnew": c("xisnew", A1B),
+            "at": c("xat", A1I), "ni": c("xni", A1I), "no": c("xno", A1I), "C2": c("xC2", A2I),
+            "mv": c("xmv", A1B), "di": c("xdi", A1I), "do": c("xdo", A1I)}
+
+
+def batched_transitions(s: State, s2: State, params: dict) -> dict:
+    """T2b, T4b, T8b, T9, T10: {name: (pre, post)} over ``params`` (``_transitions``' names plus ``_batch_params``)."""
+    P = params
+    return {
+        "T2b sync_new_tokens, batched": tr_sync_batch(s, s2, P["r"], P["k"], P["nbk"], P["isnew"], P["at"], P["L"],
+                                                      P["ni"], P["no"], P["wi2"], P["wo2"], P["C2"]),
+        "T4b apply_moves, one batch": tr_move_batch(s, s2, P["r"], P["mv"], P["di"], P["do"]),
+        "T8b admit sharing k prefix blocks": tr_share_prefix(s, s2, P["r"], P["q"], P["k"], P["L"]),
+        "T9 a copy writes unread slots": tr_copy_lands(s, s2, P["C2"]),
+        "T10 densify commit rewinds the cursor": tr_densify_rewind(s, s2, P["r"], P["wi2"], P["wo2"]),
+    }
+
+
+def _batched(s: State, s2: State):
+    """The batched transitions, built apart from ``_transitions`` so the proofs of T1-T8 create the same z3 terms
+    as before they existed (z3's search depends on the terms a context holds)."""
+    r, q, t, i, o, b, p = z3.Ints("xr xq xt xi xo xb xp")
+    params = {"r": r, "q": q, "t": t, "i": i, "o": o, "b": b, "p": p, **_batch_params()}
+    return params, batched_transitions(s, s2, params)
 
 
 def _transitions(s: State, s2: State):
@@ -487,13 +688,166 @@ def init_obligation(invariant: str) -> Obligation:
     return Obligation(f"{invariant}/T0", invariant, "T0 init", f"the empty system satisfies {invariant}", check)
 
 
+def _store(a, k, v):
+    return z3.Store(a, k, v)
+
+
+def _batch_witness(transition: str) -> tuple[State, dict, dict]:
+    """(state, constants, parameters) enabling a batched transition: the witness state of ``witness_state``,
+    adjusted where the transition needs it. Request 0 lists blocks [0, 1, 2], cursor (2, 1); request 1 is empty."""
+    s, consts = witness_state(full_first_block=transition.startswith("T8"))
+    C, ints, bools = s.C, (lambda d: _arr(0, d)), (lambda d: _arr(False, d, B))
+    if transition.startswith("T2b"):  # block 3 joins; tokens 3, 4 land at (2, 1) and (3, 0); cursor (3, 1)
+        C2 = _store(_store(C, 2, _store(C[2], 1, E[0][3])), 3, _store(C[3], 0, E[0][4]))
+        params = dict(r=0, k=1, nbk=ints({0: 3}), isnew=bools({3: True}), at=ints({3: 0}), L=2,
+                      ni=ints({3: 2, 4: 3}), no=ints({3: 1, 4: 0}), wi2=3, wo2=1, C2=C2)
+    elif transition.startswith("T4b"):  # token 0's copy has landed in (1, 0); the batch moves it there
+        s = s.replace(C=_store(C, 1, _store(C[1], 0, E[0][0])))
+        params = dict(r=0, mv=bools({0: True}), di=ints({0: 1}), do=ints({0: 0}))
+    elif transition.startswith("T8b"):
+        params = dict(r=0, q=1, k=1, L=2)
+    elif transition.startswith("T9"):  # a copy writes (1, 1), a slot of the empty block 1
+        params = dict(C2=_store(C, 1, _store(C[1], 1, z3.IntVal(7))))
+    else:  # T10: only token 0 is live; the cursor goes back to (0, 1), releasing blocks 1 and 2
+        s = s.replace(live=_arr(_arr(False, {}, B), {0: _arr(False, {0: True}, B)}))
+        params = dict(r=0, wi2=0, wo2=1)
+    return s, consts, params
+
+
+def batch_vacuity_obligation(transition: str, build=None) -> Obligation:
+    """Non-vacuity of a batched transition: a concrete state satisfying every invariant enables it, and the
+    transition relation (whose writes constrain the successor's content) has a successor there."""
+    build = build or _batched
+
+    def check() -> Outcome:
+        s, consts, fixed = _batch_witness(transition)
+        s2 = State.fresh("'")
+        params, trs = build(s, s2)
+        pre, post = trs[transition]
+        fix = [N == consts["N"], S == consts["S"]] + [params[k] == v for k, v in fixed.items()]
+        fix += [E[1][k] == E[0][k] for k in range(consts["S"])]
+        out = prove(z3.Implies(z3.And(fix), z3.And(inv_all(s), pre)), timeout_ms=30_000)
+        if out.status == COUNTEREXAMPLE:
+            return Outcome(COUNTEREXAMPLE, f"the witness state does not satisfy the invariants or enable {transition}")
+        if out.status != PROVED:
+            return out
+        succ = z3.Solver()
+        succ.set("timeout", 30_000)
+        succ.add(fix + [pre, post])
+        if succ.check() != z3.sat:
+            return Outcome(COUNTEREXAMPLE, f"{transition} is enabled in the witness state but has no successor")
+        return Outcome(PROVED, f"witness: S=2, N=6, {', '.join(f'{k}={v}' for k, v in fixed.items() if k != 'C2')}")
+
+    return Obligation(f"enabled/{transition.split()[0]}", "non-vacuity", transition,
+                      f"{transition} is enabled in a concrete state satisfying every invariant", check)
+
+
+def shared_witness_state() -> tuple[State, dict]:
+    """A concrete state (S=2, N=6) with a shared prefix block: request 0 lists [0, 1, 2] with only token 0 live,
+    at (0, 0), cursor (2, 1); request 1 took block 0 (T8) and has tokens 0, 1 live at (0, 0), (0, 1), cursor
+    (1, 0). Block 0 has two references. Only here can a batched transition break SH or the shared-slot clause."""
+    s, consts = witness_state(full_first_block=True)
+    lst0 = _arr(0, {0: 0, 1: 1, 2: 2})
+    C = s.C
+    return s.replace(
+        ref=_arr(0, {0: 2, 1: 1, 2: 1}), nb=_arr(0, {0: 3, 1: 1}), lst=_arr(_arr(0, {}), {0: lst0, 1: _arr(0, {0: 0})}),
+        mem=_arr(_arr(False, {}, B), {0: _arr(False, {0: True, 1: True, 2: True}, B), 1: _arr(False, {0: True}, B)}),
+        pos=_arr(_arr(0, {}), {0: lst0, 1: _arr(0, {0: 0})}),
+        wi=_arr(0, {0: 2, 1: 1}), wo=_arr(0, {0: 1, 1: 0}), len=_arr(0, {0: 3, 1: 2}),
+        live=_arr(_arr(False, {}, B), {0: _arr(False, {0: True}, B), 1: _arr(False, {0: True, 1: True}, B)}),
+        ix=_arr(_arr(0, {}), {0: _arr(0, {0: 0, 1: 0, 2: 2}), 1: _arr(0, {})}),
+        off=_arr(_arr(0, {}), {0: _arr(0, {0: 0, 1: 1, 2: 0}), 1: _arr(0, {0: 0, 1: 1})}),
+        C=C, rank=_arr(_arr(0, {}), {0: _arr(0, {0: 1, 1: 1, 2: 1}), 1: _arr(0, {0: 2})}),
+    ), consts
+
+
+def _small_batches(transition: str, s: State, params: dict) -> list[list]:
+    """Alternative shapes binding a batched transition's array parameters to a few free integers (one or two
+    blocks, tokens, moves or writes). Each is searched on its own: z3 answers each concrete-state query in
+    milliseconds, while their disjunction sends its quantifier instantiation astray."""
+    a0, a1, c0, c1, m0, m1, n0, x0, x1, y0, y1, v0, v1 = z3.Ints("wa0 wa1 wc0 wc1 wm0 wm1 wn0 wx0 wx1 wy0 wy1 wv0 wv1")
+    t, b = z3.Int("wt_"), z3.Int("wb_")
+    P = params
+    C1 = z3.Store(s.C, x0, z3.Store(s.C[x0], y0, v0))
+    writes = [C1, z3.Store(C1, x1, z3.Store(C1[x1], y1, v1))]
+    if transition.startswith("T2b"):  # the forward writes exactly the new tokens' slots (blocks: listed or n0)
+        r, l0 = P["r"], s.len[P["r"]]
+        block = lambda i: z3.If(i < s.nb[r], s.lst[r][i], n0)  # noqa: E731
+        W1 = z3.Store(s.C, block(a0), z3.Store(s.C[block(a0)], c0, E[r][l0]))
+        W2 = z3.Store(W1, block(a1), z3.Store(W1[block(a1)], c1, E[r][l0 + 1]))
+        tokens = [P["ni"] == z3.Lambda([t], z3.If(t == l0, a0, a1)), P["no"] == z3.Lambda([t], z3.If(t == l0, c0, c1))]
+        return [[P["k"] == k, P["L"] == L, P["nbk"] == z3.K(I, n0), P["at"] == z3.K(I, z3.IntVal(0)),
+                 P["isnew"] == z3.Lambda([b], z3.And(k == 1, b == n0)), P["C2"] == (W1, W2)[L - 1]] + tokens
+                for k, L in ((0, 1), (1, 2))]
+    if transition.startswith("T4b"):
+        return [[P["mv"] == z3.Lambda([t], z3.Or(t == m0, z3.And(two, t == m1))),
+                 P["di"] == z3.Lambda([t], z3.If(t == m0, a0, a1)), P["do"] == z3.Lambda([t], z3.If(t == m0, c0, c1))]
+                for two in (False, True)]
+    if transition.startswith("T9"):
+        return [[P["C2"] == w] for w in writes]
+    return [[]]
+
+
+def _search_points(transition: str) -> list[tuple[tuple[State, dict], int]]:
+    """(witness state, request) pairs to search from: the transition's own witness, and request 0 of the
+    shared-prefix state (where SH and the shared-slot clause can break); T8b needs its empty request 1."""
+    own = (_batch_witness(transition)[:2], 0)
+    if transition.startswith("T8b"):
+        return [own]
+    return [own, (shared_witness_state(), 0)]
+
+
+def batch_witness_search(transition: str, invariant: str, build=None) -> Outcome:
+    """``witness_search`` for a batched transition: from each concrete witness state (plain, first block full,
+    a shared prefix block, the transition's own witness) and request, over small batches (``_small_batches``).
+    A clean result proves nothing; the symbolic proof does."""
+    build = build or _batched
+    for (s, consts), r in _search_points(transition):
+        s2 = State.fresh("w'")
+        params, trs = build(s, s2)
+        pre, rel = trs[transition]
+        fix = [N == consts["N"], S == consts["S"], params["r"] == r, params["q"] == 1 - r]
+        fix += [E[1][k] == E[0][k] for k in range(consts["S"])]
+        for shape in _small_batches(transition, s, params):
+            out = prove(z3.Implies(z3.And(fix + shape + [pre, rel]), _goals(s2)[invariant]), timeout_ms=2_000,
+                        explain=_explain(transition, params, s, s2))
+            if out.status == COUNTEREXAMPLE:
+                return Outcome(COUNTEREXAMPLE, "from a witness state (S=2, N=6):\n" + out.detail)
+    return Outcome(UNKNOWN, "no counterexample from the witness states")
+
+
+def batch_inductive_obligation(transition: str, invariant: str, build=None) -> Obligation:
+    build = build or _batched
+
+    def check() -> Outcome:
+        quick = batch_witness_search(transition, invariant, build)
+        if quick.status == COUNTEREXAMPLE:
+            return quick
+        s, s2 = State.fresh(""), State.fresh("'")
+        params, trs = build(s, s2)
+        pre, rel = trs[transition]
+        claim = z3.Implies(z3.And(inv_all(s), ground_instances(s, params), pre, rel), _goals(s2)[invariant])
+        return prove(claim, timeout_ms=60_000, explain=_explain(transition, params, s, s2))
+
+    return Obligation(f"{invariant}/{transition.split()[0]}", invariant, transition,
+                      f"{transition} preserves {invariant} (any number of requests, tokens and blocks, any S)", check)
+
+
 TRANSITIONS = ["T1 allocate block", "T2 sync_new_tokens", "T3 evict_token", "T4 copy + apply_moves",
                "T5 commit drops a source", "T6 commit attaches a destination", "T7 finish / preempt",
                "T8 admit sharing a prefix block"]
+#: the batched transitions: one call of the code each, as the refinement check (spec/refinement.py) matches them
+BATCHED = ["T2b sync_new_tokens, batched", "T4b apply_moves, one batch", "T8b admit sharing k prefix blocks",
+           "T9 a copy writes unread slots", "T10 densify commit rewinds the cursor"]
 INVARIANTS = ["P1", "PL", "RC", "I2", "SH", "I1"]
 
 
 def obligations() -> list[Obligation]:
     return [init_obligation(k) for k in INVARIANTS] + [vacuity_obligation(tr) for tr in TRANSITIONS] + [
         inductive_obligation(tr, k) for tr in TRANSITIONS for k in INVARIANTS
-    ]
+    ] + batched_obligations()
+
+
+def batched_obligations() -> list[Obligation]:
+    return [batch_vacuity_obligation(tr) for tr in BATCHED] + [
+        batch_inductive_obligation(tr, k) for tr in BATCHED for k in INVARIANTS]

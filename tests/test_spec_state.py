@@ -11,7 +11,7 @@ from vtoken.spec.obligations import COUNTEREXAMPLE, PROVED, run
 
 def test_every_state_obligation_is_proved():
     results = [run(ob) for ob in M.obligations()]
-    assert len(results) == 6 + 8 + 8 * 6
+    assert len(results) == 6 + 13 + 13 * 6
     bad = [(r.obligation.id, r.outcome.status, r.outcome.detail[:200]) for r in results if r.outcome.status != PROVED]
     assert bad == []
 
