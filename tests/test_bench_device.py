@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -64,7 +65,9 @@ def test_throughput_ratios_are_measured_not_assumed(report):
     tp = [r for r in report["runs"] if r["kind"] == "throughput"]
     fp32_token = 2 * TINY.layers * TINY.heads * TINY.head_dim * 4
     assert len(tp) == 2 and all(r["tokens"] == 64 and r["bytes"] == 64 * fp32_token for r in tp)
-    assert all(0 < r["relocate_vs_plain"] < 10 and 0 < r["digest_vs_plain"] < 10 for r in tp)
+    # measured ratios, positive and finite; no upper bound: a timing bound fails on a loaded machine (benchmarks
+    # report the values, tests do not judge them)
+    assert all(0 < r["relocate_vs_plain"] < math.inf and 0 < r["digest_vs_plain"] < math.inf for r in tp)
     assert report["summary"]["contention"] == []  # CUDA only
     assert any("CPU run" in n for n in report["notes"])
 
