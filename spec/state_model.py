@@ -665,9 +665,13 @@ def witness_search(transition: str, invariant: str, build=_transitions) -> Outco
     return out
 
 
-def inductive_obligation(transition: str, invariant: str, build=_transitions) -> Obligation:
+def inductive_obligation(transition: str, invariant: str, build=_transitions, search=None) -> Obligation:
+    """``Inv ∧ Pre ∧ Tr ⇒ Inv_k'`` for one transition; ``search`` finds a quick counterexample first
+    (``witness_search`` for T0-T8, ``batch_witness_search`` for the batched transitions)."""
+    search = search or witness_search
+
     def check() -> Outcome:
-        quick = witness_search(transition, invariant, build)
+        quick = search(transition, invariant, build)
         if quick.status == COUNTEREXAMPLE:
             return quick
         s, s2 = State.fresh(""), State.fresh("'")
@@ -817,20 +821,7 @@ def batch_witness_search(transition: str, invariant: str, build=None) -> Outcome
 
 
 def batch_inductive_obligation(transition: str, invariant: str, build=None) -> Obligation:
-    build = build or _batched
-
-    def check() -> Outcome:
-        quick = batch_witness_search(transition, invariant, build)
-        if quick.status == COUNTEREXAMPLE:
-            return quick
-        s, s2 = State.fresh(""), State.fresh("'")
-        params, trs = build(s, s2)
-        pre, rel = trs[transition]
-        claim = z3.Implies(z3.And(inv_all(s), ground_instances(s, params), pre, rel), _goals(s2)[invariant])
-        return prove(claim, timeout_ms=60_000, explain=_explain(transition, params, s, s2))
-
-    return Obligation(f"{invariant}/{transition.split()[0]}", invariant, transition,
-                      f"{transition} preserves {invariant} (any number of requests, tokens and blocks, any S)", check)
+    return inductive_obligation(transition, invariant, build or _batched, batch_witness_search)
 
 
 TRANSITIONS = ["T1 allocate block", "T2 sync_new_tokens", "T3 evict_token", "T4 copy + apply_moves",
