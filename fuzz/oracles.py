@@ -23,7 +23,15 @@ checks, and raises ``OracleViolation`` naming itself when the core's answer diff
   stream       the device model is one stream: a copy settles only after every earlier one;
   quiescence   no copy handle outlives its plan; once every request has finished and every copy
                settled, the pool is whole (all blocks free, no plan, no orphan, no copy handle, no live
-               slot, no scores, headroom intact).
+               slot, no scores, headroom intact);
+  stats        every counter of ``manager.stats`` equals what the oracles count from the calls they see:
+               plans made, committed and aborted (by reason), no-plan answers (by reason), moves committed
+               and dropped, blocks released (a committed request's block count before minus after), rounds,
+               bursts and burst rounds (the trigger reference's);
+  round        plan_round tries requests in order of decreasing excess blocks, and tries every request
+               with an excess unless it made ``max_plans_per_round`` plans;
+  admission    can_admit(p) is "admission open and ceil(p / S) blocks fit outside the headroom";
+  no-plan      a planner's "no plan" names the request in its detail.
 
 ``Oracles.attach`` wraps the manager's entry points *on the instance*, so a planted bug (which
 patches the class) still runs underneath, and the runtime, which calls ``self.manager.x``, goes
@@ -33,6 +41,7 @@ through the wrapper.
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from typing import Callable
 
 from vtoken.core.block_pool import Purpose
@@ -172,6 +181,8 @@ class TriggerReference:
         self.c = config
         self.f_prev: float | None = None
         self.burst = False
+        self.bursts = 0  # bursts detected (stats.bursts)
+        self.burst_rounds = 0  # rounds run off the K cadence (stats.burst_rounds)
 
     def decide(self, iteration: int, f: float, free: int) -> bool:
         c = self.c
@@ -179,11 +190,15 @@ class TriggerReference:
         if c.burst_df is None:
             return iteration % c.check_every == 0 and not gated and f > c.theta_f
         if self.f_prev is not None and f - self.f_prev >= c.burst_df and f > c.theta_f:
+            self.bursts += not self.burst
             self.burst = True
         self.f_prev = f
         if self.burst and f <= c.theta_f:
             self.burst = False
-        return not gated and f > c.theta_f and (iteration % c.check_every == 0 or self.burst)
+        on_cadence = iteration % c.check_every == 0
+        run = not gated and f > c.theta_f and (on_cadence or self.burst)
+        self.burst_rounds += run and not on_cadence
+        return run
 
     def planned(self, f_after: float) -> None:
         if self.f_prev is not None:
@@ -192,6 +207,20 @@ class TriggerReference:
     def round_done(self, made_any: bool, in_flight: bool) -> None:
         if self.burst and not made_any and not in_flight:
             self.burst = False
+
+
+# ---- statistics -------------------------------------------------------------------------------------
+class StatsReference:
+    """What ``ReclaimStats`` should read, counted from the manager calls the oracles see."""
+
+    COUNTERS = ("rounds", "plans_made", "plans_committed", "plans_aborted", "no_plan", "moves_committed",
+                "moves_dropped", "blocks_released")
+
+    def __init__(self) -> None:
+        self.rounds = self.plans_made = self.plans_committed = 0
+        self.moves_committed = self.moves_dropped = self.blocks_released = 0
+        self.plans_aborted: Counter = Counter()
+        self.no_plan: Counter = Counter()
 
 
 # ---- the oracles, attached to one runtime ----------------------------------------------------------
@@ -203,10 +232,13 @@ class Oracles:
         cfg = self.m.config if rt.reclaim is not None else None
         self.trigger = TriggerReference(cfg) if cfg is not None else None
         self.events: dict[str, int] = {}
+        self.stats = StatsReference()
+        self._round: list[tuple[object, int]] | None = None  # (request, excess) plan_round tried, in order
 
     def attach(self) -> "Oracles":
         m = self.m
         cls = type(m)
+        stats = self.stats
 
         def should_reclaim(iteration):
             want = self.trigger.decide(iteration, self.waste_ratio(), self._free()) if self.trigger else None
@@ -220,34 +252,121 @@ class Oracles:
 
         def plan_request(req_id):
             before = self._planning_view(req_id)
+            if self._round is not None and before is not None:
+                self._round.append((req_id, self._excess(req_id)))
             out = cls.plan_request(m, req_id)
+            if isinstance(out, PlanRecord):
+                stats.plans_made += 1
+            else:
+                stats.no_plan[out.reason] += 1
             if before is not None:
                 self._check_plan(before, out)
                 if isinstance(out, PlanRecord) and self.trigger:
                     self.trigger.planned(self.waste_ratio())
+            if not isinstance(out, PlanRecord) and not out.detail.startswith(f"request {req_id!r}"):
+                raise OracleViolation("no-plan", f"plan_request({req_id!r}) answered {out.reason.name} with "
+                                                 f"detail {out.detail!r}, which does not name the request")
             return out
 
         def plan_round(req_ids):
-            made = cls.plan_round(m, req_ids)
+            outer, self._round = self._round, []
+            try:
+                made = cls.plan_round(m, req_ids)
+                stats.rounds += 1
+                self._check_round(req_ids, self._round, made)
+            finally:
+                self._round = outer
             if self.trigger:
                 self.trigger.round_done(bool(made), bool(m.inflight))
             return made
 
         def settle():
+            before = {r: (len(self.table.block_ids(r)), [mv.token_id for mv in rec.plan.moves])
+                      for r, rec in m.inflight.items()}
             done = cls.settle(m)
+            for rec in done:
+                r = rec.plan.req_id
+                if rec.state is PlanState.COMMITTED:
+                    n_blocks, moved = before[r]
+                    kept = sum(self.table.is_live(r, t) for t in moved)
+                    stats.plans_committed += 1
+                    stats.moves_committed += kept
+                    stats.moves_dropped += len(moved) - kept
+                    stats.blocks_released += n_blocks - len(self.table.block_ids(r))
+                else:
+                    stats.plans_aborted[rec.abort_reason] += 1
             self._check_settled()
             return done
 
         def launch():
             refused = cls.launch(m)
+            for rec in refused:
+                stats.plans_aborted[rec.abort_reason] += 1
             stuck = [r for r, rec in m.inflight.items() if rec.state is PlanState.PLANNED]
             if stuck:
                 raise OracleViolation("progress", f"after launch the plans of {stuck} are still PLANNED")
             return refused
 
-        for f in (should_reclaim, plan_request, plan_round, settle, launch):
+        def on_request_removed(req_id, blocks):
+            rec = m.inflight.get(req_id) if self._hashable(req_id) else None
+            cls.on_request_removed(m, req_id, blocks)
+            if rec is not None:
+                stats.plans_aborted[rec.abort_reason] += 1
+
+        for f in (should_reclaim, plan_request, plan_round, settle, launch, on_request_removed):
             setattr(m, f.__name__, f)
         return self
+
+    @staticmethod
+    def _hashable(x) -> bool:
+        try:
+            hash(x)
+        except TypeError:
+            return False
+        return True
+
+    def _excess(self, r) -> int:
+        """Blocks a request holds beyond the ceil(n_live / S) its live tokens need."""
+        return len(self.table.block_ids(r)) - _ceil(self.table.num_live(r), self.S)
+
+    def _check_round(self, req_ids, tried: list[tuple[object, int]], made) -> None:
+        excesses = [e for _, e in tried]
+        if any(a < b for a, b in zip(excesses, excesses[1:])):
+            raise OracleViolation("round", f"plan_round tried {[(r, e) for r, e in tried][:8]} (request, excess): "
+                                           f"not the largest excess first")
+        if len(made) < self.m.config.max_plans_per_round:
+            seen = {r for r, _ in tried}
+            missed = [r for r in req_ids if r not in seen and r not in self.m.inflight and self._excess(r) > 0]
+            if missed:
+                raise OracleViolation("round", f"plan_round made {len(made)} plans (limit "
+                                               f"{self.m.config.max_plans_per_round}) and never tried requests "
+                                               f"{missed[:8]}, which hold excess blocks")
+
+    def check_can_admit(self, prompt_len: int, got: bool) -> None:
+        """can_admit by its definition: admission open (no plan has borrowed the headroom) and the prompt's
+        ceil(p / S) blocks fit outside the headroom."""
+        m, pool = self.m, self.pool
+        open_ = not m.inflight or self._free() >= pool.headroom
+        want = open_ and _ceil(prompt_len, self.S) <= self._free() - pool.headroom
+        if got != want:
+            raise OracleViolation("admission", f"can_admit({prompt_len}) is {got}; {self._free()} blocks free, "
+                                               f"headroom {pool.headroom}, admission {'open' if open_ else 'closed'} "
+                                               f"and the prompt needs {_ceil(prompt_len, self.S)}")
+
+    def _check_stats(self) -> None:
+        got, want = self.m.stats, self.stats
+        for name in StatsReference.COUNTERS:
+            g, w = getattr(got, name), getattr(want, name)
+            if isinstance(w, Counter):
+                g, w = +Counter(g), +w  # +: drop zero counts
+            if g != w:
+                raise OracleViolation("stats", f"manager.stats.{name} is {g!r}; the calls made give {w!r}")
+        if self.trigger is not None:
+            for name in ("bursts", "burst_rounds"):
+                g, w = getattr(got, name), getattr(self.trigger, name)
+                if g != w:
+                    raise OracleViolation("stats", f"manager.stats.{name} is {g}; the trigger's definition "
+                                                   f"counts {w}")
 
     # ---- reads ----------------------------------------------------------------------------------
     def _free(self) -> int:
@@ -276,6 +395,7 @@ class Oracles:
         self._check_headroom()
         self._check_stream()
         self._check_handles()
+        self._check_stats()
 
     def _check_handles(self) -> None:
         """Every copy the engine still holds belongs to a plan in flight or an orphan: none leaks."""

@@ -243,3 +243,96 @@ def test_stream_oracle_refuses_a_later_copy_that_ran_first():
     engine._copies[b].status = CopyStatus.DONE  # what a two-stream device could do
     with pytest.raises(OracleViolation, match=f"stream: copy {b} is done while the earlier copy {a} has not run"):
         o._check_stream()
+
+
+# ---- stats, plan_round order, admission, no-plan detail (issue #16's mutation survivors) -----------------
+def compacted(rt, engine):
+    """'a' holds 3 full blocks, then 6 evictions leave blocks 0 and 1 one live token each: one plan, 2 moves
+    into 1 destination, committed."""
+    fill(rt, "a", 12)
+    for t in (0, 1, 2, 4, 5, 6):
+        rt.table.evict_token("a", t)
+    rec = rt.manager.plan_request("a")
+    rt.manager.launch()
+    engine.complete(rec.handle)
+    rt.manager.settle()
+    return rec
+
+
+def test_stats_oracle_counts_a_committed_plan_and_refuses_a_wrong_counter():
+    rt, engine, o = runtime()
+    compacted(rt, engine)
+    o.check_state()
+    s = o.stats
+    assert (s.plans_made, s.plans_committed, s.moves_committed, s.moves_dropped, s.blocks_released) == (1, 1, 2, 0, 1)
+    rt.manager.stats.moves_committed = 5  # what "moves_committed = len(moves)" gives after a few plans
+    with pytest.raises(OracleViolation, match=r"stats: manager.stats.moves_committed is 5; the calls made give 2"):
+        o.check_state()
+
+
+def test_stats_oracle_counts_no_plans_and_aborts_by_reason():
+    from vtoken.core.plan import NoPlanReason
+    rt, engine, o = runtime()
+    fill(rt, "a", 12)
+    assert not rt.manager.plan_request("a")  # nothing evicted: no candidates
+    rt.table.evict_token("a", 0)
+    rec = rt.manager.plan_request("a")
+    assert not rec  # one block with a hole cannot shrink
+    rt.finish("a")
+    o.check_state()
+    assert dict(o.stats.no_plan) == {NoPlanReason.NO_CANDIDATES: 1, NoPlanReason.NO_STRICT_DECREASE: 1}
+    rt.manager.stats.no_plan[NoPlanReason.NO_CANDIDATES] -= 2  # "no_plan[reason] -= 1"
+    with pytest.raises(OracleViolation, match=r"stats: manager.stats.no_plan is"):
+        o.check_state()
+
+
+def test_round_oracle_refuses_a_round_that_skips_the_most_wasteful_request(monkeypatch):
+    rt, engine, o = runtime(blocks=16, headroom=0)
+    fill(rt, "a", 12)
+    fill(rt, "b", 12)
+    for t in (0, 1, 2, 4, 5, 6):  # a: 2 excess blocks' worth of holes -> excess 1
+        rt.table.evict_token("a", t)
+    for t in (0, 1, 2, 4, 5, 6, 8, 9, 10):  # b: 3 live tokens in 3 blocks -> excess 2
+        rt.table.evict_token("b", t)
+    cls = type(rt.manager)
+
+    def in_given_order(m, req_ids):  # plan_round without its sort: a (excess 1) before b (excess 2)
+        m.stats.rounds += 1
+        return [rec for r in req_ids if (rec := m.plan_request(r))]
+
+    monkeypatch.setattr(cls, "plan_round", in_given_order)
+    with pytest.raises(OracleViolation, match=r"round: plan_round tried \[\('a', 1\), \('b', 2\)\]"):
+        rt.manager.plan_round(["a", "b"])
+
+
+def test_round_oracle_accepts_the_real_round():
+    rt, engine, o = runtime(blocks=16, headroom=0)
+    fill(rt, "a", 12)
+    fill(rt, "b", 12)
+    for t in (0, 1, 2, 4, 5, 6):
+        rt.table.evict_token("a", t)
+    for t in (0, 1, 2, 4, 5, 6, 8, 9, 10):
+        rt.table.evict_token("b", t)
+    made = rt.manager.plan_round(["a", "b"])
+    assert [rec.plan.req_id for rec in made] == ["b", "a"] and o.stats.rounds == 1
+
+
+def test_admission_oracle_is_open_admission_and_ceil_blocks_outside_the_headroom():
+    rt, engine, o = runtime(blocks=12, headroom=1, S=4)
+    fill(rt, "a", 12)  # 3 blocks held: 9 free, 8 outside the headroom = 32 tokens
+    for p in (0, 1, 32, 33):
+        o.check_can_admit(p, rt.can_admit(p))
+    assert rt.can_admit(32) and not rt.can_admit(33)
+    with pytest.raises(OracleViolation, match=r"admission: can_admit\(33\) is True; 9 blocks free, headroom 1, "
+                                              r"admission open and the prompt needs 9"):
+        o.check_can_admit(33, True)
+
+
+def test_no_plan_oracle_requires_the_detail_to_name_the_request(monkeypatch):
+    from vtoken.core import reclamation
+    from vtoken.core.plan import NoPlan, NoPlanReason
+    rt, engine, o = runtime()
+    fill(rt, "a", 12)  # nothing evicted: no candidates, so the planner oracle agrees there is no plan
+    monkeypatch.setattr(reclamation, "choose_sources", lambda snap, b, d: NoPlan(NoPlanReason.NO_CANDIDATES))
+    with pytest.raises(OracleViolation, match=r"no-plan: plan_request\('a'\) answered NO_CANDIDATES with detail ''"):
+        rt.manager.plan_request("a")
