@@ -360,10 +360,18 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
         if between is not None:
             between()
         # a row of a request that left during the step is dropped (end_step's contract): shadow the others
-        self.oracles.scores.apply({r: (inputs.requests[r].read_tokens, w) for r, w in weights.items()
-                                   if r in self.table})
+        shadowed = {r: (inputs.requests[r].read_tokens, w) for r, w in weights.items() if r in self.table}
+        self._evict_chosen(shadowed, rt.end_step, weights)
+        EVENTS["steps"] += 1
+        return True
+
+    def _evict_chosen(self, rows: dict, call, *args) -> None:
+        """``call(*args)`` records this step's attention ``rows`` (request -> (token ids, weights)) and evicts
+        the victims it returns: the score shadow takes the rows first (and gives them back if the call
+        raises), the content shadow loses the victims after."""
+        self.oracles.scores.apply(rows)
         try:
-            victims = rt.end_step(weights)
+            victims = call(*args)
         except BaseException:
             self.oracles.scores.undo()
             raise
@@ -371,8 +379,6 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
             for t in ts:
                 del self.shadow[r][t]
             EVENTS["evictions"] += len(ts)
-        EVENTS["steps"] += 1
-        return True
 
     def _check_refusal_after_settling(self, appends: dict) -> None:
         """Forecast oracle: begin_step refused the appends, so they must not fit once settled either."""
@@ -466,16 +472,7 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
             got = [read(s) for s in self.table.attention_slots(r)]
             assert got == [self.shadow[r][t] for t in tokens], f"request {r}: read {got} (I1)"
             rows[r] = (tokens, attention_weights(r, tokens, self.table.total_len(r)))
-        self.oracles.scores.apply({r: (list(ts), w) for r, (ts, w) in rows.items()})
-        try:
-            victims = rt.evict_and_reclaim(running, rows)
-        except BaseException:
-            self.oracles.scores.undo()
-            raise
-        for r, ts in victims.items():
-            for t in ts:
-                del self.shadow[r][t]
-            EVENTS["evictions"] += len(ts)
+        self._evict_chosen(rows, rt.evict_and_reclaim, running, rows)
         EVENTS["engine_steps"] += 1
 
     @rule(req=requests)
