@@ -47,3 +47,14 @@ def test_stats_objects():
     assert VTokenConnector.build_kv_connector_stats({"tokens_evicted": 1}).data == {"tokens_evicted": 1}
     assert VTokenStats().is_empty() and not VTokenStats(data={"seconds": 0.0}).is_empty()
     assert set(COUNTERS).isdisjoint(GAUGES)
+
+
+def test_help_texts_of_relocation_series_hold_under_every_planner():
+    """A series that densify and compact both feed says so; none names one planner only (issue #17: the help of
+    plans_committed and blocks_released said "densify" under compact too)."""
+    relocation = {"plans_committed", "plans_aborted", "tokens_moved", "blocks_released"}
+    for name, doc in COUNTERS.items():
+        assert ("densify" in doc) == ("compact" in doc), f"{name}: {doc!r} names one planner only"
+    assert all("compact" in COUNTERS[n] or "plan" in COUNTERS[n] for n in relocation)
+    assert "densify: those past ceil(live / block size); compact: sources minus the destinations kept" \
+        in COUNTERS["blocks_released"]

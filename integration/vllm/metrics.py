@@ -16,10 +16,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 # per-interval counts (summed)
 COUNTERS = {
     "tokens_evicted": "tokens the eviction policy evicted",
-    "plans_committed": "densify plans committed",
-    "plans_aborted": "plans aborted",
-    "tokens_moved": "token relocations sent to the workers",
-    "blocks_released": "blocks densify returned to vLLM's pool",
+    "plans_committed": "relocation plans committed (densify: a request made dense; compact: a request's "
+                       "sparse blocks packed; none with reclaim off)",
+    "plans_aborted": "relocation plans aborted (a refused launch, a failed copy, a stale plan, a request "
+                     "that left mid-copy)",
+    "tokens_moved": "token relocations of committed plans, copied by the workers (densify and compact alike)",
+    "blocks_released": "blocks committed plans returned to vLLM's pool (densify: those past ceil(live / block "
+                       "size); compact: sources minus the destinations kept)",
     "copies_verified": "copies whose K/V digests strict verify compared",
     "mismatches": "copies whose digests differed",
     "quarantined": "requests failed by quarantine",

@@ -106,7 +106,7 @@ class TokenStats:
     plans_committed: int = 0
     plans_aborted: int = 0
     moves: int = 0  # token moves sent to the workers
-    blocks_released: int = 0  # blocks densify returned to vLLM's pool
+    blocks_released: int = 0  # blocks committed plans (densify or compact) returned to vLLM's pool
     uncached: int = 0  # blocks whose prefix-cache hash was dropped because densify filled them
     drill_planned: int = 0
     drill_skipped: int = 0  # shared or prefix-cached blocks the drill must not move, or no free block
