@@ -65,7 +65,8 @@ def test_another_kv_connector_is_refused():
 
 
 def test_the_documented_vllm_serve_command_line_enables_vtoken():
-    """docs/staging.md's ``vllm serve ... --additional-config '{"vtoken": ...}'``, parsed by vLLM's own CLI parser."""
+    """docs/staging.md's ``vtoken serve ... --additional-config '{"vtoken": ...}'`` (``vllm serve``'s arguments),
+    parsed by vLLM's own CLI parser; tests/test_vllm_serve.py starts the server itself."""
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     block = '{"vtoken": {"policy": "streaming_llm", "budget": 0.5, "reclaim": "densify", "strict_verify": "strict"}}'
