@@ -110,22 +110,18 @@ class BadCalls:
         self._violation("I2", (f"slot {slot}",), occ.check_against, dict(want))
 
     def _teeth_block(self, kind, index):
+        """A block's live count off by one: a block with live slots (``block_live``) or one without
+        (``idle_block_live``, the checker's zero-count scan)."""
         occ, want = copy.deepcopy(self.table.occupancy), self._expected_holders()
-        live_blocks = sorted({s // self.S for s in want})
-        if not live_blocks:
+        live = {s // self.S for s in want}
+        blocks = sorted(set(range(self.pool.num_blocks)) - live if kind.startswith("idle") else live)
+        if not blocks:
             return
-        b = live_blocks[index % len(live_blocks)]
+        b = blocks[index % len(blocks)]
         occ._block_live[b] += 1
         self._violation("I2", (f"block {b}",), occ.check_against, dict(want))
 
-    def _teeth_idle(self, kind, index):
-        occ, want = copy.deepcopy(self.table.occupancy), self._expected_holders()
-        idle = sorted(set(range(self.pool.num_blocks)) - {s // self.S for s in want})
-        if not idle:
-            return
-        b = idle[index % len(idle)]
-        occ._block_live[b] += 1
-        self._violation("I2", (f"block {b}",), occ.check_against, dict(want))
+    _teeth_idle = _teeth_block
 
     def _teeth_move(self, kind, index):
         """Launch's precondition on a planner's moves (``_check_moves``), given a corrupted copy of a plan in
