@@ -30,6 +30,7 @@ from vtoken.integration.bench import q4_overhead as q4
 from vtoken.integration.bench import q6_prefix_caching as q6p
 from vtoken.integration.bench import q6_quality as q6
 from vtoken.integration.bench import q7_vllm_bookkeeping as q7
+from vtoken.integration.bench import q9_serving_load as q9
 from vtoken.integration.bench.report import REPORT_FIELDS
 from vtoken.integration.bench.runner import run_questions
 from vtoken.integration.bench.vllm_settings import (
@@ -139,7 +140,7 @@ def test_settings_and_cli_reject_bad_values(tmp_path, capsys):
     assert vtoken_main(["bench", "vllm", "--out", str(tmp_path / "o"), "--questions", "q1"]) == 2
     assert "unknown question(s) ['q1'] for the vLLM half" in capsys.readouterr().err
     assert vtoken_main(["bench", "vllm", "--out", str(tmp_path / "o"), "--questions", "q4", "q5"]) == 2
-    assert "unknown question(s) ['q5'] for the vLLM half; choose from ['q4', 'q6', 'q6_prefix', 'q7']" \
+    assert "unknown question(s) ['q5'] for the vLLM half; choose from ['q4', 'q6', 'q6_prefix', 'q7', 'q9']" \
         in capsys.readouterr().err
     with pytest.raises(ConfigError, match="q7_concurrency must be >= 2 increasing request counts"):
         VllmBenchSettings(quick=True, q7_concurrency=(16,))
@@ -153,6 +154,53 @@ def test_settings_and_cli_reject_bad_values(tmp_path, capsys):
         VllmBenchSettings(quick=True, q6_prefix_len=(128, 96))
     with pytest.raises(ConfigError, match="unknown policies"):
         VllmBenchSettings(quick=True, q6_prefix_policies=("lru",))
+    with pytest.raises(ConfigError, match=r"q9_seconds must be a number of seconds in \(0, 600\], got 0"):
+        VllmBenchSettings(quick=True, q9_seconds=0)
+    with pytest.raises(ConfigError, match="q9_clients must be an int >= 1"):
+        VllmBenchSettings(quick=True, q9_clients=0)
+    with pytest.raises(ConfigError, match="must fit the server's max_model_len 1024 with bos, got 1000 \\+ 24"):
+        VllmBenchSettings(quick=True, q9_prompt_len=1000, q9_max_tokens=24)
+
+
+# ---- Q9: serving load (the load generator against a live server: tests/test_vllm_serve.py) ------------
+def _request(sent, stamps, tokens):
+    return {"sent": sent, "stamps": stamps, "tokens": tokens, "start": 10.0}
+
+
+def test_q9_window_metrics_from_known_timings():
+    # two requests: 3 tokens in 3 chunks, 4 tokens in 2 chunks (the second carries 3: the server fell behind)
+    done = [_request(10.0, [10.1, 10.2, 10.4], 3), _request(10.0, [10.3, 10.9], 4)]
+    m = q9.window_metrics(done)
+    assert (m["requests"], m["tokens"], m["errors"]) == (2, 7, [])
+    assert m["wall_s"] == pytest.approx(0.9) and m["throughput_tok_s"] == pytest.approx(7 / 0.9)
+    assert m["requests_s"] == pytest.approx(2 / 0.9)
+    assert m["ttft_p50_ms"] == pytest.approx(200.0) and m["ttft_p95_ms"] == pytest.approx(100 + 200 * 0.95)
+    # gaps 100, 200 and 600 ms; TPOT 150 ms (300 ms over 2 tokens) and 200 ms (600 over 3)
+    assert m["itl_p50_ms"] == pytest.approx(200.0) and m["itl_p95_ms"] == pytest.approx(200 + 400 * 0.9)
+    assert m["tpot_p50_ms"] == pytest.approx(175.0) and m["tpot_p95_ms"] == pytest.approx(150 + 50 * 0.95)
+    failed = q9.window_metrics(done + [{"error": "HTTP 500: b'x'", "start": 10.0}])
+    assert failed["errors"] == ["HTTP 500: b'x'"] and failed["requests"] == 2
+    with pytest.raises(AssertionError, match="no request of the window succeeded"):
+        q9.window_metrics([{"error": "ended early", "start": 10.0}])
+
+
+def test_q9_table_and_plot_of_a_report(tmp_path):
+    one = q9.window_metrics([_request(10.0, [10.1, 10.2, 10.5], 5)])  # 10 tokens/s; TTFT 100, TPOT 100 ms
+    summary = {"systems": {x: {**{m: {"median": one[m] * (i + 1), "min": one[m] * (i + 1), "max": one[m] * (2 * i + 2),
+                                     "n": 2} for m in q9.METRICS},
+                               "throughput_vs_plain": {"median": 1 / (i + 1), "min": 0.5 / (i + 1), "max": 1 / (i + 1),
+                                                       "n": 2},
+                               "counters": {k: 10.0 * i for k in q9.SERVER_COUNTERS}}
+                           for i, x in enumerate(q9.SYSTEMS)}, "policy": "random", "budget": 0.5}
+    lines = q9.table({"summary": summary})
+    assert len(lines) == 2 + len(q9.SYSTEMS) + 1
+    assert lines[2] == ("| vtoken off | 10 (10–20) | 1.00 (0.50–1.00) | 2.00 (2.00–4.00) | 100.0 (100.0–200.0) "
+                        "| 100.0 (100.0–200.0) | 200.0 (200.0–400.0) | 290.0 (290.0–580.0) | 100.0 (100.0–200.0) "
+                        "| 100.0 (100.0–200.0) | 0 | 0 | 0 | 0 |")
+    assert lines[5].startswith("| vtoken densify | 40 (40–80) | 0.25 (0.12–0.25) |") and lines[5].endswith(
+        "| 30 | 30 | 30 | 30 |")
+    q9.plot({"summary": summary}, tmp_path / "q9.png")
+    assert (tmp_path / "q9.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---- Q4: overhead against plain vLLM, side by side --------------------------------------------------

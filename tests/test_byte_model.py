@@ -95,12 +95,22 @@ def test_tokenizer_decodes_every_byte_sequence_the_model_can_emit():
     assert tok.decode([2, 104, 105, 3], skip_special_tokens=True) == "hi"
 
 
+def test_chat_template_renders_a_conversation_as_comments_after_bos():
+    tok = _tokenizer()
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sum a list"}]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == tok.bos_token + "# system: be brief\n# user: sum a list\n# assistant:"  # bos: the byte-level "Ă"
+    assert tok.apply_chat_template(chat[1:], tokenize=False) == tok.bos_token + "# user: sum a list\n"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == 2 and ids[1:] == list(text[1:].encode())  # bos once, from the template
+
+
 def test_the_committed_tokenizer_files_are_what_make_byte_tokenizer_writes(tmp_path):
     spec = importlib.util.spec_from_file_location("make_byte_tokenizer", MODELS / "make_byte_tokenizer.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     written = mod.write(tmp_path)
-    assert sorted(p.name for p in written) == ["tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in written) == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
     for p in written:
         assert p.read_text() == (CKPT / p.name).read_text(), f"{p.name} differs: rerun make_byte_tokenizer.py"
 

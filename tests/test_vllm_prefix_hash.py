@@ -105,3 +105,45 @@ def test_strict_verify_names_the_stale_hash(monkeypatch):
     with pytest.raises(InvariantViolation, match=r"B2: request '0.*': block \d+ at or after its append cursor "
                                                  r"\(position 90\) is prefix-cached"):
         _run(True, {**CONFIG, "strict_verify": "strict"})
+
+
+# ---- the gather path (found by tests/test_vllm_serve.py, #17) --------------------------------------------
+COMPACT = {"policy": "streaming_llm", "budget": 0.5, "reclaim": "compact", "read_path": "gather"}
+
+
+def test_compact_moves_hashed_blocks_down_the_list_and_b3_follows_the_chain(monkeypatch):
+    """Compaction releases A's emptied middle blocks, so its hashed prompt blocks after them move down its block
+    list with their content in place. B3 once compared a block's hash with the chain hash of its list index and
+    failed the engine (vLLM's server, the default prefix caching); the block is right, and B, whose prompt
+    hits those blocks, generates what it does with caching off. Teeth: told a chain one block short, B3 names a
+    hash outside it or a block whose live tokens sit at another chain position's offsets."""
+    from types import SimpleNamespace
+    shifted, refused = [], []
+    check = SchedulerTokens.check_prefix_hashes
+
+    def recording_check(self, r, request):
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+        chain = [make_block_hash_with_group_id(h, 0) for h in request.block_hashes]
+        for i, b in enumerate(self.rt.table.block_ids(r)):
+            h = self.allocator.pool.blocks[b].block_hash
+            if h is not None and chain.index(h) != i:
+                shifted.append((r, i, chain.index(h)))
+        if shifted and not refused:
+            with pytest.raises(InvariantViolation) as e:
+                check(self, r, SimpleNamespace(block_hashes=request.block_hashes[1:]))
+            refused.append(str(e.value))
+        return check(self, r, request)
+
+    from vtoken.integration.vllm import connector
+    monkeypatch.setattr(SchedulerTokens, "check_prefix_hashes", recording_check)
+    monkeypatch.setattr(connector, "POOL_CHECK_EVERY", 1)  # B3 every step (the server checks every 64th)
+    on = _run(True, {**COMPACT, "strict_verify": "strict"})
+    off = _run(False, COMPACT)
+    assert shifted and all(j > i for _, i, j in shifted)  # a hashed block sat below its chain index, and passed
+    assert refused[0].startswith("B3: ") and ("not in the request's hash chain" in refused[0]
+                                              or "of other positions than" in refused[0]), refused
+    assert on["stats"]["blocks_released"] > 0 and on["stats"]["evicted"] > 0
+    assert on["B"][2] > 0 and off["B"][2] == 0  # B's prompt came partly from the cache
+    assert on["B"][:2] == off["B"][:2] and on["A"][:2] == off["A"][:2]  # ids and logprobs: bit-identical
+    assert on["stats"]["free"] == on["stats"]["blocks"] - 1
+

@@ -11,7 +11,7 @@ simulator, one module per question:
     q7_bookkeeping_cost   Q7  CPU cost of the runtime's per-step work as tracked requests grow
     q8_bursty_eviction    Q8  reclamation lag after an eviction burst: fixed theta_F / K vs the adaptive trigger
 
-The vLLM half (``vtoken bench vllm``, ``vllm_cli.py``) answers Q4, Q6 and Q7 on
+The vLLM half (``vtoken bench vllm``, ``vllm_cli.py``) answers Q4, Q6, Q7 and Q9 on
 real vLLM (CPU) with the trained byte-level model; the device half
 (``vtoken bench device``, ``device_cli.py``) answers Q4 on a GPU; ``vtoken
 bench all`` runs them in order.

@@ -1,7 +1,7 @@
 """``vtoken bench``: the evaluation harness.
 
     vtoken bench sim      the questions on the core simulator (Q1, Q2, Q3, Q5, Q7, Q8)
-    vtoken bench vllm     the questions that need a serving engine, on real vLLM (CPU): Q4, Q6, Q7
+    vtoken bench vllm     the questions that need a serving engine, on real vLLM (CPU): Q4, Q6, Q7, Q9
     vtoken bench device   Q4's device half (--gpu: on CUDA)
     vtoken bench all      sim, then vllm, then (with --gpu) device, into <out>/sim, <out>/vllm, <out>/device
 

@@ -1,6 +1,7 @@
 """``vtoken bench vllm``: the questions that need a serving engine, answered on real vLLM (CPU build).
 
     vtoken bench vllm --questions q6 [--quick] --out DIR
+    vtoken bench vllm --questions q9 [--quick] --out DIR    the OpenAI server under load (vtoken serve)
 
 Same conventions as ``vtoken bench sim`` (``runner.run_questions``): ``<question>.json`` with the
 documented fields (``report.py``) and ``<question>.png`` per question, median and spread over >= 5
@@ -13,13 +14,13 @@ import argparse
 import os
 from types import ModuleType
 
-from . import q4_overhead, q6_prefix_caching, q6_quality, q7_vllm_bookkeeping
+from . import q4_overhead, q6_prefix_caching, q6_quality, q7_vllm_bookkeeping, q9_serving_load
 from .questions import select_questions
 from .runner import add_run_options, run_half
 from .vllm_settings import vllm_bench_settings
 
 VLLM_QUESTIONS: dict[str, ModuleType] = {m.KEY: m for m in (q4_overhead, q6_quality, q6_prefix_caching,
-                                                              q7_vllm_bookkeeping)}
+                                                              q7_vllm_bookkeeping, q9_serving_load)}
 
 
 def register_vllm(bench_sub: argparse._SubParsersAction) -> None:

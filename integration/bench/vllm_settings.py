@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, replace
 
 from vtoken.core.errors import ConfigError
 
+from .server import ENGINE as SERVER_ENGINE
 from .settings import MIN_REPEATS
 
 POLICIES = ("streaming_llm", "random", "h2o", "scissorhands")
@@ -58,6 +59,10 @@ class VllmBenchSettings:
     q6_prefix_max_tokens: int = 80  # generated greedily, ignore_eos
     q6_prefix_policies: tuple[str, ...] = POLICIES
     q6_prefix_budget: float = 0.5
+    q9_clients: int = 8  # Q9 serving load: closed-loop streaming clients of one server
+    q9_seconds: float = 20.0  # per timed window (one per seed)
+    q9_prompt_len: int = 256  # bytes (= tokens, after bos)
+    q9_max_tokens: int = 128  # generated greedily, ignore_eos
     min_repeats: int = MIN_REPEATS  # the CLI never lowers it; tests may, explicitly
 
     def __post_init__(self) -> None:
@@ -71,7 +76,8 @@ class VllmBenchSettings:
                               f"got {self.repeats!r}")
         positive_int("seed", self.seed, 0)
         for name in ("prompts", "prompt_len", "max_tokens", "threads", "score_layers", "block_size", "q4_max_tokens",
-                     "q7_max_tokens", "q6_prefix_groups", "q6_suffix_len", "q6_prefix_max_tokens"):
+                     "q7_max_tokens", "q6_prefix_groups", "q6_suffix_len", "q6_prefix_max_tokens", "q9_clients",
+                     "q9_prompt_len", "q9_max_tokens"):
             positive_int(name, getattr(self, name))
         positive_int("q6_prefix_requests", self.q6_prefix_requests, 2)  # a first request and one that hits it
         lo_hi = self.q6_prefix_len
@@ -84,6 +90,12 @@ class VllmBenchSettings:
             if not isinstance(v, tuple) or len(v) < least or any(isinstance(c, bool) or not isinstance(c, int)
                                                                   or c < 1 for c in v) or list(v) != sorted(set(v)):
                 raise ConfigError(f"{name} must be >= {least} increasing request counts >= 1, got {v!r}")
+        q9 = self.q9_seconds
+        if isinstance(q9, bool) or not isinstance(q9, (int, float)) or not 0 < q9 <= 600:
+            raise ConfigError(f"q9_seconds must be a number of seconds in (0, 600], got {q9!r}")
+        if self.q9_prompt_len + self.q9_max_tokens + 1 > SERVER_ENGINE["max_model_len"]:
+            raise ConfigError(f"q9_prompt_len + q9_max_tokens must fit the server's max_model_len "
+                              f"{SERVER_ENGINE['max_model_len']} with bos, got {self.q9_prompt_len} + {self.q9_max_tokens}")
         if self.overhead_policy not in POLICIES:
             raise ConfigError(f"overhead_policy must be one of {list(POLICIES)}, got {self.overhead_policy!r}")
         if isinstance(self.overhead_budget, bool) or not isinstance(self.overhead_budget, float) \
@@ -113,7 +125,8 @@ class VllmBenchSettings:
 
 FULL = VllmBenchSettings(quick=False)
 QUICK = VllmBenchSettings(quick=True, prompts=4, max_tokens=96, budgets=(0.5,), q4_concurrency=(16,), q4_max_tokens=96,
-                          q7_concurrency=(16, 64, 256), q6_prefix_max_tokens=32, q6_prefix_policies=("random", "h2o"))
+                          q7_concurrency=(16, 64, 256), q6_prefix_max_tokens=32, q6_prefix_policies=("random", "h2o"),
+                          q9_clients=4, q9_seconds=6.0, q9_prompt_len=128, q9_max_tokens=64)
 
 
 def vllm_bench_settings(quick: bool, repeats: int | None = None, seed: int = 0,

@@ -358,27 +358,37 @@ class SchedulerTokens:
             self.allocator.check()
 
     def check_prefix_hashes(self, r: str, request) -> None:
-        """B3: every prefix-cached block of ``r`` is what vLLM's hash chain claims. Block i hashed means "holds the
-        K/V of logical tokens [i*S, (i+1)*S) of this chain, each written at its own position", so: its hash is
-        the request's own chain hash i (``request.block_hashes``), and every live token of ``r`` in it is the
-        logical token of its offset (a relocation never leaves a token of another position in a hashed
-        block). Holes are fine: eviction leaves a dead token's K/V in place. O(S) per hashed block."""
+        """B3: every prefix-cached block of ``r`` is what vLLM's hash chain claims. A block with the request's chain
+        hash j means "holds the K/V of logical tokens [j*S, (j+1)*S) of this chain, each written at its own
+        position", so: its hash is one of the request's own chain hashes (``request.block_hashes``), no two blocks
+        carry the same one, and every live token of ``r`` in it is the logical token of its offset (a relocation
+        never leaves a token of another position in a hashed block). Holes are fine: eviction leaves a dead
+        token's K/V in place. O(S) per hashed block.
+
+        NOTE: j is the chain index, not the block's index in the request's list: on the gather path a commit
+        releases sparse source blocks, so a hashed block after them moves down the list (its content stays)."""
         from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
         t, S, pool = self.rt.table, self.block_size, self.allocator.pool
         if pool.hash_block_size != S:
             return  # hashes at another granularity: not a configuration vtoken runs (compat)
-        chain, counts = request.block_hashes, t.block_live_counts(r)
+        chain = {make_block_hash_with_group_id(h, 0): j for j, h in enumerate(request.block_hashes)}
+        counts, seen = t.block_live_counts(r), {}
         for i, b in enumerate(t.block_ids(r)):
             blk = pool.blocks[b]
             if blk.block_hash is None:
                 continue
-            if i >= len(chain) or blk.block_hash != make_block_hash_with_group_id(chain[i], 0):
+            j = chain.get(blk.block_hash)
+            if j is None:
                 raise InvariantViolation("B3", f"request {r!r}: block {b} at index {i} carries a prefix-cache hash "
-                                               f"that is not the request's chain hash {i}")
+                                               f"that is not in the request's hash chain")
+            if j in seen:
+                raise InvariantViolation("B3", f"request {r!r}: blocks {seen[j]} and {b} both carry the request's "
+                                               f"chain hash {j}")
+            seen[j] = b
             live_here = counts[b]
-            in_place = sum(t.slot_of(r, i * S + o) == b * S + o for o in range(S) if i * S + o < t.total_len(r))
+            in_place = sum(t.slot_of(r, j * S + o) == b * S + o for o in range(S) if j * S + o < t.total_len(r))
             if in_place != live_here:
-                raise InvariantViolation("B3", f"request {r!r}: prefix-cached block {b} (index {i}) holds "
+                raise InvariantViolation("B3", f"request {r!r}: prefix-cached block {b} (chain block {j}) holds "
                                                f"{live_here - in_place} live token(s) of other positions than "
-                                               f"[{i * S}, {(i + 1) * S})")
+                                               f"[{j * S}, {(j + 1) * S})")

@@ -5,7 +5,9 @@ the tokenizer is the identity on bytes. It is built with Hugging Face ``tokenize
 already loads through ``transformers``): the byte-level pre-tokenizer maps each byte to one printable
 character (GPT-2's table), a BPE model without merges maps that character to the byte's value, a template
 puts bos in front, and the byte-level decoder turns ids back into bytes and UTF-8 text. bos and eos are
-special tokens, so ``skip_special_tokens`` drops them from decoded text.
+special tokens, so ``skip_special_tokens`` drops them from decoded text. The chat template writes a
+conversation as the Python comments the model knows (``# user: ...`` lines, then ``# assistant:``), after bos;
+it is a format for serving tests, not an instruction-tuned model's.
 
     python integration/vllm/models/make_byte_tokenizer.py            # writes into byte-llama/
     python integration/vllm/models/make_byte_tokenizer.py --out DIR
@@ -19,6 +21,9 @@ import argparse
 from pathlib import Path
 
 BOS_ID, EOS_ID = 2, 3  # byte values that do not occur in text (train_byte_llama.py)
+# NOTE: bos comes from the template: vLLM's chat path tokenizes the rendered text without special tokens
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}# assistant:{% endif %}")
 MODEL_DIR = Path(__file__).resolve().parent / "byte-llama"
 
 
@@ -49,7 +54,7 @@ def build():
     tok.add_special_tokens([AddedToken(bos, special=True), AddedToken(eos, special=True)])
     assert tok.token_to_id(bos) == BOS_ID and tok.token_to_id(eos) == EOS_ID and tok.get_vocab_size() == 256
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, model_max_length=2048,
-                                   clean_up_tokenization_spaces=False)
+                                   clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE)
 
 
 def write(out: Path) -> list[Path]:

@@ -1,0 +1,209 @@
+"""Q9 (issue #17): the OpenAI-compatible server under load, vtoken off and on, on 127.0.0.1.
+
+Per configuration one ``vtoken serve`` process (``server.ServerProcess``: the byte-level model, fp32, eager,
+32-token blocks, vLLM's default pool and prefix caching) and ``q9_clients`` closed-loop clients in this process
+(asyncio, httpx): each sends a streamed ``/v1/completions`` request (a held-out window of ``q9_prompt_len``
+bytes as token ids after bos, ``q9_max_tokens`` generated greedily, ``ignore_eos``), waits for its last chunk,
+and sends the next, until ``q9_seconds`` have passed; requests under way then finish. An untimed warm-up round
+(one request per client) comes first; then one timed window per seed (its own prompts).
+
+    plain           vtoken off (no additional_config)
+    naive_evict     eviction, gather read path, reclaim off (dead blocks are released, nothing is moved)
+    vtoken_compact  eviction, gather read path, reclaim compact
+    vtoken_densify  eviction, dense read path (vLLM's stock kernel), reclaim densify
+
+Eviction is ``overhead_policy`` at ``overhead_budget``; strict verify off (a production setting).
+
+Per run (``runs``): system, seed, requests, tokens (completion tokens, from the usage chunk), wall_s (from the
+window's start to its last chunk), throughput_tok_s (tokens / wall_s), requests_s, ttft_p50_ms / ttft_p95_ms
+(send to first chunk), itl_p50_ms / itl_p95_ms (gaps between a request's chunks, as vLLM's serving benchmark
+counts them: a chunk carries every token generated since the last one the API server sent, so when it falls
+behind, gaps are fewer and longer), tpot_p50_ms / tpot_p95_ms (per request: first to last chunk over the
+tokens after the first, whatever the chunking; near 0 when a response's chunks all arrive together), errors (responses that were not 200 or ended early: the run fails on any). ``summary``: per
+configuration, each metric's median and spread over seeds, the throughput relative to ``plain``, and vtoken's
+counters from ``/metrics`` at the end (tokens evicted, plans committed, blocks released; vLLM's preemptions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from .context import BenchContext
+from .plots import grouped_bars, pyplot, save
+from .q4_overhead import percentile, system_config
+from .server import MODEL, ServerProcess
+from .stats import fmt_spread, summarize
+from .systems import COLORS, LABELS
+from .vllm_engine import heldout_windows
+
+KEY = "q9"
+TITLE = "the OpenAI-compatible server under load: throughput, TTFT and inter-token latency, vtoken off and on"
+PAPER = {"note": "the paper reports no served-load numbers; §4.4 puts the indirection's cost below 1 % of a step"}
+SYSTEMS = ("plain", "naive_evict", "vtoken_compact", "vtoken_densify")
+Q9_LABELS = {**LABELS, "plain": "vtoken off"}
+Q9_COLORS = {**COLORS, "plain": COLORS["native"]}
+METRICS = ("throughput_tok_s", "requests_s", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms",
+           "tpot_p50_ms", "tpot_p95_ms")
+LATENCIES = METRICS[2:]
+SERVER_COUNTERS = ("vtoken_tokens_evicted_total", "vtoken_plans_committed_total", "vtoken_blocks_released_total",
+                   "vtoken_tokens_moved_total", "num_preemptions_total")
+
+
+async def _one_request(client, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion: send time, chunk arrival times, completion tokens (from the usage chunk)."""
+    body = {"model": MODEL, "prompt": [2, *prompt], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    sent, stamps, usage = time.perf_counter(), [], None
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            else:
+                stamps.append(time.perf_counter())
+    if usage is None or usage["completion_tokens"] != max_tokens or not stamps:
+        return {"error": f"ended early: usage {usage}, {len(stamps)} chunks"}
+    return {"sent": sent, "stamps": stamps, "tokens": usage["completion_tokens"]}
+
+
+async def _window(base: str, prompts: list[list[int]], clients: int, seconds: float, max_tokens: int) -> list[dict]:
+    import httpx
+    done: list[dict] = []
+    async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=clients)) as client:
+        start = time.perf_counter()
+
+        async def closed_loop(i: int) -> None:
+            k = i
+            while True:  # at least one request each (seconds = 0: a warm-up round)
+                done.append(await _one_request(client, prompts[k % len(prompts)], max_tokens))
+                k += clients
+                if time.perf_counter() - start >= seconds:
+                    return
+        await asyncio.gather(*(closed_loop(i) for i in range(clients)))
+    for d in done:
+        d["start"] = start
+    return done
+
+
+def window_metrics(done: list[dict]) -> dict:
+    """The run's fields (module docstring) from its requests' timings."""
+    ok = [d for d in done if "error" not in d]
+    errors = [d["error"] for d in done if "error" in d]
+    assert ok, f"no request of the window succeeded: {errors[:3]}"
+    wall = max(d["stamps"][-1] for d in ok) - ok[0]["start"]
+    ttft = [1e3 * (d["stamps"][0] - d["sent"]) for d in ok]
+    itl = [1e3 * (b - a) for d in ok for a, b in zip(d["stamps"], d["stamps"][1:])]
+    tpot = [1e3 * (d["stamps"][-1] - d["stamps"][0]) / (d["tokens"] - 1) for d in ok if d["tokens"] > 1]
+    tokens = sum(d["tokens"] for d in ok)
+    out = {"requests": len(ok), "tokens": tokens, "wall_s": wall, "throughput_tok_s": tokens / wall,
+           "requests_s": len(ok) / wall, "errors": errors}
+    for name, xs in (("ttft", ttft), ("itl", itl), ("tpot", tpot)):
+        out |= {f"{name}_p50_ms": percentile(xs, 50) if xs else 0.0, f"{name}_p95_ms": percentile(xs, 95) if xs else 0.0}
+    return out
+
+
+def measure_window(base: str, prompts: list[list[int]], clients: int, seconds: float, max_tokens: int) -> dict:
+    """One timed window against the server at ``base``: the run's fields (module docstring)."""
+    return window_metrics(asyncio.run(_window(base, prompts, clients, seconds, max_tokens)))
+
+
+def serve_load(vtoken: dict | None, log_path: Path, prompt_sets: list[list[list[int]]], clients: int,
+               seconds: float, max_tokens: int, on_done=None) -> dict:
+    """One server: a warm-up round, then one timed window per prompt set. Returns {"windows": [run fields],
+    "counters": the SERVER_COUNTERS at the end}."""
+    with ServerProcess(vtoken, log_path, request_timeout_s=120) as server:
+        asyncio.run(_window(server.base, prompt_sets[0][:clients], clients, 0.0, max_tokens))  # warm-up
+        windows = []
+        for prompts in prompt_sets:
+            windows.append(measure_window(server.base, prompts, clients, seconds, max_tokens))
+            if windows[-1]["errors"]:
+                raise RuntimeError(f"{len(windows[-1]['errors'])} failed request(s): {windows[-1]['errors'][:3]}; "
+                                   f"server log {log_path}")
+            if on_done:
+                on_done()
+        m = server.metrics()
+        assert server.alive(), server.tail()
+    return {"windows": windows, "counters": {k: m.get(f"vllm:{k}", 0.0) for k in SERVER_COUNTERS}}
+
+
+def run(ctx: BenchContext) -> dict:
+    s = ctx.settings
+    evidence = str(ctx.out_dir / "q9-vtoken-evidence")
+    # enough prompts that no client repeats one in a window (no prefix-cache hits between requests)
+    n_prompts = s.q9_clients * max(8, int(4 * s.q9_seconds))
+    sets = [[p for p, _ in heldout_windows(n_prompts, s.q9_prompt_len, 0, seed)] for seed in s.seeds]
+    progress = ctx.progress("q9 serving load", len(SYSTEMS) * s.repeats)
+    runs, counters = [], {}
+    for x in SYSTEMS:
+        cfg = system_config(x, s.overhead_policy, s.overhead_budget, s.seed, s.score_layers, evidence)
+        res = serve_load(cfg, ctx.out_dir / f"q9-server-{x}.log", sets, s.q9_clients, s.q9_seconds,
+                         s.q9_max_tokens, on_done=lambda note=x: progress.advance(note))
+        runs += [{"system": x, "seed": seed, "vtoken": cfg, **{k: v for k, v in w.items() if k != "errors"}}
+                 for seed, w in zip(s.seeds, res["windows"])]
+        counters[x] = res["counters"]
+    progress.close()
+    summary = {"systems": {}, "policy": s.overhead_policy, "budget": s.overhead_budget}
+    base = summarize([r["throughput_tok_s"] for r in runs if r["system"] == "plain"])["median"]
+    for x in SYSTEMS:
+        mine = [r for r in runs if r["system"] == x]
+        summary["systems"][x] = {**{m: summarize([r[m] for r in mine]) for m in METRICS},
+                                 "throughput_vs_plain": summarize([r["throughput_tok_s"] / base for r in mine]),
+                                 "counters": counters[x]}
+    return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs, "summary": summary, "notes": notes(s)}
+
+
+def notes(s) -> list[str]:
+    return [
+        (f"{s.q9_clients} closed-loop streaming clients for {s.q9_seconds:g} s per window, one window per seed "
+         f"({s.repeats}), after an untimed warm-up round; prompts of {s.q9_prompt_len} held-out bytes, "
+         f"{s.q9_max_tokens} generated, ignore_eos; no prompt repeats within a window."),
+        ("The server (API process, engine core, worker) and the clients share this machine's cores, unpinned; "
+         "configurations run one after another, so machine noise between them is not cancelled (the spread is "
+         "within a configuration)."),
+        (f"Eviction: {s.overhead_policy} at budget {s.overhead_budget}; strict verify off. vLLM's default pool "
+         "(VLLM_CPU_KVCACHE_SPACE=1 GiB) holds every request whole: no memory pressure, so this measures what "
+         "vtoken costs, not the capacity it frees (Q3 and Q6 measure that)."),
+        ("TTFT: send to the first streamed chunk; ITL: gaps between a request's chunks (a chunk carries every "
+         "token since the previous one, so a server that falls behind sends fewer, fuller chunks); TPOT: per "
+         "request, first to last chunk over the tokens after the first. Percentiles over every request (TTFT, "
+         "TPOT) or gap (ITL) of the window, then median and spread over windows."),
+    ]
+
+
+# ---- output -------------------------------------------------------------------------------------
+def table(report: dict) -> list[str]:
+    sm = report["summary"]["systems"]
+    lines = ["| configuration | output tokens/s | vs vtoken off | requests/s | TTFT p50 (ms) | TTFT p95 (ms) "
+             "| ITL p50 (ms) | ITL p95 (ms) | TPOT p50 (ms) | TPOT p95 (ms) | evicted | plans | blocks released "
+             "| preemptions |", "|---" * 14 + "|"]
+    for x in SYSTEMS:
+        m, c = sm[x], sm[x]["counters"]
+        lines.append(f"| {Q9_LABELS[x]} | {fmt_spread(m['throughput_tok_s'], '{:.0f}')} "
+                     f"| {fmt_spread(m['throughput_vs_plain'], '{:.2f}')} | {fmt_spread(m['requests_s'], '{:.2f}')} "
+                     + " ".join(f"| {fmt_spread(m[k], '{:.1f}')}" for k in LATENCIES)
+                     + f" | {c['vtoken_tokens_evicted_total']:.0f} | {c['vtoken_plans_committed_total']:.0f} "
+                     f"| {c['vtoken_blocks_released_total']:.0f} | {c['num_preemptions_total']:.0f} |")
+    lines.append(f"\nMedian (min–max) over windows (seeds). Policy {report['summary']['policy']} at budget "
+                 f"{report['summary']['budget']}; counters over the whole server run (warm-up included).")
+    return lines
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    sm = report["summary"]["systems"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1, 2]})
+    grouped_bars(ax1, ["output tokens/s"], {x: [sm[x]["throughput_tok_s"]] for x in SYSTEMS}, Q9_COLORS, Q9_LABELS,
+                 "tokens per second")
+    grouped_bars(ax2, ["TTFT p50", "TTFT p95", "ITL p50", "ITL p95", "TPOT p50", "TPOT p95"],
+                 {x: [sm[x][k] for k in LATENCIES] for x in SYSTEMS}, Q9_COLORS, Q9_LABELS, "milliseconds")
+    ax2.set_yscale("log")
+    ax2.legend(fontsize=8)
+    fig.suptitle("Q9 vtoken serve under load on vLLM CPU, byte-llama (median, min–max over windows)")
+    save(fig, path)
