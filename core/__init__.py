@@ -3,6 +3,10 @@
 Token tables, a block pool, two relocation planners, the reclamation manager,
 eviction policies, executable invariants and metrics. Every other part of
 vtoken (spec, fuzz, integration) drives this code.
+
+The deterministic simulator, its workloads, the demo and the in-memory copy
+engine (tags instead of tensors) are in ``vtoken.core.sim``, which drives the
+runtime and which the runtime never imports.
 """
 
 from .block_pool import BlockAllocator, BlockPool, Purpose, blocks_needed
@@ -11,7 +15,6 @@ from .copy_engine import CopyEngine, CopyHandle, CopyStatus
 from .densify import plan_densify
 from . import errors
 from .errors import *  # noqa: F401,F403  (the error hierarchy is part of the API)
-from .inmemory import InMemoryCopyEngine, TagStore
 from .metrics import MemoryMetrics, measure
 from .plan import NoPlan, NoPlanReason, Plan, PlanKind
 from .reclamation import Ordering, PlanRecord, PlanState, ReclaimConfig, ReclamationManager
@@ -22,7 +25,7 @@ from .token_table import NO_SLOT, Move, RequestSnapshot, TokenTable
 
 __all__ = [
     "BlockAllocator", "BlockPool", "Purpose", "blocks_needed", "choose_sources", "plan_compaction",
-    "CopyEngine", "CopyHandle", "CopyStatus", "plan_densify", "InMemoryCopyEngine", "TagStore",
+    "CopyEngine", "CopyHandle", "CopyStatus", "plan_densify",
     "MemoryMetrics", "measure", "NoPlan", "NoPlanReason", "Plan", "PlanKind", "Ordering", "PlanRecord",
     "PlanState", "ReclaimConfig", "ReclamationManager", "AdmissionClosedError", "ReadPath", "StepInputs",
     "StepRequest", "VTokenRuntime", "TokenScores", "NO_SLOT", "Move", "RequestSnapshot", "TokenTable",

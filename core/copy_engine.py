@@ -1,7 +1,7 @@
 """The ``CopyEngine`` protocol: how the core asks a device to move K/V entries.
 
 The core decides what moves; an engine moves it. Engines: ``InMemoryCopyEngine``
-(core/inmemory.py, tags instead of tensors, with test controls for late,
+(core/sim/inmemory.py, tags instead of tensors, with test controls for late,
 reordered and failed copies), and the torch CPU/CUDA engines of the device
 layer (integration/).
 

@@ -31,13 +31,13 @@ from hypothesis.stateful import (
 from vtoken.core import errors as E
 from vtoken.core.block_pool import BlockPool, Purpose
 from vtoken.core.copy_engine import CopyStatus
-from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
+from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.invariants import check_all, next_read_view
 from vtoken.core.policies import POLICIES, make_policy
 from vtoken.core.policies.base import RequestView
 from vtoken.core.reclamation import LAUNCH_FAILED, PlanState, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
-from vtoken.core.simulator import attention_weights
+from vtoken.core.sim.simulator import attention_weights
 from vtoken.core.token_table import NO_SLOT, Move
 
 from .bad_calls import BAD_ARGUMENTS, BAD_CALLS, TEETH, BadCalls, names_in
@@ -793,7 +793,7 @@ class TensorMachine(VTokenMachine):
     """
 
     def make_engine(self, num_blocks: int, block_size: int):
-        from vtoken.integration.fuzz_target import tensor_engine
+        from vtoken.fuzz.tensor_target import tensor_engine
         return tensor_engine(num_blocks, block_size)
 
     complete_copy = fail_copy = order_copy = None

@@ -11,7 +11,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from vtoken.core import block_pool, compact, densify, inmemory, reclamation, runtime, token_table
+from vtoken.core import block_pool, compact, densify, reclamation, runtime, token_table
+from vtoken.core.sim import inmemory
 from vtoken.core.block_pool import blocks_needed
 from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.policies.h2o import H2O
@@ -258,7 +259,7 @@ def _state_before_submit():
 
 
 def _no_pre_attention_wait():
-    from vtoken.core import inmemory
+    from vtoken.core.sim import inmemory
 
     def before_compute(self):
         pass  # the forward no longer waits for ordered copies

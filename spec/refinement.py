@@ -64,12 +64,12 @@ from vtoken.core.errors import (
     PoolExhaustedError,
     VTokenError,
 )
-from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
+from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.invariants import next_read_view
 from vtoken.core.plan import PlanKind
 from vtoken.core.reclamation import Ordering, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
-from vtoken.core.simulator import attention_weights
+from vtoken.core.sim.simulator import attention_weights
 from vtoken.core.token_table import NO_SLOT, Move
 
 from . import state_model as M

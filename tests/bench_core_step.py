@@ -9,7 +9,8 @@ noisy): ``python tests/bench_core_step.py`` (docs/results.md, "Cost of the edge 
 import statistics
 import time
 
-from vtoken.core import BlockPool, InMemoryCopyEngine, ReclaimConfig, TagStore, VTokenRuntime
+from vtoken.core import BlockPool, ReclaimConfig, VTokenRuntime
+from vtoken.core.sim import InMemoryCopyEngine, TagStore
 from vtoken.core.plan import PlanKind
 from vtoken.core.policies.streaming_llm import StreamingLLM
 from vtoken.core.reclamation import Ordering

@@ -15,7 +15,7 @@ import tempfile
 import time
 
 from vtoken.core.invariants import check_all
-from vtoken.core.simulator import SimConfig, Simulator, content_tag, synthetic_workload
+from vtoken.core.sim.simulator import SimConfig, Simulator, content_tag, synthetic_workload
 from vtoken.fuzz.campaign import CampaignConfig, run_campaign
 from vtoken.fuzz.profiles import PROFILES
 

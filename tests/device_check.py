@@ -35,10 +35,10 @@ import torch  # noqa: E402
 
 from vtoken.core.copy_engine import CopyStatus  # noqa: E402
 from vtoken.core.token_table import Move  # noqa: E402
-from vtoken.integration.copy_engine import TorchCopyEngine  # noqa: E402
-from vtoken.integration.kv_cache import PagedKVCache  # noqa: E402
-from vtoken.integration.kv_layout import cpu_plane, gpu_planes  # noqa: E402
-from vtoken.integration.verify import RelocationMismatch, Verifier, VerifyConfig  # noqa: E402
+from vtoken.integration.device.copy_engine import TorchCopyEngine  # noqa: E402
+from vtoken.integration.device.kv_cache import PagedKVCache  # noqa: E402
+from vtoken.integration.device.kv_layout import cpu_plane, gpu_planes  # noqa: E402
+from vtoken.integration.device.verify import RelocationMismatch, Verifier, VerifyConfig  # noqa: E402
 
 NB, S, H, D = 64, 16, 4, 64
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from vtoken.core.cli import main as vtoken_main
 from vtoken.core.errors import ConfigError
-from vtoken.core.simulator import SimConfig, synthetic_workload
+from vtoken.core.sim.simulator import SimConfig, synthetic_workload
 from vtoken.integration.bench import q4_device
 from vtoken.integration.bench.context import BenchContext
 from vtoken.integration.bench.device_serving import (

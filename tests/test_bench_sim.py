@@ -17,8 +17,8 @@ import pytest
 
 from vtoken.core.cli import main as vtoken_main
 from vtoken.core.errors import ConfigError
-from vtoken.core.simulator import SimConfig
-from vtoken.core.workloads import (CHAT_OUTPUT, CHAT_PROMPT, LONG_PROMPT, LengthModel, burst_schedule, burst_windows,
+from vtoken.core.sim.simulator import SimConfig
+from vtoken.core.sim.workloads import (CHAT_OUTPUT, CHAT_PROMPT, LONG_PROMPT, LengthModel, burst_schedule, burst_windows,
                                    chat_workload, fixed_workload, long_context_workload, make_workload)
 from vtoken.integration.bench import q3_capacity_frontier as q3
 from vtoken.integration.bench import q8_bursty_eviction as q8

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vtoken.core import demo
+from vtoken.core.sim import demo
 from vtoken.core.cli import check_int, check_number, check_out_dir, check_out_file, main as vtoken_main
 from vtoken.core.errors import ConfigError, PoolExhaustedError
 

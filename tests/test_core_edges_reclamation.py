@@ -39,7 +39,7 @@ from vtoken.core.errors import (
     DoubleFreeError,
     InvariantViolation,
 )
-from vtoken.core.inmemory import InMemoryCopyEngine
+from vtoken.core.sim.inmemory import InMemoryCopyEngine
 from vtoken.core.plan import Plan, PlanKind
 from vtoken.core.reclamation import LAUNCH_FAILED, PlanRecord, PlanState, ReclaimConfig
 from vtoken.core.token_table import Move, TokenTable

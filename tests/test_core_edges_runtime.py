@@ -42,7 +42,7 @@ from vtoken.core.errors import (
     PoolExhaustedError,
     StepOrderError,
 )
-from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
+from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.plan import PlanKind
 from vtoken.core.policies import POLICIES
 from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig

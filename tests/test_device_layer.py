@@ -17,12 +17,12 @@ from vtoken.core.errors import DestinationError, MoveSourceMismatchError, TokenO
 from vtoken.core.plan import PlanKind
 from vtoken.core.reclamation import ReclaimConfig, ReclamationManager
 from vtoken.core.token_table import Move, TokenTable
-from vtoken.integration.copy_engine import TorchCopyEngine
-from vtoken.integration.kv_cache import PagedKVCache
-from vtoken.integration.kv_layout import (LayoutError, cpu_plane, default_cpu_block_order, gpu_planes,
+from vtoken.integration.device.copy_engine import TorchCopyEngine
+from vtoken.integration.device.kv_cache import PagedKVCache
+from vtoken.integration.device.kv_layout import (LayoutError, cpu_plane, default_cpu_block_order, gpu_planes,
                                           probe_block_order)
-from vtoken.integration.tensor_tags import TORN, TensorTagStore
-from vtoken.integration.verify import RelocationMismatch, Verifier, VerifyConfig
+from vtoken.integration.device.tensor_tags import TORN, TensorTagStore
+from vtoken.integration.device.verify import RelocationMismatch, Verifier, VerifyConfig
 
 NB, S, H, D = 8, 4, 2, 3
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

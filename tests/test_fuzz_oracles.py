@@ -11,7 +11,7 @@ import pytest
 
 from vtoken.core.block_pool import BlockPool
 from vtoken.core.copy_engine import CopyStatus
-from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
+from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.plan import PlanKind
 from vtoken.core.policies import H2O, RandomPolicy, Scissorhands, StreamingLLM
 from vtoken.core.policies.base import RequestView

@@ -3,7 +3,7 @@
 import copy
 
 from vtoken.fuzz.campaign import CampaignConfig, pytest_file, replay_command, run_batch
-from vtoken.integration.kv_cache import PagedKVCache
+from vtoken.integration.device.kv_cache import PagedKVCache
 
 CFG = CampaignConfig(examples=12, steps=60, seed=1, use_database=False, shrink=False, target="tensors",
                      planners=("compact", "densify"))

@@ -9,9 +9,9 @@ pytest.importorskip("vllm")
 
 from vtoken.fuzz.cli import VLLM_BUGS  # noqa: E402
 from vtoken.fuzz.vllm_campaign import episode_seed, main  # noqa: E402
-from vtoken.integration.vllm import fuzz_episode as F  # noqa: E402
+from vtoken.fuzz import vllm_episode as F  # noqa: E402
 from vtoken.integration.vllm import scheduler_tokens  # noqa: E402
-from vtoken.integration.vllm.fuzz_episode import Episode, EpisodeResult, compare_outputs, planted  # noqa: E402
+from vtoken.fuzz.vllm_episode import Episode, EpisodeResult, compare_outputs, planted  # noqa: E402
 from vtoken.integration.vllm.worker_tokens import WorkerTokens  # noqa: E402
 
 

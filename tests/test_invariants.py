@@ -18,11 +18,11 @@ import pytest
 from vtoken.core import invariants as inv
 from vtoken.core.block_pool import BlockPool, Purpose, blocks_needed
 from vtoken.core.errors import InvariantViolation
-from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
+from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.invariants import check_all
 from vtoken.core.plan import PlanKind
 from vtoken.core.reclamation import PlanState, ReclaimConfig, ReclamationManager
-from vtoken.core.simulator import SimConfig, run, synthetic_workload
+from vtoken.core.sim.simulator import SimConfig, run, synthetic_workload
 from vtoken.core.token_table import Move, TokenTable
 
 EVICT = [1, 2, 3, 4, 5, 6, 10, 11]

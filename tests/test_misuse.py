@@ -38,7 +38,7 @@ from vtoken.core.errors import (
     UnknownRequestError,
     VTokenError,
 )
-from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
+from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.occupancy import SlotOccupancy
 from vtoken.core.plan import Plan, PlanKind
 from vtoken.core.policies import H2O, RandomPolicy, RequestView, Scissorhands, StreamingLLM, make_policy
@@ -152,8 +152,8 @@ def torch_():
 def cache_():
     """Two layers: a (K, V) pair and a stacked [2, ...] tensor (whose block -1 of V is K's last block)."""
     torch = torch_()
-    from vtoken.integration.kv_cache import PagedKVCache
-    from vtoken.integration.kv_layout import gpu_planes
+    from vtoken.integration.device.kv_cache import PagedKVCache
+    from vtoken.integration.device.kv_layout import gpu_planes
 
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(4, 2, 2, 3, generator=g), torch.randn(4, 2, 2, 3, generator=g)
@@ -1382,7 +1382,7 @@ def _evict_and_reclaim_records_no_row_when_a_later_row_is_bad():
 @case
 def _kv_pair_refuses_k_and_v_on_different_devices():
     torch = torch_()
-    from vtoken.integration.kv_layout import LayoutError, gpu_planes
+    from vtoken.integration.device.kv_layout import LayoutError, gpu_planes
 
     k, v = torch.zeros(4, 2, 2, 3), torch.zeros(4, 2, 2, 3, device="meta")
     return (), lambda: gpu_planes("l0", (k, v)), LayoutError, "meta"
@@ -1391,8 +1391,8 @@ def _kv_pair_refuses_k_and_v_on_different_devices():
 @case
 def _kv_cache_refuses_planes_on_different_devices():
     torch = torch_()
-    from vtoken.integration.kv_cache import PagedKVCache
-    from vtoken.integration.kv_layout import LayoutError, gpu_planes
+    from vtoken.integration.device.kv_cache import PagedKVCache
+    from vtoken.integration.device.kv_layout import LayoutError, gpu_planes
 
     planes = gpu_planes("l0", torch.zeros(2, 4, 2, 2, 3)) + gpu_planes("l1", torch.zeros(2, 4, 2, 2, 3, device="meta"))
     return (), lambda: PagedKVCache(planes), LayoutError, "'l1'"
@@ -1401,7 +1401,7 @@ def _kv_cache_refuses_planes_on_different_devices():
 @case
 def _kv_pair_refuses_block_size_zero():
     torch = torch_()
-    from vtoken.integration.kv_layout import LayoutError, gpu_planes
+    from vtoken.integration.device.kv_layout import LayoutError, gpu_planes
 
     return (), lambda: gpu_planes("l0", (torch.zeros(4, 0, 2, 3),) * 2), LayoutError, "'l0'"
 
@@ -1409,7 +1409,7 @@ def _kv_pair_refuses_block_size_zero():
 @case
 def _kv_pair_refuses_zero_blocks():
     torch = torch_()
-    from vtoken.integration.kv_layout import LayoutError, gpu_planes
+    from vtoken.integration.device.kv_layout import LayoutError, gpu_planes
 
     return (), lambda: gpu_planes("l0", torch.zeros(2, 0, 2, 2, 3)), LayoutError, "0 blocks"
 
@@ -1417,7 +1417,7 @@ def _kv_pair_refuses_zero_blocks():
 @case
 def _kv_pair_refuses_three_tensors():
     torch = torch_()
-    from vtoken.integration.kv_layout import LayoutError, gpu_planes
+    from vtoken.integration.device.kv_layout import LayoutError, gpu_planes
 
     return (), lambda: gpu_planes("l0", (torch.zeros(4, 2, 2, 3),) * 3), LayoutError, "'l0'"
 
@@ -1425,7 +1425,7 @@ def _kv_pair_refuses_three_tensors():
 @case
 def _kv_pair_refuses_lists_for_tensors():
     torch_()
-    from vtoken.integration.kv_layout import LayoutError, gpu_planes
+    from vtoken.integration.device.kv_layout import LayoutError, gpu_planes
 
     return (), lambda: gpu_planes("l0", ([0.0], [0.0])), LayoutError, "'l0'"
 
@@ -1433,7 +1433,7 @@ def _kv_pair_refuses_lists_for_tensors():
 @case
 def _kv_cpu_plane_refuses_a_float_block_order():
     torch = torch_()
-    from vtoken.integration.kv_layout import LayoutError, cpu_plane
+    from vtoken.integration.device.kv_layout import LayoutError, cpu_plane
 
     cache = torch.zeros(4, 2, 2, 6)
     return (cache,), lambda: cpu_plane("c0", cache, torch.zeros(2, 12)), LayoutError, "'c0'"
@@ -1442,8 +1442,8 @@ def _kv_cpu_plane_refuses_a_float_block_order():
 @case
 def _kv_cache_refuses_no_planes():
     torch_()
-    from vtoken.integration.kv_cache import PagedKVCache
-    from vtoken.integration.kv_layout import LayoutError
+    from vtoken.integration.device.kv_cache import PagedKVCache
+    from vtoken.integration.device.kv_layout import LayoutError
 
     return (), lambda: PagedKVCache([]), LayoutError, "at least one plane"
 
@@ -1451,8 +1451,8 @@ def _kv_cache_refuses_no_planes():
 @case
 def _kv_cache_refuses_a_tensor_for_a_plane():
     torch = torch_()
-    from vtoken.integration.kv_cache import PagedKVCache
-    from vtoken.integration.kv_layout import LayoutError
+    from vtoken.integration.device.kv_cache import PagedKVCache
+    from vtoken.integration.device.kv_layout import LayoutError
 
     return (), lambda: PagedKVCache([torch.zeros(4, 2, 2, 3)]), LayoutError, "Tensor"
 
@@ -1532,7 +1532,7 @@ def _kv_write_refuses_a_negative_slot():
 @case
 def _kv_write_refuses_an_unknown_plane():
     torch = torch_()
-    from vtoken.integration.kv_layout import LayoutError
+    from vtoken.integration.device.kv_layout import LayoutError
 
     c = cache_()
     return (c,), lambda: c.write("l9.K", torch.tensor([0]), torch.ones(1, 6)), LayoutError, "'l9.K'"
@@ -1555,7 +1555,7 @@ def _kv_read_refuses_bool_slots():
 @case
 def _tag_store_write_refuses_a_negative_slot():
     torch_()
-    from vtoken.integration.tensor_tags import TensorTagStore
+    from vtoken.integration.device.tensor_tags import TensorTagStore
 
     s = TensorTagStore(cache_())
     return (s,), lambda: s.write(-1, 5), BlockOutOfRangeError, "-1"
@@ -1564,7 +1564,7 @@ def _tag_store_write_refuses_a_negative_slot():
 @case
 def _tag_store_write_refuses_a_tag_beyond_64_bits():
     torch_()
-    from vtoken.integration.tensor_tags import TensorTagStore
+    from vtoken.integration.device.tensor_tags import TensorTagStore
 
     s = TensorTagStore(cache_())
     return (s,), lambda: s.write(0, 2**64), InvalidArgumentError, str(2**64)
@@ -1573,7 +1573,7 @@ def _tag_store_write_refuses_a_tag_beyond_64_bits():
 @case
 def _tag_store_read_refuses_true_as_slot():
     torch_()
-    from vtoken.integration.tensor_tags import TensorTagStore
+    from vtoken.integration.device.tensor_tags import TensorTagStore
 
     s = TensorTagStore(cache_())
     return (s,), lambda: s.read(True), BlockOutOfRangeError, "True"
@@ -1582,8 +1582,8 @@ def _tag_store_read_refuses_true_as_slot():
 @case
 def _tag_store_refuses_a_core_tag_store():
     torch_()
-    from vtoken.integration.kv_layout import LayoutError
-    from vtoken.integration.tensor_tags import TensorTagStore
+    from vtoken.integration.device.kv_layout import LayoutError
+    from vtoken.integration.device.tensor_tags import TensorTagStore
 
     return (), lambda: TensorTagStore(TagStore(4, 4)), LayoutError, "TagStore"
 
@@ -1591,7 +1591,7 @@ def _tag_store_refuses_a_core_tag_store():
 @case
 def _cpu_block_order_refuses_block_size_zero():
     torch_()
-    from vtoken.integration.kv_layout import LayoutError, default_cpu_block_order
+    from vtoken.integration.device.kv_layout import LayoutError, default_cpu_block_order
 
     return (), lambda: default_cpu_block_order(2, 0, 3), LayoutError, "block_size"
 
@@ -1599,7 +1599,7 @@ def _cpu_block_order_refuses_block_size_zero():
 @case
 def _probe_refuses_a_writer_that_is_not_callable():
     torch_()
-    from vtoken.integration.kv_layout import LayoutError, probe_block_order
+    from vtoken.integration.device.kv_layout import LayoutError, probe_block_order
 
     return (), lambda: probe_block_order("cpu_attn_reshape_and_cache", 2, 4, 3), LayoutError, "cpu_attn"
 

@@ -34,7 +34,7 @@ from vtoken.core.errors import (
     UnknownRequestError,
     VTokenError,
 )
-from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
+from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.reclamation import (
     PlanState,
     ReclaimConfig,
@@ -69,10 +69,10 @@ class Scene:
 
 def tensor_engine():
     torch = pytest.importorskip("torch")
-    from vtoken.integration.copy_engine import TorchCopyEngine
-    from vtoken.integration.kv_cache import PagedKVCache
-    from vtoken.integration.kv_layout import gpu_planes
-    from vtoken.integration.verify import Verifier, VerifyConfig
+    from vtoken.integration.device.copy_engine import TorchCopyEngine
+    from vtoken.integration.device.kv_cache import PagedKVCache
+    from vtoken.integration.device.kv_layout import gpu_planes
+    from vtoken.integration.device.verify import Verifier, VerifyConfig
 
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(NB, S, 2, 3, generator=g), torch.randn(NB, S, 2, 3, generator=g)

@@ -19,7 +19,7 @@ from vtoken.core.block_pool import BlockPool, Purpose, blocks_needed
 from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.errors import (ConfigError, DestinationError, InvariantViolation, PlanConflictError,
                                  PoolExhaustedError, VTokenError)
-from vtoken.core.inmemory import EMPTY_TAG, InMemoryCopyEngine, TagStore
+from vtoken.core.sim.inmemory import EMPTY_TAG, InMemoryCopyEngine, TagStore
 from vtoken.core.invariants import check_all
 from vtoken.core.plan import NoPlan, NoPlanReason, PlanKind
 from vtoken.core.reclamation import (

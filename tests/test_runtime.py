@@ -13,7 +13,7 @@ from vtoken.core.errors import (
     UnknownRequestError,
     VTokenError,
 )
-from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
+from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.invariants import check_all
 from vtoken.core.plan import PlanKind
 from vtoken.core.policies import H2O, StreamingLLM

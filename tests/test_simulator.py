@@ -7,7 +7,7 @@ from dataclasses import fields, replace
 import pytest
 
 from vtoken.core.errors import ConfigError
-from vtoken.core.simulator import (
+from vtoken.core.sim.simulator import (
     SimConfig,
     Simulator,
     compare_modes,

@@ -1,6 +1,6 @@
 """The built-in demo runs end to end and reclamation beats no reclamation on its own workload."""
 
-from vtoken.core.simulator import SimConfig, compare_modes, synthetic_workload
+from vtoken.core.sim.simulator import SimConfig, compare_modes, synthetic_workload
 
 
 def test_demo_workload_orders_modes():
@@ -23,7 +23,7 @@ def test_the_demo_command_prints_json_for_every_mode(capsys):
 
 
 def test_the_demo_refuses_a_bad_option_before_any_work(capsys, monkeypatch):
-    from vtoken.core import demo
+    from vtoken.core.sim import demo
     from vtoken.core.cli import main
 
     monkeypatch.setattr(demo, "compare_modes", lambda *a: (_ for _ in ()).throw(AssertionError("ran")))

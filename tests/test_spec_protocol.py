@@ -21,7 +21,7 @@ import z3
 from vtoken.core.block_pool import BlockPool
 from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.errors import VTokenError
-from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
+from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
 from vtoken.core.runtime import VTokenRuntime
 from vtoken.spec import protocol_model as pm

@@ -23,7 +23,7 @@ from dataclasses import replace
 import pytest
 from vtoken.core.block_pool import BlockPool, Purpose, blocks_needed
 from vtoken.core.copy_engine import CopyStatus
-from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
+from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig, ReclamationManager
 from vtoken.core.token_table import TokenTable
 from vtoken.spec import protocol_two_plans as tp

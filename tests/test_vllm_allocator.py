@@ -8,7 +8,7 @@ from vtoken.core.errors import BlockOutOfRangeError, DoubleFreeError, HeadroomRe
 from vtoken.core.reclamation import ReclaimConfig, ReclamationManager
 from vtoken.core.plan import PlanKind
 from vtoken.core.token_table import TokenTable
-from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
+from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 
 pytest.importorskip("vllm")
 from vllm.v1.core.block_pool import BlockPool as VllmPool  # noqa: E402

@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 import vllm_harness as H  # noqa: E402
 
 from test_vllm_quarantine import corrupt_inside_copies  # noqa: E402
-from vtoken.integration.verify import RelocationMismatch  # noqa: E402
+from vtoken.integration.device.verify import RelocationMismatch  # noqa: E402
 from vtoken.integration.vllm.worker_tokens import WorkerTokens  # noqa: E402
 
 DRILL = {"drill_every": 2, "strict_verify": "strict"}

@@ -10,7 +10,7 @@ pytest.importorskip("vllm")
 
 import vllm_harness as H  # noqa: E402
 
-from vtoken.integration.copy_engine import TorchCopyEngine  # noqa: E402
+from vtoken.integration.device.copy_engine import TorchCopyEngine  # noqa: E402
 
 EVICT = {"policy": "streaming_llm", "budget": 0.5, "strict_verify": "strict"}
 DRILL = {"drill_every": 2, "strict_verify": "strict"}

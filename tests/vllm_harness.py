@@ -87,12 +87,12 @@ def make_llm(vtoken: dict | None, multiprocess: bool | None = None, **overrides)
 
 
 def raise_without_engine(err: BaseException):
-    """Re-raise ``err`` after the engine that raised it is gone (``fuzz_episode.drop_frames``: an in-process
+    """Re-raise ``err`` after the engine that raised it is gone (``vllm_engine.drop_frames``: an in-process
     engine kept alive by its exception's frames is shut down later by the garbage collector, in the middle
     of the next engine's start)."""
     import gc
 
-    from vtoken.integration.vllm.fuzz_episode import drop_frames
+    from vtoken.integration.bench.vllm_engine import drop_frames
     drop_frames(err)
     gc.collect()
     raise err

@@ -26,12 +26,12 @@ from vtoken.core.plan import PlanKind
 from vtoken.core.policies import make_policy
 from vtoken.core.reclamation import Ordering, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
-from vtoken.core.simulator import RequestSpec, SimConfig, Simulator
+from vtoken.core.sim.simulator import RequestSpec, SimConfig, Simulator
 
-from ..copy_engine import TorchCopyEngine
-from ..kv_cache import PagedKVCache
-from ..kv_layout import gpu_planes
-from ..verify import Verifier, VerifyConfig
+from ..device.copy_engine import TorchCopyEngine
+from ..device.kv_cache import PagedKVCache
+from ..device.kv_layout import gpu_planes
+from ..device.verify import Verifier, VerifyConfig
 
 SCORE_FREE_POLICIES = ("streaming_llm", "random")
 

@@ -20,7 +20,7 @@ import time
 from typing import Sequence
 
 from vtoken.core.block_pool import blocks_needed
-from vtoken.core.simulator import RequestSpec, SimConfig, Simulator
+from vtoken.core.sim.simulator import RequestSpec, SimConfig, Simulator
 
 MAX_STEPS = 1_000_000
 

@@ -8,7 +8,7 @@ same eviction decisions. A run that preempted anyway fails loudly.
 
 from __future__ import annotations
 
-from vtoken.core.simulator import SimConfig
+from vtoken.core.sim.simulator import SimConfig
 
 from .context import BenchContext
 from .measure import pool_for

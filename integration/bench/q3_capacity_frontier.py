@@ -32,8 +32,8 @@ import math
 from pathlib import Path
 
 from vtoken.core.block_pool import blocks_needed
-from vtoken.core.simulator import SimConfig
-from vtoken.core.workloads import fixed_workload
+from vtoken.core.sim.simulator import SimConfig
+from vtoken.core.sim.workloads import fixed_workload
 
 from .context import BenchContext
 from .plots import grouped_bars, pyplot, save

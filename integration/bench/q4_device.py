@@ -26,11 +26,11 @@ import time
 from dataclasses import replace
 
 import torch
-from vtoken.core.simulator import SimConfig, synthetic_workload
+from vtoken.core.sim.simulator import SimConfig, synthetic_workload
 from vtoken.core.token_table import Move
 
-from ..copy_engine import TorchCopyEngine
-from ..verify import Verifier, VerifyConfig
+from ..device.copy_engine import TorchCopyEngine
+from ..device.verify import Verifier, VerifyConfig
 from .device_serving import ModelShape, build_cache, run_timed
 from .plots import grouped_bars, pyplot, save
 from .stats import fmt_spread, summarize

@@ -36,13 +36,13 @@ import time
 from pathlib import Path
 
 from vtoken.core.block_pool import BlockPool, blocks_needed
-from vtoken.core.inmemory import InMemoryCopyEngine, TagStore
+from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.invariants import check_all
 from vtoken.core.plan import PlanKind
 from vtoken.core.policies import make_policy
 from vtoken.core.reclamation import Ordering, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
-from vtoken.core.simulator import SimConfig, attention_weights, content_tag
+from vtoken.core.sim.simulator import SimConfig, attention_weights, content_tag
 
 from .context import BenchContext
 from .plots import line_with_spread, pyplot, save, scaling_axes

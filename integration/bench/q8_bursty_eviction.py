@@ -48,8 +48,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vtoken.core.block_pool import blocks_needed
-from vtoken.core.simulator import RequestSpec, SimConfig, Simulator
-from vtoken.core.workloads import CHAT_PROMPT, burst_schedule, burst_windows
+from vtoken.core.sim.simulator import RequestSpec, SimConfig, Simulator
+from vtoken.core.sim.workloads import CHAT_PROMPT, burst_schedule, burst_windows
 
 from .context import BenchContext
 from .measure import pool_for

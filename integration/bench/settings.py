@@ -13,15 +13,15 @@ from dataclasses import asdict, dataclass, replace
 
 from vtoken.core.errors import ConfigError
 from vtoken.core.policies import POLICIES
-from vtoken.core.simulator import RequestSpec
-from vtoken.core.workloads import WORKLOADS, make_workload
+from vtoken.core.sim.simulator import RequestSpec
+from vtoken.core.sim.workloads import WORKLOADS, make_workload
 
 MIN_REPEATS = 5
 
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """A named workload generator and its arguments (``core/workloads.py``)."""
+    """A named workload generator and its arguments (``core/sim/workloads.py``)."""
 
     name: str
     num_requests: int

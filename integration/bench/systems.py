@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from vtoken.core.errors import ConfigError
-from vtoken.core.simulator import SimConfig
+from vtoken.core.sim.simulator import SimConfig
 
 SYSTEMS = ("native", "naive_evict", "vtoken_compact", "vtoken_densify")
 EVICTING = SYSTEMS[1:]

@@ -195,7 +195,6 @@ def _run_engine(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: in
                 counters=None) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    from vtoken.integration.vllm.fuzz_episode import drop_frames
 
     longest = max(len(p) for ps in prompt_sets for p in ps) + max_tokens
     most = max(len(ps) for ps in prompt_sets)
@@ -366,3 +365,14 @@ def close_all(engines: list[EngineProcess]) -> None:
             e.conn.close()
     if errors:
         raise errors[0]
+
+
+def drop_frames(err: BaseException) -> None:
+    """Keep the message and a short traceback, drop the frames: they hold the engine, which must be shut down
+    now and not by a later garbage collection in the middle of the next episode's engine start."""
+    import traceback
+    err.add_note("".join(traceback.format_exception(err)[-10:]))
+    e = err
+    while e is not None:
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__

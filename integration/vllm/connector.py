@@ -56,8 +56,8 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vtoken.core.errors import ConfigError
 
-from ..copy_engine import TorchCopyEngine
-from ..verify import Verifier, VerifyConfig
+from ..device.copy_engine import TorchCopyEngine
+from ..device.verify import Verifier, VerifyConfig
 from .scheduler_tokens import SchedulerTokens, StepOrders
 from .settings import VTokenSettings
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import PagedKVCache
-from ..kv_layout import cpu_plane, probe_block_order
+from ..device.kv_cache import PagedKVCache
+from ..device.kv_layout import cpu_plane, probe_block_order
 from .compat import UnsupportedConfigError
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_layout import CacheWriter
+from ..device.kv_layout import CacheWriter
 
 
 def vllm_cpu_writer(dtype: torch.dtype, block_size: int, head_size: int) -> tuple[CacheWriter, str]:

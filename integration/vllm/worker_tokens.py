@@ -28,7 +28,7 @@ from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.errors import InvariantViolation
 from vtoken.core.token_table import Move
 
-from ..copy_engine import TorchCopyEngine
+from ..device.copy_engine import TorchCopyEngine
 from .compat import UnsupportedConfigError
 
 

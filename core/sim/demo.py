@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from .cli import check_int, check_number
-from .policies import POLICIES
+from ..cli import check_int, check_number
+from ..policies import POLICIES
 from .simulator import SimConfig, compare_modes, synthetic_workload
 
 #: Largest --block-size: the demo's pool has 4,096 blocks; vLLM's block sizes are 16..256.

@@ -1,14 +1,14 @@
-"""The device-layer setup ``vtoken fuzz --target tensors`` drives (kept here so fuzz/ needs no torch)."""
+"""The device-layer setup ``vtoken fuzz --target tensors`` drives (torch: imported only by that target)."""
 
 from __future__ import annotations
 
 import torch
 
-from .copy_engine import TorchCopyEngine
-from .kv_cache import PagedKVCache
-from .kv_layout import cpu_plane, gpu_planes
-from .tensor_tags import TensorTagStore
-from .verify import Verifier, VerifyConfig
+from vtoken.integration.device.copy_engine import TorchCopyEngine
+from vtoken.integration.device.kv_cache import PagedKVCache
+from vtoken.integration.device.kv_layout import cpu_plane, gpu_planes
+from vtoken.integration.device.tensor_tags import TensorTagStore
+from vtoken.integration.device.verify import Verifier, VerifyConfig
 
 
 def tensor_engine(num_blocks: int, block_size: int, seed: int = 0) -> TorchCopyEngine:

@@ -30,8 +30,10 @@ from functools import lru_cache
 from pathlib import Path
 
 from vtoken.core.errors import InvariantViolation
+from vtoken.integration.bench.vllm_engine import drop_frames
+from vtoken.integration.vllm import manager_hooks
 
-MODEL = str(Path(__file__).parent / "models" / "byte-llama")
+MODEL = str(Path(manager_hooks.__file__).parent / "models" / "byte-llama")
 SCORE_POLICIES = ("h2o", "scissorhands")
 LOGPROB_TOL = 1e-3  # same token, caching on vs off: roundoff measured <= 1e-5; wrong K/V moves it by ~0.1-2
 TIE = 1e-3  # a first differing token is legitimate only where the top two logprobs are this close
@@ -255,7 +257,6 @@ def _generated(completion) -> tuple[list[int], list[float], list[float]]:
 # ---- planted bugs (``vtoken fuzz --target vllm --self-test``) ---------------------------------------------
 def _destinations_only(self, r, plan):
     """Issue #15's bug: a commit drops the hashes of the blocks that received a moved token, and no more."""
-    from . import manager_hooks
     return manager_hooks.uncache(self.allocator.pool, {m.dst_block for m in plan.moves})
 
 
@@ -293,14 +294,3 @@ def planted(name: str):
         yield
     finally:
         setattr(owner, attr, original)
-
-
-def drop_frames(err: BaseException) -> None:
-    """Keep the message and a short traceback, drop the frames: they hold the engine, which must be shut down
-    now and not by a later garbage collection in the middle of the next episode's engine start."""
-    import traceback
-    err.add_note("".join(traceback.format_exception(err)[-10:]))
-    e = err
-    while e is not None:
-        e.__traceback__ = None
-        e = e.__cause__ or e.__context__

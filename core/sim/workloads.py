@@ -41,7 +41,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .simulator import RequestSpec
 
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
-from .block_pool import BlockPool, Purpose, blocks_needed
-from .errors import ConfigError, InvariantViolation
+from ..block_pool import BlockPool, Purpose, blocks_needed
+from ..errors import ConfigError, InvariantViolation
 from .inmemory import InMemoryCopyEngine, TagStore
-from .invariants import check_all
-from .metrics import measure
-from .plan import PlanKind
-from .policies import make_policy
-from .reclamation import Ordering, ReclaimConfig
-from .runtime import ReadPath, VTokenRuntime, check_budget
+from ..invariants import check_all
+from ..metrics import measure
+from ..plan import PlanKind
+from ..policies import make_policy
+from ..reclamation import Ordering, ReclaimConfig
+from ..runtime import ReadPath, VTokenRuntime, check_budget
 
 RECLAIM_MODES = ("off", "compact", "densify")
 

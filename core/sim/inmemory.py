@@ -12,9 +12,9 @@ from __future__ import annotations
 from array import array
 from typing import Sequence
 
-from .copy_engine import CopyHandle, CopyRegistry, CopyStatus, check_moves
-from .errors import CopyStateError
-from .token_table import Move
+from ..copy_engine import CopyHandle, CopyRegistry, CopyStatus, check_moves
+from ..errors import CopyStateError
+from ..token_table import Move
 
 EMPTY_TAG = 0  # a slot never written
 
@@ -56,7 +56,7 @@ class InMemoryCopyEngine(CopyRegistry):
     makes the next ``submit`` raise, as a device whose copy launch fails would.
 
     ``one_stream`` (the default) is the real engine's device: every copy runs on one relocation
-    stream (``integration/copy_engine.py``), so copies finish in the order they were submitted.
+    stream (``integration/device/copy_engine.py``), so copies finish in the order they were submitted.
     Completing, failing or waiting for a copy first completes every earlier unsettled one, and an
     ordered copy that runs drains the stream up to it. ``one_stream=False`` lets unordered copies
     finish in any order (each behind only the earlier *ordered* ones): no engine vtoken ships
