@@ -48,6 +48,11 @@ class BlockAllocator(Protocol):
     @property
     def num_free(self) -> int: ...
 
+    @property
+    def num_allocated(self) -> int:
+        """Blocks some request holds (reference count > 0): the denominator of F. A pool's own blocks (vLLM's
+        null block) are neither free nor allocated."""
+
     def can_allocate(self, n: int, purpose: Purpose) -> bool: ...
 
     def allocate(self, n: int, purpose: Purpose) -> list[int]: ...

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .block_pool import BlockAllocator, blocks_needed
+from .occupancy import waste_ratio
 from .token_table import NO_SLOT, TokenTable
 
 
@@ -50,7 +51,7 @@ def measure(pool: BlockAllocator, table: TokenTable, low_util: float = 0.5) -> M
     return MemoryMetrics(
         allocated_blocks=n,
         live_slots=live,
-        waste_ratio=0.0 if n == 0 else 1.0 - live / (n * S),
+        waste_ratio=waste_ratio(live, n, S),
         low_util_share=0.0 if n == 0 else low / n,
         retained_blocks={r: len(table.block_ids(r)) for r in table.request_ids()},
         ideal_blocks={r: blocks_needed(table.num_live(r), S) for r in table.request_ids()},

@@ -17,6 +17,22 @@ from .errors import BlockOutOfRangeError, ConfigError, DestinationError, DoubleF
 _MAX_HOLDERS = 2**16 - 1
 
 
+def waste_ratio(live_slots: int, allocated_blocks: int, block_size: int) -> float:
+    """F, Eq. 1: the share of allocated KV slots that hold no live token, ``1 - live / (allocated x S)``.
+
+    NOTE: the one definition, used by the trigger (``ReclamationManager.waste_ratio``), the metrics
+    (``metrics.measure``, recounted from scratch) and vLLM's gauge. ``allocated_blocks`` is
+    ``BlockAllocator.num_allocated``: blocks some request holds, never a pool's own (vLLM's null block).
+    0 when nothing is allocated. Raises I2 when F leaves [0, 1]: more live slots than allocated ones, or
+    fewer than none (the occupancy counts are off)."""
+    if allocated_blocks == 0:
+        return 0.0
+    f = 1.0 - live_slots / (allocated_blocks * block_size)
+    if not 0.0 <= f <= 1.0:
+        raise InvariantViolation("I2", f"waste ratio {f} out of [0, 1]")
+    return f
+
+
 class SlotOccupancy:
     """Holder counts per slot, distinct occupied slots per block, and their total.
 

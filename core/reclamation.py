@@ -64,6 +64,7 @@ from .errors import (
     UnknownRequestError,
     VTokenError,
 )
+from .occupancy import waste_ratio
 from .plan import NoPlan, Plan, PlanKind
 from .token_table import NO_SLOT, TokenTable
 
@@ -164,11 +165,8 @@ class ReclamationManager:
 
     # ---- Stage 1: eligibility -------------------------------------------------------
     def waste_ratio(self) -> float:
-        """F of Eq. 1 over all allocated blocks (destinations in flight count as waste)."""
-        allocated = self.pool.num_blocks - self.pool.num_free
-        if allocated == 0:
-            return 0.0
-        return 1.0 - self.table.occupancy.live_slots / (allocated * self.pool.block_size)
+        """F of Eq. 1 over all allocated blocks (destinations in flight count as waste); O(1)."""
+        return waste_ratio(self.table.occupancy.live_slots, self.pool.num_allocated, self.pool.block_size)
 
     def should_reclaim(self, iteration: int) -> bool:
         """Whether a round runs now. Call once per iteration (the runtime does, after evicting).
@@ -185,9 +183,7 @@ class ReclamationManager:
             if c.low_watermark is not None and self.pool.num_free > c.low_watermark:
                 return False
             return self.waste_ratio() > c.theta_f
-        f = self.waste_ratio()
-        if not 0.0 <= f <= 1.0:  # more live slots than allocated ones: the occupancy counts are off
-            raise InvariantViolation("I2", f"waste ratio {f} out of [0, 1]")
+        f = self.waste_ratio()  # raises I2 if F leaves [0, 1] (occupancy.waste_ratio)
         if self._f_prev is not None and f - self._f_prev >= c.burst_df and f > c.theta_f and not self.burst:
             self.burst = True
             self.stats.bursts += 1

@@ -210,6 +210,10 @@ class VTokenRuntime:
         self._remove(req_id)
         return n
 
+    def waste_ratio(self) -> float:
+        """F, Eq. 1, over the whole pool (``occupancy.waste_ratio``); what the reclamation trigger reads."""
+        return self.manager.waste_ratio()
+
     def running(self) -> list[object]:
         return self.table.request_ids()
 

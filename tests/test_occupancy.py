@@ -7,7 +7,7 @@ checker's branches for stray holders, stray blocks and the live total survived t
 import pytest
 
 from vtoken.core.errors import InvariantViolation
-from vtoken.core.occupancy import SlotOccupancy
+from vtoken.core.occupancy import SlotOccupancy, waste_ratio
 
 
 def occ():
@@ -66,3 +66,12 @@ def test_check_against_checks_the_live_total():
     with pytest.raises(InvariantViolation, match=r"^I2: live slot total 4 != 3$") as err:
         o.check_against({0: 1, 1: 1, 5: 2})
     assert err.value.invariant == "I2"
+
+
+def test_waste_ratio_is_eq1_and_refuses_counts_out_of_range():
+    assert waste_ratio(0, 0, 16) == 0.0  # nothing allocated: no waste
+    assert waste_ratio(24, 2, 16) == 0.25 and waste_ratio(0, 3, 4) == 1.0 and waste_ratio(8, 2, 4) == 0.0
+    for live, message in ((9, "I2: waste ratio -0.125 out of [0, 1]"), (-4, "I2: waste ratio 1.5 out of [0, 1]")):
+        with pytest.raises(InvariantViolation) as e:
+            waste_ratio(live, 2, 4)
+        assert str(e.value) == message and e.value.invariant == "I2"

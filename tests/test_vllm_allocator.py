@@ -4,6 +4,7 @@
 import pytest
 
 from vtoken.core.block_pool import BlockPool, Purpose
+from vtoken.core.metrics import measure
 from vtoken.core.errors import BlockOutOfRangeError, DoubleFreeError, HeadroomReservedError, PoolExhaustedError
 from vtoken.core.reclamation import ReclaimConfig, ReclamationManager
 from vtoken.core.plan import PlanKind
@@ -138,3 +139,27 @@ def test_both_pools_refuse_a_count_or_purpose_of_the_wrong_type(alloc, call):
 def test_both_pools_refuse_block_ids_of_the_wrong_type(alloc, call):
     alloc.allocate(2, ADM)
     rejected(alloc, BlockOutOfRangeError, "block", call, alloc)
+
+
+def test_allocated_counts_the_blocks_requests_hold_never_vllms_null_block(alloc):
+    """One definition of allocated (F's denominator) for both pools: vLLM's null block is neither free nor ours."""
+    assert (alloc.num_free, alloc.num_allocated) == (9, 0)
+    got = alloc.allocate(3, ADM)
+    alloc.share(got[0])  # two references, still one block
+    assert (alloc.num_free, alloc.num_allocated) == (6, 3)
+    alloc.free(got)
+    assert (alloc.num_free, alloc.num_allocated) == (8, 1)
+
+
+def test_one_waste_ratio_for_the_trigger_the_metrics_and_vllm(alloc):
+    """F: 5 live tokens in 2 blocks of 4 is 1 - 5/8 over either pool, from the trigger's O(1) read and (core pool)
+    the metrics' recount. (The trigger once counted vLLM's null block as allocated, 1 - 5/12; the vLLM gauge,
+    which now reads the trigger's F, did not.)"""
+    table = TokenTable(N, S)
+    mgr = ReclamationManager(alloc, table, InMemoryCopyEngine(TagStore(N, S)), ReclaimConfig())
+    table.add_request("r")
+    table.sync_new_tokens("r", alloc.allocate(2, ADM), 6)
+    table.evict_token("r", 2)
+    assert mgr.waste_ratio() == 1 - 5 / 8
+    if isinstance(alloc, BlockPool):
+        assert measure(alloc, table).waste_ratio == 1 - 5 / 8

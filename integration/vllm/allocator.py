@@ -47,6 +47,10 @@ class VllmBlockAllocator:
     def num_free(self) -> int:
         return self.reserve.true_free() if self.reserve else self.pool.get_num_free_blocks()
 
+    @property
+    def num_allocated(self) -> int:
+        return self.num_blocks - 1 - self.num_free  # NOTE: block 0, vLLM's null block, is neither
+
     def can_allocate(self, n: int, purpose: Purpose) -> bool:
         _check_request(n, purpose)
         reserve = self.headroom if purpose is Purpose.ADMISSION else 0

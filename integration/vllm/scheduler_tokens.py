@@ -322,10 +322,7 @@ class SchedulerTokens:
         last, self._reported = getattr(self, "_reported", {}), now
         out = {k: v - last.get(k, 0) for k, v in now.items()}
         retained, ideal = self.retained_vs_ideal()
-        allocated = self.allocator.num_blocks - 1 - self.allocator.num_free  # block 0 is vLLM's null block
-        live = self.rt.table.occupancy.live_slots
-        out.update(waste_ratio=1 - live / (allocated * self.block_size) if allocated else 0.0,
-                   retained_blocks=retained, ideal_blocks=ideal)
+        out.update(waste_ratio=self.rt.waste_ratio(), retained_blocks=retained, ideal_blocks=ideal)
         return out
 
     def retained_vs_ideal(self) -> tuple[int, int]:
