@@ -154,9 +154,6 @@ class VTokenRuntime:
         self.manager = ReclamationManager(pool, self.table, engine, reclaim or ReclaimConfig())
         self.iteration = 0
         self._last: StepInputs | None = None
-        # the name a policy sees (and seeds with) for a request, when its id is not reproducible
-        # (vLLM appends a random suffix to request ids)
-        self.policy_names: dict[object, object] = {}
 
     def set_budget(self, budget: float) -> None:
         """Change the eviction budget from the next victim selection on (checked as at construction; a bad
@@ -413,7 +410,7 @@ class VTokenRuntime:
         total = self.table.total_len(r)
         accumulated, persistence = self.scores.readers(r)  # unchecked: policies sort by them
         view = RequestView(
-            req_id=self.policy_names.get(r, r), live=live, total_len=total,
+            req_id=r, live=live, total_len=total,
             budget=self.token_budget(total), accumulated=accumulated, persistence=persistence,
             seed=self.seed, step=self.iteration, protected=self._protected(r),
         )

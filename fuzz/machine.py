@@ -33,7 +33,7 @@ from vtoken.core.block_pool import BlockPool, Purpose
 from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.invariants import check_all, next_read_view
-from vtoken.core.policies import POLICIES, make_policy
+from vtoken.core.policies import POLICIES, RenamedRequests, make_policy
 from vtoken.core.policies.base import RequestView
 from vtoken.core.reclamation import LAUNCH_FAILED, PlanState, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
@@ -51,7 +51,7 @@ from .profiles import PROFILES, Profile
 class FuzzPolicy:
     """A real policy plus victims the fuzzer queued (arbitrary choices, in-flight tokens included).
 
-    ``names`` is the runtime's ``policy_names`` (the name a policy sees for a request); ``misbehave``, when
+    ``names``: the name the policy sees for a request (``RenamedRequests`` renames the view); ``misbehave``, when
     set, makes the next answer for a request over its budget invalid in that way, once."""
 
     base: object | None
@@ -142,9 +142,9 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
                                     check_every=check_every, max_sources=max_sources, ordering=prof.ordering,
                                     burst_df=burst_df)
         self.policy = FuzzPolicy(None if policy == "none" else make_policy(policy))
-        self.rt = VTokenRuntime(self.pool, self.engine, self.policy, budget, reclaim, prof.read_path, seed=0)
+        self.rt = VTokenRuntime(self.pool, self.engine, RenamedRequests(self.policy, self.policy.names), budget,
+                                reclaim, prof.read_path, seed=0)
         self.oracles = self.policy.oracles = Oracles(self.rt, self.engine).attach()
-        self.policy.names = self.rt.policy_names
         self.S = block_size
         self.content: dict[int, list[int]] = {}  # every synced or to-be-synced token's tag
         self.shadow: dict[int, dict[int, int]] = {}  # live tokens: request -> token -> tag
@@ -496,7 +496,7 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
     def rename_for_policy(self, req):
         """Give a request a policy name (what vLLM's plugin does: seeds follow arrival, not random ids)."""
         if self._running(req):
-            self.rt.policy_names[req] = ("policy-name", req)
+            self.policy.names[req] = ("policy-name", req)
 
     # ---- the checkers have teeth on every reachable state ------------------------------------------------
     @precondition(lambda self: self.rt is not None)

@@ -15,7 +15,7 @@ other one fails a test below. What they pin:
     requests, growth is recomputed after a densify commit that frees no block, the forecast counts a
     settled copy listed after a pending one, and a forecast the engine betrays ends in ``P3``;
   * ``end_step``: its messages, and a row of a request that finished during the step drops only that row;
-  * the view a policy sees (its seed, its persistence reader, the name in ``policy_names``), victims of an
+  * the view a policy sees (its seed, its persistence reader, the name ``RenamedRequests`` gives it), victims of an
     int subclass, and the invalid-victims message's cut at 8;
   * the dense path: a request that is already dense is not planned; a dense read that hits a hole is ``I7``
     with the slot, block and offset of the first hole.
@@ -44,7 +44,7 @@ from vtoken.core.errors import (
 )
 from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.plan import PlanKind
-from vtoken.core.policies import POLICIES
+from vtoken.core.policies import POLICIES, RenamedRequests
 from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime, check_budget
 
@@ -345,8 +345,10 @@ def test_the_view_carries_the_persistence_of_this_steps_row():
 
 
 def test_the_view_names_the_request_as_policy_names_says():
-    rt, policy = first_view()
-    rt.policy_names["a"] = "a-without-suffix"
+    policy = Scripted()
+    pool, engine = BlockPool(8, 4, 1), InMemoryCopyEngine(TagStore(8, 4))
+    rt = VTokenRuntime(pool, engine, RenamedRequests(policy, {"a": "a-without-suffix"}), 0.5)
+    rt.admit("a")
     rt.begin_step({"a": 4})
     rt.end_step()
     assert policy.views[0].req_id == "a-without-suffix"

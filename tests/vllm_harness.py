@@ -229,7 +229,7 @@ def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, logprobs=0)
         if rows:
             res["rows"] = recorded = []
-            scores, names = conn.tokens.rt.scores, conn.tokens.rt.policy_names
+            scores, names = conn.tokens.rt.scores, conn.tokens.policy_names
             apply = scores._apply  # every validated row the runtime records goes through it
             scores._apply = lambda r, ids, w: (recorded.append((names[r], list(ids), list(w))), apply(r, ids, w))[1]
         if count_preemptions:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .base import EvictionPolicy, RequestView
+from .base import EvictionPolicy, RenamedRequests, RequestView
 from .h2o import H2O
 from .random_policy import RandomPolicy
 from .scissorhands import Scissorhands

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
 from ..checks import check_callable, check_int, check_number
@@ -78,6 +78,27 @@ class EvictionPolicy(Protocol):
     def select_victims(self, view: RequestView) -> list[int]:
         """Token ids to evict now: live, unprotected, distinct; at most ``view.excess``."""
         ...
+
+
+class RenamedRequests:
+    """``policy``, deciding for requests under the names in ``names`` (a request without one keeps its id).
+
+    For engines whose request ids are not reproducible (vLLM appends a random suffix to each): a seeded policy
+    (Random) draws from its view's ``req_id``, so with a name such as the arrival order its victims repeat from
+    run to run. Everything else in the view is the runtime's. ``names`` is the caller's, and it keeps it."""
+
+    def __init__(self, policy: EvictionPolicy, names: dict | None = None) -> None:
+        self.policy = policy
+        self.names: dict = {} if names is None else names
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    def select_victims(self, view: RequestView) -> list[int]:
+        if view.req_id in self.names:
+            view = replace(view, req_id=self.names[view.req_id])  # O(1): the view's checks are O(1)
+        return self.policy.select_victims(view)
 
 
 def check_policy_params(policy: object, fractions: Sequence[str] = (), counts: Sequence[str] = ()) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from vtoken.core.block_pool import Purpose
 from vtoken.core.errors import InvariantViolation
 from vtoken.core.plan import PlanKind
+from vtoken.core.policies.base import RenamedRequests
 from vtoken.core.policies.h2o import H2O
 from vtoken.core.policies.random_policy import RandomPolicy
 from vtoken.core.policies.scissorhands import Scissorhands
@@ -128,7 +129,10 @@ class SchedulerTokens:
         self.engine = WorkerCopyEngine()
         policy = POLICIES[settings.policy]
         self.read_path = ReadPath(settings.read_path)
-        self.rt = VTokenRuntime(self.allocator, self.engine, policy() if policy else None, settings.budget,
+        # the name a policy sees (and seeds with): the arrival order, not vLLM's random request ids
+        self.policy_names: dict[str, int] = {}
+        self.rt = VTokenRuntime(self.allocator, self.engine,
+                                RenamedRequests(policy(), self.policy_names) if policy else None, settings.budget,
                                 reclaim_config(settings), self.read_path, seed=settings.seed)
         self.prompt_len: dict[str, int] = {}
         self._admitted = 0
@@ -157,7 +161,7 @@ class SchedulerTokens:
     def finished(self, req_id: str) -> None:
         self.forget(req_id)
         self.prompt_len.pop(req_id, None)
-        self.rt.policy_names.pop(req_id, None)
+        self.policy_names.pop(req_id, None)
 
     # ---- build_connector_meta ------------------------------------------------------------------
     def on_schedule(self, so, drill_round: int | None = None) -> StepOrders:
@@ -170,7 +174,7 @@ class SchedulerTokens:
         for nr in so.scheduled_new_reqs:
             n_prompt = len(nr.prompt_token_ids) if nr.prompt_token_ids is not None else len(nr.prompt_embeds)
             self.prompt_len[nr.req_id] = n_prompt
-            self.rt.policy_names[nr.req_id] = self._admitted  # seeds follow arrival order, not vLLM's random ids
+            self.policy_names[nr.req_id] = self._admitted
             self._admitted += 1
             self.rt.admit(nr.req_id)
             syncs.append((nr.req_id, nr.num_computed_tokens, so.num_scheduled_tokens[nr.req_id]))
