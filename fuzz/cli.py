@@ -21,7 +21,8 @@ from vtoken.core.policies import POLICIES
 
 from .planted import BUGS
 
-VLLM_BUGS = ("cursor_block_keeps_hash", "moved_into_block_keeps_hash", "worker_ignores_layouts")  # vllm_episode.PLANTED
+VLLM_BUGS = ("cursor_block_keeps_hash", "moved_into_block_keeps_hash", "worker_ignores_layouts",
+             "hash_at_list_index")  # vllm_episode.PLANTED
 
 if TYPE_CHECKING:
     from .campaign import CampaignConfig

@@ -93,6 +93,13 @@ class Episode:
         prefix_caching = rng.random()
         vt["read_path"] = rng.choice(["dense", "gather"])
         vt["reclaim"] = "densify" if vt["read_path"] == "dense" else rng.choice(["compact", "off", "densify"])
+        if vt["reclaim"] == "compact" and rng.random() < 0.5:
+            # NOTE: half the compact episodes evict half the tokens of a long first request, so its middle prompt
+            # blocks empty and compaction releases them before hashed ones (B3: chain index beyond list index)
+            vt["budget"] = rng.choice([0.3, 0.5])
+            first = reqs[0]
+            first["prompt"] = (families[0] + families[1] + first["prompt"])[:200]
+            first["max_tokens"] = max(first["max_tokens"], 8)
         vt["theta_f"] = rng.choice([0.0, 0.1, 0.3, 0.6])
         vt["headroom"] = rng.choice([0, 1, 2]) if vt["reclaim"] == "compact" else 0
         if vt["policy"] != "none" and rng.random() < 0.4:
@@ -268,6 +275,20 @@ def _ignore_layout(self, rid, blocks):
     return None
 
 
+def _hash_at_list_index(self, r, request):
+    """The B3 check before #17: block i of the list must carry chain hash i. Compaction releases emptied blocks,
+    so a hashed block further down moves up the list with its content intact; this check then fails the
+    engine on a correct state (found by tests/test_vllm_serve.py, not by this fuzzer, whose draw rarely made
+    that state)."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+    for i, b in enumerate(self.rt.table.block_ids(r)):
+        h = self.allocator.pool.blocks[b].block_hash
+        if h is not None and (i >= len(request.block_hashes)
+                              or h != make_block_hash_with_group_id(request.block_hashes[i], 0)):
+            raise InvariantViolation("B3", f"request {r!r}: block {b} at index {i} carries a prefix-cache hash "
+                                           f"that is not the request's chain hash {i}")
+
+
 PLANTED = {  # name -> (what is wrong, (module path, class, attribute, replacement))
     "cursor_block_keeps_hash": ("densify rewinds the cursor into a prefix-cached block and keeps its hash: the "
                                 "next appends overwrite K/V a later request's prefix hit reads",
@@ -279,6 +300,10 @@ PLANTED = {  # name -> (what is wrong, (module path, class, attribute, replaceme
     "worker_ignores_layouts": ("the worker keeps its old block table after a commit shortened or swapped the "
                                "request's blocks", ("vtoken.integration.vllm.worker_tokens", "WorkerTokens",
                                                     "_install_layout", _ignore_layout)),
+    "hash_at_list_index": ("strict verify's B3 matches a hashed block with the chain hash of its list index, so "
+                           "it fails the engine once compaction moved hashed blocks down the list",
+                           ("vtoken.integration.vllm.scheduler_tokens", "SchedulerTokens", "check_prefix_hashes",
+                            _hash_at_list_index)),
 }
 
 

@@ -7,6 +7,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vtoken.core.errors import InvariantViolation  # noqa: E402
 from vtoken.fuzz.cli import VLLM_BUGS  # noqa: E402
 from vtoken.fuzz.vllm_campaign import episode_seed, main  # noqa: E402
 from vtoken.fuzz import vllm_episode as F  # noqa: E402
@@ -116,3 +117,17 @@ def test_a_campaign_catches_the_stale_prefix_hash_with_every_oracle_on(tmp_path)
     [f] = [json.loads(p.read_text()) for p in (tmp_path / "vllm").glob("failure-*.json")]
     assert f["episode_seed"] == episode_seed(8, 0) and "B2" in f["error"] and "prefix-cached" in f["error"]
     assert main(args(tmp_path / "fixed", replay=f["episode_seed"])) == 0
+
+
+def test_an_episode_reaches_hashed_blocks_that_compaction_moved_down_the_list():
+    """The B3 false alarm tests/test_vllm_serve.py found (``hash_at_list_index``: B3 before the fix) fails
+    episode 4 of campaign seed 0, a compact episode with a long first request evicted to half; the real B3
+    passes the same episode. Before the draw biased compact episodes this way, 22 episodes (120 s) of the
+    campaign never reached that state."""
+    ep = Episode.draw(episode_seed(0, 4))
+    assert ep.vtoken["reclaim"] == "compact" and ep.vtoken["budget"] == 0.5 and ep.prefix_caching
+    with planted("hash_at_list_index"):
+        with pytest.raises(InvariantViolation, match=r"B3: request '0-.*': block \d+ at index 1 carries a "
+                                                     r"prefix-cache hash that is not the request's chain hash 1"):
+            F.run_episode(ep)
+    assert F.run_episode(ep).compared >= 1
