@@ -73,7 +73,9 @@ async def _one_request(client, prompt: list[int], max_tokens: int) -> dict:
     return {"sent": sent, "stamps": stamps, "tokens": usage["completion_tokens"]}
 
 
-async def _window(base: str, prompts: list[list[int]], clients: int, seconds: float, max_tokens: int) -> list[dict]:
+async def _window(base: str, prompts: list[list[int]], clients: int, seconds: float,
+                  max_tokens: int) -> tuple[float, list[dict]]:
+    """(when the window started, every request's timings)."""
     import httpx
     done: list[dict] = []
     async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=clients)) as client:
@@ -87,17 +89,15 @@ async def _window(base: str, prompts: list[list[int]], clients: int, seconds: fl
                 if time.perf_counter() - start >= seconds:
                     return
         await asyncio.gather(*(closed_loop(i) for i in range(clients)))
-    for d in done:
-        d["start"] = start
-    return done
+    return start, done
 
 
-def window_metrics(done: list[dict]) -> dict:
-    """The run's fields (module docstring) from its requests' timings."""
+def window_metrics(start: float, done: list[dict]) -> dict:
+    """The run's fields (module docstring) from the window's start and its requests' timings."""
     ok = [d for d in done if "error" not in d]
     errors = [d["error"] for d in done if "error" in d]
     assert ok, f"no request of the window succeeded: {errors[:3]}"
-    wall = max(d["stamps"][-1] for d in ok) - ok[0]["start"]
+    wall = max(d["stamps"][-1] for d in ok) - start
     ttft = [1e3 * (d["stamps"][0] - d["sent"]) for d in ok]
     itl = [1e3 * (b - a) for d in ok for a, b in zip(d["stamps"], d["stamps"][1:])]
     tpot = [1e3 * (d["stamps"][-1] - d["stamps"][0]) / (d["tokens"] - 1) for d in ok if d["tokens"] > 1]
@@ -111,7 +111,7 @@ def window_metrics(done: list[dict]) -> dict:
 
 def measure_window(base: str, prompts: list[list[int]], clients: int, seconds: float, max_tokens: int) -> dict:
     """One timed window against the server at ``base``: the run's fields (module docstring)."""
-    return window_metrics(asyncio.run(_window(base, prompts, clients, seconds, max_tokens)))
+    return window_metrics(*asyncio.run(_window(base, prompts, clients, seconds, max_tokens)))
 
 
 def serve_load(vtoken: dict | None, log_path: Path, prompt_sets: list[list[list[int]]], clients: int,
