@@ -167,9 +167,14 @@ def check_i4_plan_validity(sys) -> None:
             for b in p.src_blocks:
                 if blocks.index(b) >= cursor_block:
                     raise InvariantViolation("I4", f"request {req!r}: source block {b} is at or after the append block")
-            for b in p.dst_blocks:
-                if b in listed:
-                    raise InvariantViolation("I4", f"request {req!r}: destination block {b} is in a block list before commit")
+        if p.kind is PlanKind.RELOCATE:
+            [src], [dst] = p.src_blocks, p.dst_blocks  # one block into one (unpacking raises for a malformed plan)
+            if any((m.src_block, m.dst_block, m.dst_offset) != (src, dst, m.src_offset) for m in p.moves):
+                raise InvariantViolation("I4", f"request {req!r}: relocate plan moves outside block {src} -> {dst} "
+                                               f"or changes an offset")
+        for b in p.dst_blocks:
+            if b in listed:
+                raise InvariantViolation("I4", f"request {req!r}: destination block {b} is in a block list before commit")
         for m in p.moves:
             if table.is_live(req, m.token_id) and table.slot_of(req, m.token_id) != m.src_block * S + m.src_offset:
                 raise InvariantViolation(

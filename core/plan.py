@@ -17,6 +17,7 @@ from .token_table import Move
 class PlanKind(enum.Enum):
     COMPACT = "compact"  # pack low-utilization blocks into fresh ones (gather read path)
     DENSIFY = "densify"  # fill holes so live tokens occupy positions [0, n_live) (dense read path)
+    RELOCATE = "relocate"  # one block's live tokens to a fresh block, same offsets (the vLLM drill)
 
 
 class NoPlanReason(enum.Enum):
@@ -46,7 +47,7 @@ class Plan:
         version: ``(layout_version, total_len)`` of the snapshot it was planned from.
         moves: token relocations; destinations are distinct, sources are live slots.
         src_blocks: blocks the request gives up at commit (empty of its live tokens by then).
-        dst_blocks: fresh blocks the plan fills (compact only); held by the plan until commit.
+        dst_blocks: fresh blocks the plan fills (compact, relocate); held by the plan until commit.
         dense_write_pos: for densify, the append cursor after commit (= n_live).
     """
 
@@ -65,6 +66,15 @@ class Plan:
     def blocks_saved(self) -> int:
         return len(self.src_blocks) - len(self.dst_blocks)
 
+    def kept_destinations(self, receives) -> tuple[int, ...]:
+        """The destinations a commit keeps, ``receives(move)`` telling whether a move still lands (its token
+        is live): compact keeps those receiving a token; relocate keeps its one, which takes the source's
+        place whatever it receives (an emptied block stays a block, so the cursor keeps its position)."""
+        if self.kind is PlanKind.RELOCATE:
+            return self.dst_blocks
+        receiving = {m.dst_block for m in self.moves if receives(m)}
+        return tuple(b for b in self.dst_blocks if b in receiving)
+
     def final_layout(self, blocks: list[int], write_pos: int, block_size: int,
                      dst_blocks: tuple[int, ...] | None = None) -> tuple[list[int], int]:
         """The block list and append cursor after commit, given the request's current ones.
@@ -72,26 +82,34 @@ class Plan:
         Compact: destinations (``dst_blocks``, default all of the plan's; commit
         passes only those still receiving a token) take the place of the first
         source; all sources lie before the cursor block, so the cursor shifts by
-        whole blocks, and blocks appended since planning are kept. Densify:
-        trailing emptied blocks go and the cursor is n_live.
+        whole blocks, and blocks appended since planning are kept. Relocate: the
+        destination takes its source's index (the cursor's block included), the
+        cursor stays. Densify: trailing emptied blocks go and the cursor is n_live.
 
         pre: block_size >= 1 and 0 <= write_pos <= len(blocks) * block_size
         pre: all(b not in blocks[:i] for i, b in enumerate(blocks))  # distinct
         pre: self.kind is not PlanKind.DENSIFY or self.dense_write_pos is not None
         # compact: distinct sources, all in the list before the cursor block; distinct fresh destinations
-        pre: self.kind is PlanKind.DENSIFY or (len(self.src_blocks) > 0 and all(b in blocks and blocks.index(b) < write_pos // block_size and b not in self.src_blocks[:i] for i, b in enumerate(self.src_blocks)))
+        pre: self.kind is not PlanKind.COMPACT or (len(self.src_blocks) > 0 and all(b in blocks and blocks.index(b) < write_pos // block_size and b not in self.src_blocks[:i] for i, b in enumerate(self.src_blocks)))
+        # relocate: one source in the list, one fresh destination
+        pre: self.kind is not PlanKind.RELOCATE or (len(self.src_blocks) == 1 and self.src_blocks[0] in blocks and len(self.dst_blocks if dst_blocks is None else dst_blocks) == 1)
         pre: self.kind is PlanKind.DENSIFY or (lambda d: all(b not in blocks and b not in d[:i] for i, b in enumerate(d)))(self.dst_blocks if dst_blocks is None else dst_blocks)
         post:
             # the sources leave, the destinations (compact) join, every other block stays; nothing is listed twice
             len(set(__return__[0])) == len(__return__[0]) and set(__return__[0]) == (set(blocks) - set(self.src_blocks)) | (set() if self.kind is PlanKind.DENSIFY else set(self.dst_blocks if dst_blocks is None else dst_blocks))
-            # densify: the cursor is n_live; compact: it stays at the same offset of the same block
-            __return__[1] == self.dense_write_pos if self.kind is PlanKind.DENSIFY else (__return__[1] % block_size == write_pos % block_size and (write_pos // block_size == len(blocks) or __return__[0][__return__[1] // block_size] == blocks[write_pos // block_size]))
+            # densify: the cursor is n_live; relocate: the list keeps its length and the cursor stays
+            self.kind is not PlanKind.RELOCATE or (len(__return__[0]) == len(blocks) and __return__[1] == write_pos)
+            # compact: the cursor stays at the same offset of the same block
+            __return__[1] == self.dense_write_pos if self.kind is PlanKind.DENSIFY else self.kind is PlanKind.RELOCATE or (__return__[1] % block_size == write_pos % block_size and (write_pos // block_size == len(blocks) or __return__[0][__return__[1] // block_size] == blocks[write_pos // block_size]))
         """
         dsts = self.dst_blocks if dst_blocks is None else dst_blocks
         gone = set(self.src_blocks)
         if self.kind is PlanKind.DENSIFY:
             assert self.dense_write_pos is not None
             return [b for b in blocks if b not in gone], self.dense_write_pos
+        if self.kind is PlanKind.RELOCATE:
+            [src], [dst] = self.src_blocks, dsts
+            return [dst if b == src else b for b in blocks], write_pos
         at = min(blocks.index(b) for b in self.src_blocks)
         kept = [b for b in blocks if b not in gone]  # no source precedes ``at``
         new = kept[:at] + list(dsts) + kept[at:]

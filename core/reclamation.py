@@ -65,7 +65,8 @@ from .errors import (
     VTokenError,
 )
 from .occupancy import waste_ratio
-from .plan import NoPlan, Plan, PlanKind
+from .plan import NoPlan, NoPlanReason, Plan, PlanKind
+from .relocate import plan_relocation
 from .token_table import NO_SLOT, TokenTable
 
 
@@ -270,6 +271,9 @@ class ReclamationManager:
                     self.pool.free(dsts)  # leak nothing, then stop: the planner broke its contract
                     raise InvariantViolation("I4", f"request {req_id!r}: the compact planner did not use exactly "
                                              f"the {len(dsts)} reserved destination blocks {dsts}: {plan!r}")
+        return self._record(req_id, plan)
+
+    def _record(self, req_id: object, plan: Plan | NoPlan) -> PlanRecord | NoPlan:
         if not plan:
             self.stats.no_plan[plan.reason] += 1
             return plan
@@ -279,6 +283,29 @@ class ReclamationManager:
         if self._f_prev is not None:
             self._f_prev = self.waste_ratio()  # destinations in flight count as waste; a plan's own are no burst
         return rec
+
+    def plan_relocation(self, req_id: object, index: int) -> PlanRecord | NoPlan:
+        """Plan moving block ``index`` of the request's list to one fresh block (``relocate.py``; the drill).
+
+        NoPlan: SHARED_BLOCK for a shared block, NOT_ENOUGH_HEADROOM when ``destination_budget()`` is 0.
+        raises (changing nothing): UnknownRequestError, PlanConflictError (I4), InvalidArgumentError for an
+        index outside the list.
+        """
+        shared = self._shared_blocks(req_id)
+        if req_id in self.inflight:
+            raise PlanConflictError(f"request {req_id!r} already has a plan in flight (I4)")
+        n = len(self.table.block_ids(req_id))
+        if not is_int(index) or not 0 <= index < n:
+            raise InvalidArgumentError(f"request {req_id!r}: block index {index!r} outside its {n} blocks")
+        snap = self.table.snapshot(req_id, shared)
+        if snap.blocks[index] in snap.shared_blocks:
+            plan = NoPlan(NoPlanReason.SHARED_BLOCK, f"request {req_id!r}: block {snap.blocks[index]}")
+        elif self.destination_budget() < 1:
+            plan = NoPlan(NoPlanReason.NOT_ENOUGH_HEADROOM, f"request {req_id!r}: no free block to relocate into")
+        else:
+            [dst] = self.pool.allocate(1, Purpose.EVACUATION)
+            plan = plan_relocation(snap, index, dst)
+        return self._record(req_id, plan)
 
     # ---- Stage 4: copy, commit, abort ------------------------------------------------------
     def launch(self) -> list[PlanRecord]:
@@ -394,19 +421,32 @@ class ReclamationManager:
         return [r for r in recs if not self._status(r).settled]
 
     # ---- helpers ---------------------------------------------------------------------------
+    def is_stale(self, plan: Plan) -> bool:
+        """Whether committing ``plan`` now would act on a layout it was not planned from (I4): the request's
+        layout version moved (an eviction of a moving token does not: that move is dropped), or tokens were
+        appended since planning into what the plan rewrites: densify's cursor, relocate's source block
+        (the drill may move the cursor's block; an append there would be left behind). Compact's sources
+        lie before the cursor block, so appends never reach them."""
+        t, req = self.table, plan.req_id
+        if t.layout_version(req) != plan.version[0]:
+            return True
+        if plan.kind is PlanKind.DENSIFY:
+            return t.total_len(req) != plan.version[1]
+        if plan.kind is PlanKind.RELOCATE and t.total_len(req) != plan.version[1]:
+            [src] = plan.src_blocks
+            staying = sum(1 for m in plan.moves if t.is_live(req, m.token_id))
+            return bin(t.block_masks(req).get(src, 0)).count("1") != staying
+        return False
+
     def _commit(self, rec: PlanRecord) -> None:
         plan, t, S = rec.plan, self.table, self.pool.block_size
         req = plan.req_id
-        stale = t.layout_version(req) != plan.version[0] or (
-            plan.kind is PlanKind.DENSIFY and t.total_len(req) != plan.version[1]
-        )
-        if stale:
+        if self.is_stale(plan):
             self._abort(rec, "layout changed since the snapshot (I4)")
             return
         moves = [m for m in plan.moves if t.is_live(req, m.token_id)]  # evicted in flight: stay dead
-        receiving = {m.dst_block for m in moves}
-        dsts = tuple(b for b in plan.dst_blocks if b in receiving)
-        unused = [b for b in plan.dst_blocks if b not in receiving]
+        dsts = plan.kept_destinations(lambda m: t.is_live(req, m.token_id))
+        unused = [b for b in plan.dst_blocks if b not in dsts]
         blocks, write_pos = t.block_ids(req), t.write_pos(req)
         live_before = t.live_token_ids(req)
         final_blocks, final_pos = plan.final_layout(blocks, write_pos, S, dsts)
@@ -443,7 +483,7 @@ class ReclamationManager:
         """
         plan, t, S = rec.plan, self.table, self.pool.block_size
         req = plan.req_id
-        into = set(plan.dst_blocks) if plan.kind is PlanKind.COMPACT else set(t.block_ids(req))
+        into = set(t.block_ids(req)) if plan.kind is PlanKind.DENSIFY else set(plan.dst_blocks)
         n, written = t.total_len(req), set()
         for m in plan.moves:
             if not (is_int(m.token_id) and 0 <= m.token_id < n):

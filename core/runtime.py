@@ -32,7 +32,7 @@ from typing import Mapping, Sequence
 
 from .block_pool import BlockAllocator, Purpose, blocks_needed
 from .checks import as_list, check_enum, check_int, check_mapping, check_request_id, check_weights, is_int, is_known_key
-from .copy_engine import CopyEngine, CopyStatus
+from .copy_engine import CopyEngine, CopyHandle, CopyStatus
 from .errors import (
     AdmissionClosedError,
     BlockNotOwnedError,
@@ -49,7 +49,7 @@ from .errors import (
 from .plan import Plan, PlanKind
 from .policies import POLICIES, make_policy
 from .policies.base import EvictionPolicy, RequestView
-from .reclamation import Ordering, PlanState, ReclaimConfig, ReclamationManager
+from .reclamation import Ordering, PlanState, ReclaimConfig, ReclaimStats, ReclamationManager
 from .scores import TokenScores
 from .token_table import NO_SLOT, TokenTable
 
@@ -124,11 +124,14 @@ class VTokenRuntime:
         reclaim: the reclamation configuration (None: Naive-Evict, no reclamation).
         read_path: how attention reads KV: a ``ReadPath`` or its value ("gather", "dense").
         seed: passed to randomized policies.
+        ordering: with ``reclaim`` None, how the copies of other plans (the drill's ``relocate_block``) are
+            ordered; a reclaim configuration brings its own (``ConfigError`` if both are given).
     """
 
     def __init__(self, pool: BlockAllocator, engine: CopyEngine, policy: EvictionPolicy | None = None,
                  budget: float | int = 1.0, reclaim: ReclaimConfig | None = None,
-                 read_path: ReadPath = ReadPath.GATHER, seed: int = 0, score_window: int = 32) -> None:
+                 read_path: ReadPath = ReadPath.GATHER, seed: int = 0, score_window: int = 32,
+                 ordering: Ordering | None = None) -> None:
         _check_protocol("pool", pool, _ALLOCATOR_METHODS, ("num_blocks", "block_size", "headroom", "num_free"))
         _check_protocol("engine", engine, _ENGINE_METHODS)
         policy = _as_policy(policy)
@@ -137,6 +140,10 @@ class VTokenRuntime:
             raise ConfigError(f"reclaim must be None (no reclamation) or a ReclaimConfig, got {reclaim!r}")
         read_path = check_enum("read_path", read_path, ReadPath)
         check_int("seed", seed, error=ConfigError)
+        if ordering is not None:
+            ordering = check_enum("ordering", ordering, Ordering)
+            if reclaim is not None:
+                raise ConfigError("ordering: give it in the ReclaimConfig when reclamation is on")
         if read_path is ReadPath.DENSE and policy is not None:
             if reclaim is None or reclaim.planner is not PlanKind.DENSIFY:
                 raise ConfigError("read_path 'dense' needs reclaim planner 'densify': stock kernels cannot skip holes")
@@ -151,7 +158,8 @@ class VTokenRuntime:
         self.table = TokenTable(pool.num_blocks, pool.block_size)
         self.scores = TokenScores(score_window)
         self.reclaim = reclaim
-        self.manager = ReclamationManager(pool, self.table, engine, reclaim or ReclaimConfig())
+        self.manager = ReclamationManager(pool, self.table, engine,
+                                          reclaim or ReclaimConfig(ordering=ordering or Ordering.POLL))
         self.iteration = 0
         self._last: StepInputs | None = None
 
@@ -213,6 +221,84 @@ class VTokenRuntime:
 
     def running(self) -> list[object]:
         return self.table.request_ids()
+
+    # ---- read-only queries: what an engine that allocates itself reads back (the vLLM plugin, the bench) ----
+    # NOTE: nothing outside the runtime mutates its table or manager; these only read. Each raises
+    # UnknownRequestError for a request the runtime does not track (``TokenTable._get``).
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self.table
+
+    def total_len(self, req_id: object) -> int:
+        return self.table.total_len(req_id)
+
+    def write_pos(self, req_id: object) -> int:
+        return self.table.write_pos(req_id)
+
+    def gap(self, req_id: object) -> int:
+        """Logical minus physical length: how far eviction and densify moved the append cursor back."""
+        return self.table.total_len(req_id) - self.table.write_pos(req_id)
+
+    def num_live(self, req_id: object) -> int:
+        return self.table.num_live(req_id)
+
+    def block_ids(self, req_id: object) -> list[int]:
+        return self.table.block_ids(req_id)
+
+    def live_token_ids(self, req_id: object) -> list[int]:
+        return self.table.live_token_ids(req_id)
+
+    def attention_slots(self, req_id: object) -> list[int]:
+        return self.table.attention_slots(req_id)
+
+    def slot_of(self, req_id: object, token_id: int) -> int:
+        return self.table.slot_of(req_id, token_id)
+
+    def block_live_counts(self, req_id: object) -> dict[int, int]:
+        return self.table.block_live_counts(req_id)
+
+    def retained_vs_ideal(self) -> tuple[int, int]:
+        """Blocks the requests hold, and the ideal: ceil(live / S) summed over them."""
+        ids, S = self.table.request_ids(), self.pool.block_size
+        return sum(len(self.table.block_ids(r)) for r in ids), sum(blocks_needed(self.table.num_live(r), S) for r in ids)
+
+    def dead_listed_blocks(self) -> tuple[int, int]:
+        """(blocks in the requests' lists, those of them holding no live token)."""
+        blocks = [b for r in self.table.request_ids() for b in self.table.block_ids(r)]
+        return len(blocks), sum(1 for b in blocks if not self.table.occupancy.block_live(b))
+
+    @property
+    def reclaim_stats(self) -> ReclaimStats:
+        """The reclamation manager's counters (read them; the manager writes them)."""
+        return self.manager.stats
+
+    def copies_in_flight(self) -> set[CopyHandle]:
+        """Handles of the copies of plans still in flight (I3: a copy not yet run belongs to one of them)."""
+        return {rec.handle for rec in self.manager.inflight.values() if rec.handle is not None}
+
+    def plans_outstanding(self) -> int:
+        """Plans in flight plus orphans whose copy has not settled (0: every plan has settled)."""
+        return len(self.manager.inflight) + len(self.manager.orphans)
+
+    def relocate_block(self, req_id: object, index: int) -> object:
+        """The relocation drill: plan moving block ``index`` of the request's list to a fresh block and launch
+        its copy (``ReclamationManager.plan_relocation``); it commits when settled, like any plan. Returns
+        the plan's record, or the ``NoPlan`` saying why none was made.
+
+        NOTE: on the dense path only between steps (``StepOrderError`` while one is open): a plan in flight at
+        ``end_step`` keeps densify from following that step's evictions (one plan per request), so the next
+        read would find holes (I7). Between steps the next ``begin_step`` commits it (EVENT, FORCE_SYNC)."""
+        if self.read_path is ReadPath.DENSE and self._last is not None:
+            raise StepOrderError(f"request {req_id!r}: relocate_block on the dense path while step "
+                                 f"{self._last.iteration} is open; call it between end_step and begin_step")
+        rec = self.manager.plan_relocation(req_id, index)
+        if rec:
+            self.manager.launch()
+        return rec
+
+    def settle(self) -> list:
+        """Commit or abort every plan whose copy has settled (``ReclamationManager.settle``), for engines
+        that step themselves; ``begin_step`` does this for the simulator. Returns the settled records."""
+        return self.manager.settle()
 
     # ---- Algorithm 1 -------------------------------------------------------------------
     def blocks_to_grow(self, req_id: object, n_new: int) -> int:
@@ -521,14 +607,11 @@ class VTokenRuntime:
             if status is CopyStatus.PENDING:
                 continue
             plan = rec.plan
-            stale = t.layout_version(r) != plan.version[0] or (
-                plan.kind is PlanKind.DENSIFY and t.total_len(r) != plan.version[1])
-            if status is CopyStatus.FAILED or stale:
+            if status is CopyStatus.FAILED or self.manager.is_stale(plan):
                 gone = list(plan.dst_blocks)
             else:
-                receiving = {m.dst_block for m in plan.moves if t.is_live(r, m.token_id)}
-                dsts = tuple(b for b in plan.dst_blocks if b in receiving)
-                gone = list(plan.src_blocks) + [b for b in plan.dst_blocks if b not in receiving]
+                dsts = plan.kept_destinations(lambda m: t.is_live(r, m.token_id))
+                gone = list(plan.src_blocks) + [b for b in plan.dst_blocks if b not in dsts]
                 layouts[r] = plan.final_layout(t.block_ids(r), t.write_pos(r), S, dsts)
             free += sum(1 for b in gone if pool.ref_count(b) == 1)
         for rec in self.manager.orphans:

@@ -145,7 +145,7 @@ class BadCalls:
                 return
             moves[i], phrase = m._replace(src_offset=(m.src_offset + 1) % S), "reads"
         elif kind == "move_outside":
-            into = set(rec.plan.dst_blocks) if rec.plan.kind is PlanKind.COMPACT else set(t.block_ids(req))
+            into = set(t.block_ids(req)) if rec.plan.kind is PlanKind.DENSIFY else set(rec.plan.dst_blocks)
             outside = [b for b in range(self.pool.num_blocks) if b not in into]
             if not outside:
                 return

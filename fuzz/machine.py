@@ -565,6 +565,23 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
         EVENTS["plans_made" if rec else "no_plan"] += 1
 
     @precondition(lambda self: self.rt is not None)
+    @rule(req=requests, index=st.integers(0, 2**16))
+    def relocate_now(self, req, index):
+        """The relocation drill (``VTokenRuntime.relocate_block``): one block's live tokens to a fresh block,
+        same offsets, planned and launched between steps; under POLL its copy stays pending, so evictions,
+        departures and failures can meet it in flight. A second plan in flight and an index outside the list
+        are refused, changing nothing."""
+        if not self._running(req) or not self.table.block_ids(req):
+            return
+        if req in self.manager.inflight:
+            return self._rejected(E.PlanConflictError, self.rt.relocate_block, req, 0)
+        n = len(self.table.block_ids(req))
+        if index % 7 == 0:
+            return self._rejected(E.InvalidArgumentError, self.rt.relocate_block, req, n + index % 3)
+        rec = self.rt.relocate_block(req, index % n)
+        EVENTS["relocations_planned" if rec else "no_plan"] += 1
+
+    @precondition(lambda self: self.rt is not None)
     @rule()
     def launch(self):
         self.manager.launch()

@@ -268,6 +268,36 @@ class Oracles:
                                                  f"detail {out.detail!r}, which does not name the request")
             return out
 
+        def plan_relocation(req_id, index):
+            """The drill's plan by its definition: a plan iff the block is private and a destination is free;
+            it moves exactly the block's live tokens, each to its own offset of one fresh block."""
+            before = self._planning_view(req_id)
+            budget = self.destination_budget()
+            out = cls.plan_relocation(m, req_id, index)  # raises for a bad id, a plan in flight, a bad index
+            if isinstance(out, PlanRecord):
+                stats.plans_made += 1
+            else:
+                stats.no_plan[out.reason] += 1
+            src = before["blocks"][index]
+            want = NoPlanReason.SHARED_BLOCK if src in before["shared"] else \
+                NoPlanReason.NOT_ENOUGH_HEADROOM if budget < 1 else None
+            got = out.reason if not isinstance(out, PlanRecord) else None
+            if got is not want:
+                raise OracleViolation("relocate", f"plan_relocation({req_id!r}, {index}) answered {got} "
+                                                  f"(want {want}: block {src}, budget {budget})")
+            if isinstance(out, PlanRecord):
+                if self.trigger:
+                    self.trigger.planned(self.waste_ratio())  # its destination counts as waste, and is no burst
+                p, S = out.plan, self.S
+                [dst] = p.dst_blocks
+                wanted = sorted((t, pos % S) for t, pos in before["pos"].items() if pos // S == index)
+                if sorted((mv.token_id, mv.src_offset) for mv in p.moves) != wanted or p.src_blocks != (src,) \
+                        or any(mv.dst_block != dst or mv.dst_offset != mv.src_offset for mv in p.moves) \
+                        or dst in before["blocks"]:
+                    raise OracleViolation("relocate", f"plan_relocation({req_id!r}, {index}): {p} does not move "
+                                                      f"the live tokens {wanted} of block {src} in place")
+            return out
+
         def plan_round(req_ids):
             outer, self._round = self._round, []
             try:
@@ -313,7 +343,7 @@ class Oracles:
             if rec is not None:
                 stats.plans_aborted[rec.abort_reason] += 1
 
-        for f in (should_reclaim, plan_request, plan_round, settle, launch, on_request_removed):
+        for f in (should_reclaim, plan_request, plan_relocation, plan_round, settle, launch, on_request_removed):
             setattr(m, f.__name__, f)
         return self
 

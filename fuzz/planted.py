@@ -404,6 +404,15 @@ def _compact_underfills_destinations():
     return {(reclamation, "plan_compaction"): plan_compaction}
 
 
+def _relocate_ignores_appends():
+    def is_stale(self, plan):
+        t = self.table  # the rule before the drill became a plan: only the version and densify's length
+        return t.layout_version(plan.req_id) != plan.version[0] or (
+            plan.kind is PlanKind.DENSIFY and t.total_len(plan.req_id) != plan.version[1])
+
+    return {(reclamation.ReclamationManager, "is_stale"): is_stale}
+
+
 BUGS: dict[str, PlantedBug] = {
     b.name: b
     for b in [
@@ -464,6 +473,8 @@ BUGS: dict[str, PlantedBug] = {
                    _blocks_to_grow_one_early),
         PlantedBug("densify_keeps_a_tail_block", "densify keeps one emptied block past the cursor (planner "
                    "quality)", _densify_keeps_a_tail_block),
+        PlantedBug("relocate_ignores_appends", "a relocate plan of the cursor's block commits over tokens appended "
+                   "to it since planning", _relocate_ignores_appends),
         PlantedBug("compact_underfills_destinations", "compact leaves a slot of a destination empty and spills into "
                    "the last (planner quality)", _compact_underfills_destinations),
     ]

@@ -98,7 +98,7 @@ def campaign(a: argparse.Namespace, out: Path, seeds: list[int] | None, budget: 
         report["write_slots_audited"] += res.worker["audited"]
         report["tokens_evicted"] += res.stats["evicted"]
         report["blocks_released"] += res.stats["blocks_released"]
-        report["drill_relocations"] += res.worker["relocated"]
+        report["drill_relocations"] += res.stats["drill_planned"]
         report["outputs_compared"] += res.compared
         print(f"{head}\n  ok in {time.monotonic() - started:.1f} s: {res.steps} steps, {res.finished} finished, "
               f"{res.aborted} aborted, {res.stats['evicted']} tokens evicted, {res.stats['moves']} moved, "

@@ -40,12 +40,14 @@ from .obligations import BOUNDED, COUNTEREXAMPLE, UNKNOWN, Obligation, Outcome
 #   token_table  TokenTable.sync_new_tokens / evict_token / apply_moves
 #   compact      eligible_sources, choose_sources, plan_compaction
 #   densify      plan_densify
+#   relocate     plan_relocation
 #   plan         Plan.final_layout
 DEFAULT_TARGETS: tuple[str, ...] = (
     "vtoken.core.block_pool",
     "vtoken.core.token_table",
     "vtoken.core.compact",
     "vtoken.core.densify",
+    "vtoken.core.relocate",
     "vtoken.core.plan",
 )
 # CPU seconds (CrossHair's timeouts count process CPU time). 21 postconditions x 1.5 s is ~32 s of

@@ -22,8 +22,8 @@ def test_each_profile_runs_clean_and_exercises_reclamation(profile):
         assert EVENTS["plans_committed"] + EVENTS["plans_aborted"] > 0, f"{profile}: no plan reached an end"
     elif PROFILES[profile].planner is not None:
         assert EVENTS["plans_committed"] > 0, f"{profile}: no plan was ever committed"
-    else:
-        assert EVENTS["plans_committed"] == 0
+    else:  # no reclamation: the only plans are the relocation drill's
+        assert EVENTS["plans_committed"] <= EVENTS["relocations_planned"], dict(EVENTS)
 
 
 def test_profiles_filter_by_planner():

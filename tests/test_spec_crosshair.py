@@ -34,7 +34,7 @@ def test_core_contracts_have_no_counterexample_within_the_bound():
     # --report_all prints one line per analysed postcondition: every contract was reached
     assert len(rep.checked) >= MIN_CORE_CONDITIONS, rep.stdout
     files = {c.path.rsplit("/", 1)[-1] for c in rep.checked}
-    assert files == {"block_pool.py", "token_table.py", "compact.py", "densify.py", "plan.py"}
+    assert files == {"block_pool.py", "token_table.py", "compact.py", "densify.py", "relocate.py", "plan.py"}
     assert rep.seconds < crosshair_check.TOTAL_TIMEOUT
 
 

@@ -203,6 +203,9 @@ OUT_OF_SCOPE = {
                                 "it, the block arithmetic is the fuzzer's to check",
     "compact_underfills_destinations": "destinations left part empty are a legal layout (T6, T4b, T5): fill "
                                        "order is a planner property (spec/planner_model.py)",
+    "relocate_ignores_appends": "the refinement programs do not drive the drill's relocate plans; the commit's "
+                                "executed check refuses the stale commit (I4) before anything changes, and the "
+                                "fuzzer catches it (test_fuzz_planted.py)",
 }
 
 

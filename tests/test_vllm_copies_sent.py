@@ -39,11 +39,11 @@ def planned_and_launched():
 def test_reads_built_after_the_orders_took_the_outbox_pass():
     rt, engine, rec = planned_and_launched()
     handle = rec.handle  # released at commit
-    check_copies_sent(rt.manager, engine)  # in flight and unsent: fine
+    check_copies_sent(rt, engine)  # in flight and unsent: fine
     rt.manager.settle()  # after_step: EVENT commits the ORDERED copy at once
     sent = engine.take_outbox()  # on_schedule: the orders take the outbox before the read lists are built
     assert rec.state is PlanState.COMMITTED and [h for h, _, _ in sent] == [handle]
-    check_copies_sent(rt.manager, engine)
+    check_copies_sent(rt, engine)
 
 
 def test_reads_built_while_a_committed_copy_is_unsent_are_an_i3_violation():
@@ -52,4 +52,4 @@ def test_reads_built_while_a_committed_copy_is_unsent_are_an_i3_violation():
     rt.manager.settle()  # committed, and the copy is still in the outbox when the reads are built
     with pytest.raises(InvariantViolation, match=rf"I3: request 'a': its plan left flight \(committed or aborted\) "
                                                  rf"while its copy {handle} has not been sent to the workers"):
-        check_copies_sent(rt.manager, engine)
+        check_copies_sent(rt, engine)

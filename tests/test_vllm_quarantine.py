@@ -229,16 +229,19 @@ def test_no_assert_statement_guards_the_vllm_integration():
 
 
 def test_a_broken_bridge_raises_without_assert():
-    """The checks that were ``assert`` statements, hit directly (runs under -O too: see below)."""
+    """A bridge check hit directly (runs under -O too: see below): mirroring a commit whose table lists a block
+    vLLM's pool has free raises B1 by name and leaves vLLM's block list alone."""
     from types import SimpleNamespace
 
     from vtoken.core.errors import InvariantViolation
-    from vtoken.integration.vllm.worker_tokens import WorkerTokens
-    fake = SimpleNamespace(runner=SimpleNamespace(requests={"r": SimpleNamespace(block_ids=[[5, 6]])},
-                                                  input_batch=SimpleNamespace(req_id_to_index={})),
-                           moved={}, tail_moves=0)
-    with pytest.raises(InvariantViolation, match="worker has block 5 at index 0 of 'r', scheduler moved 7"):
-        WorkerTokens._rewrite_index(fake, "r", 0, 7, 9)
+    from vtoken.integration.vllm.scheduler_tokens import SchedulerTokens
+    blocks = {5: SimpleNamespace(ref_cnt=1), 6: SimpleNamespace(ref_cnt=0)}
+    held = [blocks[5], SimpleNamespace(ref_cnt=1)]
+    fake = SimpleNamespace(manager=SimpleNamespace(req_to_blocks={"r": held}), rt=SimpleNamespace(block_ids=lambda r: [5, 6]),
+                           allocator=SimpleNamespace(pool=SimpleNamespace(blocks=blocks)), _layouts={})
+    with pytest.raises(InvariantViolation, match="request 'r': table lists a free block"):
+        SchedulerTokens._mirror(fake, "r", None)
+    assert fake.manager.req_to_blocks["r"] == held and held[0] is blocks[5] and fake._layouts == {}
 
 
 def test_quarantine_under_python_O():

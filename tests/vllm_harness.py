@@ -57,8 +57,7 @@ def worker_stats(worker) -> dict:
     conn = get_kv_transfer_group()
     c = conn.engine.verifier.counters
     return {"relocations": c.relocations, "verified": c.verified, "mismatches": c.mismatches,
-            "bytes_hashed": c.bytes_hashed, "tail_moves": conn.worker.tail_moves,
-            "moved_twice": sum(n >= 2 for n in conn.worker.moved.values()), "audited": conn.worker.audited,
+            "bytes_hashed": c.bytes_hashed, "audited": conn.worker.audited,
             "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0))}
 
 
@@ -111,6 +110,10 @@ def generate(vtoken: dict | None, max_tokens: int = 40, n: int = 3, multiprocess
     res = [(list(o.outputs[0].token_ids), [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
            for o in outs]
     stats = llm.collective_rpc(worker_stats)[0]
+    if vtoken is not None and not multiprocess:  # the drill's record (scheduler side)
+        s = scheduler_connector(llm).tokens.stats
+        stats.update(tail_moves=s.drill_tail, moved_twice=sum(n >= 2 for n in s.drill_moved.values()),
+                     drill_moves=s.drill_moves)
     del llm
     return res, stats
 
@@ -247,7 +250,7 @@ def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int
             t = conn.tokens
             t.allocator.check()
             res["scheduler"] = dict(vars(t.stats), free=t.allocator.num_free, blocks=t.allocator.num_blocks,
-                                    tracked=len(t.rt.table.request_ids()), workers=vars(conn.workers),
+                                    tracked=len(t.rt.running()), workers=vars(conn.workers),
                                     quarantined=list(conn.quarantined))
     except Exception as e:
         del llm
@@ -279,7 +282,7 @@ def run_aborting(vtoken: dict, prompt_list, abort: str, max_tokens: int = 40) ->
         res["aborted_at"] = aborted_at
         tokens.allocator.check()
         res["scheduler"] = dict(vars(tokens.stats), free=tokens.allocator.num_free, blocks=tokens.allocator.num_blocks,
-                                tracked=len(tokens.rt.table.request_ids()))
+                                tracked=len(tokens.rt.running()))
         res["worker"] = llm.collective_rpc(worker_stats)[0]
     except Exception as e:
         del llm

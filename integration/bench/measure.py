@@ -36,8 +36,7 @@ def measure_run(cfg: SimConfig, workload: Sequence[RequestSpec], stop_at_preempt
     assert workload, "a run needs at least one request"
     started = time.perf_counter()
     sim = Simulator(cfg, list(workload))
-    pool, table, S = sim.rt.pool, sim.rt.table, cfg.block_size
-    occupancy = table.occupancy
+    rt, pool, S = sim.rt, sim.rt.pool, cfg.block_size
     running_samples = 0
     sum_dead_share = 0.0
     peak_allocated = peak_ideal = 0
@@ -47,20 +46,16 @@ def measure_run(cfg: SimConfig, workload: Sequence[RequestSpec], stop_at_preempt
         step += 1
         if sim.running:
             running_samples += len(sim.running)
-            listed = dead = 0
-            for r in table.request_ids():
-                blocks = table.block_ids(r)
-                listed += len(blocks)
-                dead += sum(1 for b in blocks if not occupancy.block_live(b))
+            listed, dead = rt.dead_listed_blocks()
             sum_dead_share += dead / listed if listed else 0.0
         allocated = pool.num_blocks - pool.num_free
         if allocated > peak_allocated:
             peak_allocated = allocated
-            peak_ideal = sum(blocks_needed(table.num_live(r), S) for r in table.request_ids())
+            peak_ideal = rt.retained_vs_ideal()[1]
         if stop_at_preemption and sim.result.preemptions:
             break
     res = sim.result
-    stats = sim.rt.manager.stats
+    stats = rt.reclaim_stats
     per_request = (lambda total: total / running_samples) if running_samples else (lambda total: 0.0)
     return {
         "steps": step,

@@ -64,7 +64,7 @@ def shared_block_counters(llm) -> dict:
     plans not made, per reason: compact never takes a shared block as a source (so ``no_candidates`` when only
     shared ones qualify), densify refuses a plan that would touch one (``shared_block``)."""
     tokens = llm.llm_engine.engine_core.engine_core.scheduler.connector.tokens
-    no_plan = tokens.rt.manager.stats.no_plan
+    no_plan = tokens.rt.reclaim_stats.no_plan
     return {"uncached": tokens.stats.uncached, **{k: no_plan[r] for k, r in zip(NO_PLAN, NoPlanReason)}}
 
 

@@ -108,7 +108,7 @@ def _model(rt, inputs) -> dict:
         for t, slot in zip(req.new_tokens, req.write_slots):
             if slot >= 0:
                 store.write(slot, content_tag(r, t))
-        rows[r] = attention_weights(r, req.read_tokens, rt.table.total_len(r))
+        rows[r] = attention_weights(r, req.read_tokens, rt.total_len(r))
     return rows
 
 
@@ -147,11 +147,11 @@ def measure_point(ctx: BenchContext, system: str, n: int, seed: int) -> dict:
     per_step = [b + e - g for b, e, g in times]
     us = statistics.median(per_step)
     return {"system": system, "seed": seed, "requests": n,
-            "live_tokens_per_request": sum(rt.table.num_live(r) for r in ids) / n,
+            "live_tokens_per_request": sum(rt.num_live(r) for r in ids) / n,
             "us_per_step": us, "us_per_request": us / n,
             "begin_us": statistics.median(t[0] for t in times), "end_us": statistics.median(t[1] for t in times),
             "engine_us": statistics.median(t[2] for t in times),
-            "step_us": per_step, "plans_committed": rt.manager.stats.plans_committed}
+            "step_us": per_step, "plans_committed": rt.reclaim_stats.plans_committed}
 
 
 def run(ctx: BenchContext) -> dict:

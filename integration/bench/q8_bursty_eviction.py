@@ -126,14 +126,14 @@ def measure(ctx: BenchContext, setup: Q8Setup, config: dict, seed: int) -> dict:
                     check_invariants=s.check_invariants)
     started = time.perf_counter()
     sim = Simulator(cfg, w)
-    rt, S = sim.rt, s.block_size
-    pool, table, manager = rt.pool, rt.table, rt.manager
+    rt = sim.rt
+    pool = rt.pool
     f: list[float] = []  # F where Stage 1 reads it: after the step's eviction, before its round
     allocated, retained, ideal, rounds, plans = [], [], [], [], []
     reclaim = rt._reclaim
 
     def observed_reclaim() -> None:
-        f.append(manager.waste_ratio())
+        f.append(rt.waste_ratio())
         reclaim()
 
     rt._reclaim = observed_reclaim
@@ -143,11 +143,11 @@ def measure(ctx: BenchContext, setup: Q8Setup, config: dict, seed: int) -> dict:
         step += 1
         assert len(f) == step, "every step reads F once"
         allocated.append(pool.num_blocks - pool.num_free)
-        ids = table.request_ids()
-        retained.append(sum(len(table.block_ids(r)) for r in ids))
-        ideal.append(sum(blocks_needed(table.num_live(r), S) for r in ids))
-        rounds.append(manager.stats.rounds)
-        plans.append(manager.stats.plans_made)
+        held, needed = rt.retained_vs_ideal()
+        retained.append(held)
+        ideal.append(needed)
+        rounds.append(rt.reclaim_stats.rounds)
+        plans.append(rt.reclaim_stats.plans_made)
     if sim.result.preemptions or sim.result.finished != len(w):
         raise AssertionError(f"q8 seed {seed} {config['name']}: {sim.result.preemptions} preemptions, "
                              f"{sim.result.finished}/{len(w)} finished; the pool was sized to rule both out")
@@ -157,7 +157,7 @@ def measure(ctx: BenchContext, setup: Q8Setup, config: dict, seed: int) -> dict:
         in_burst[a:e] = [True] * (e - a)
     new_rounds = [rounds[0]] + [b - a for a, b in itertools.pairwise(rounds)]
     new_plans = [plans[0]] + [b - a for a, b in itertools.pairwise(plans)]
-    assert not manager.inflight and not manager.orphans, "every plan settled by the end"
+    assert rt.plans_outstanding() == 0, "every plan settled by the end"
     lags, censored = [], 0
     for a, e in windows:
         lag = next((t - a for t in range(a, e) if theta is not None and f[t] <= theta), None)
@@ -168,7 +168,7 @@ def measure(ctx: BenchContext, setup: Q8Setup, config: dict, seed: int) -> dict:
     rises = [f[t] - f[t - 1] for t in range(1, step) if t not in starts]
     a0, e0 = windows[0]
     lo = max(0, a0 - PRE)
-    stats = manager.stats
+    stats = rt.reclaim_stats
     return {
         "system": config["name"], "trigger": config["trigger"], "theta_f": theta, "check_every": config["check_every"],
         "burst_df": config["burst_df"], "seed": seed, "steps": step, "windows": windows,

@@ -96,8 +96,6 @@ class VTokenMeta(KVConnectorMetadata):
 class VTokenWorkerMeta(KVConnectorWorkerMetadata):
     done: list[int] = field(default_factory=list)  # copy handles finished and verified per settings
     failed: list[int] = field(default_factory=list)  # copy handles whose verification failed (quarantine)
-    failed_requests: list[str] = field(default_factory=list)  # drill relocations that failed (quarantine)
-    relocated: int = 0  # drill relocations
     verified: int = 0  # token relocations hashed and compared
     mismatches: int = 0
     audited: int = 0  # write slots checked against the scheduler's token tables
@@ -105,9 +103,7 @@ class VTokenWorkerMeta(KVConnectorWorkerMetadata):
     attention: dict = field(default_factory=dict)  # request -> (token ids, weights): H2O / Scissorhands
 
     def aggregate(self, other: VTokenWorkerMeta) -> VTokenWorkerMeta:
-        return VTokenWorkerMeta(self.done + other.done, self.failed + other.failed,
-                                self.failed_requests + other.failed_requests, self.relocated + other.relocated,
-                                self.verified + other.verified, self.mismatches + other.mismatches,
+        return VTokenWorkerMeta(self.done + other.done, self.failed + other.failed, self.verified + other.verified, self.mismatches + other.mismatches,
                                 self.audited + other.audited, max(self.seconds, other.seconds),
                                 {**self.attention, **other.attention})
 
@@ -116,7 +112,6 @@ class VTokenWorkerMeta(KVConnectorWorkerMetadata):
 class WorkerCounters:
     """What the workers reported, summed on the scheduler side."""
 
-    relocated: int = 0
     verified: int = 0
     mismatches: int = 0
     audited: int = 0
@@ -178,11 +173,10 @@ class VTokenConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, VTokenWorkerMeta):
-            corrupted = self.tokens.on_reports(meta.done, meta.failed) + meta.failed_requests
+            corrupted = self.tokens.on_reports(meta.done, meta.failed)
             if corrupted:
                 self.fail_requests(corrupted)
             w = self.workers
-            w.relocated += meta.relocated
             w.verified += meta.verified
             w.mismatches += meta.mismatches
             w.audited += meta.audited
@@ -199,9 +193,9 @@ class VTokenConnector(KVConnectorBase_V1):
         Returns the requests failed now."""
         kv = model_runner_output.kv_connector_output
         meta = kv.kv_connector_worker_meta if kv is not None else None
-        if not isinstance(meta, VTokenWorkerMeta) or not (meta.failed or meta.failed_requests):
+        if not isinstance(meta, VTokenWorkerMeta) or not meta.failed:
             return []
-        failed = self.fail_requests([self.tokens.engine.request_of(h) for h in meta.failed] + meta.failed_requests)
+        failed = self.fail_requests([self.tokens.engine.request_of(h) for h in meta.failed])
         out = model_runner_output
         index = out.req_id_to_index
         drop = {index[r] for r in failed if r in index}
@@ -296,15 +290,12 @@ class VTokenConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> VTokenWorkerMeta | None:
         w, c = self._worker(), self.engine.verifier.counters
-        done, failed, failed_requests = w.take_reports()
-        now = VTokenWorkerMeta(done, failed, failed_requests, w.relocated, c.verified, c.mismatches, w.audited,
-                               w.seconds)
+        done, failed = w.take_reports()
+        now = VTokenWorkerMeta(done, failed, c.verified, c.mismatches, w.audited, w.seconds)
         last, self._reported = self._reported, now
-        delta = VTokenWorkerMeta(done, failed, failed_requests, now.relocated - last.relocated,
-                                 now.verified - last.verified, now.mismatches - last.mismatches,
+        delta = VTokenWorkerMeta(done, failed, now.verified - last.verified, now.mismatches - last.mismatches,
                                  now.audited - last.audited, now.seconds - last.seconds, w.take_attention())
-        if not (done or failed or failed_requests or delta.relocated or delta.verified or delta.mismatches
-                or delta.audited or delta.seconds or delta.attention):
+        if not (done or failed or delta.verified or delta.mismatches or delta.audited or delta.seconds or delta.attention):
             return None  # nothing to report: no per-step traffic
         return delta
 

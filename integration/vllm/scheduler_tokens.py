@@ -59,13 +59,13 @@ def reclaim_config(settings: VTokenSettings) -> ReclaimConfig | None:
     return ReclaimConfig(PlanKind.COMPACT, theta_f=settings.theta_f, max_sources=settings.max_sources,
                          ordering=Ordering.EVENT)
 
-def writable_blocks(table, req_id: str) -> list[int]:
+def writable_blocks(rt: VTokenRuntime, req_id: str, block_size: int) -> list[int]:
     """The blocks of ``req_id`` that appends may still write: the append cursor's block and every one after it.
     NOTE: vLLM hashes only full blocks it will never write again; none of these may carry a hash (B2)."""
-    return table.block_ids(req_id)[table.write_pos(req_id) // table.block_size:]
+    return rt.block_ids(req_id)[rt.write_pos(req_id) // block_size:]
 
 
-def check_copies_sent(manager, engine: WorkerCopyEngine) -> None:
+def check_copies_sent(rt: VTokenRuntime, engine: WorkerCopyEngine) -> None:
     """I3 inside vLLM, when a step's reads are built: every copy not yet handed to the workers belongs to a plan
     still in flight. A plan commits in the scheduler before its copy runs (``after_step`` launches and, under
     EVENT, commits at once: the table points at the destinations one step before the workers copy), so a read
@@ -77,15 +77,12 @@ def check_copies_sent(manager, engine: WorkerCopyEngine) -> None:
     this step's orders *before* it builds the read lists, and the workers run those copies before they prepare
     the step's inputs. Between ``after_step`` and the next ``on_schedule`` unsent committed copies are normal;
     the check is only meaningful where ``on_schedule`` runs it."""
-    in_flight = {rec.handle for rec in manager.inflight.values()}
+    in_flight = rt.copies_in_flight()
     for h, r, _ in engine.unsent():
         if h not in in_flight:
             raise InvariantViolation("I3", f"request {r!r}: its plan left flight (committed or aborted) while its "
                                            f"copy {h} has not been sent to the workers: this step would read its "
                                            f"destinations before any worker wrote them")
-
-
-Relocation = tuple[str, int, int, int]  # (request, index in its block list, old block, new block)
 
 
 @dataclass
@@ -94,7 +91,6 @@ class StepOrders:
 
     copies: list[tuple[int, str, tuple[Move, ...]]] = field(default_factory=list)  # (handle, request, moves)
     layouts: dict[str, list[int]] = field(default_factory=dict)  # block list before this step's new blocks
-    relocations: list[Relocation] = field(default_factory=list)  # drill: whole-block moves
     gaps: dict[str, int] = field(default_factory=dict)  # logical position - physical position (> 0 only)
     write_slots: dict[str, list[int]] = field(default_factory=dict)  # strict verify: the table's write slots
     read: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # gather, scores: live slots, ids
@@ -109,8 +105,11 @@ class TokenStats:
     moves: int = 0  # token moves sent to the workers
     blocks_released: int = 0  # blocks committed plans (densify or compact) returned to vLLM's pool
     uncached: int = 0  # blocks whose prefix-cache hash was dropped because densify filled them
-    drill_planned: int = 0
+    drill_planned: int = 0  # relocate plans (the drill) committed; not in plans_committed, moves, blocks_released
     drill_skipped: int = 0  # shared or prefix-cached blocks the drill must not move, or no free block
+    drill_moves: int = 0  # tokens the drill's plans moved
+    drill_tail: int = 0  # drill plans that moved the request's last block (the one being written)
+    drill_moved: dict = field(default_factory=dict)  # (request, index) -> times the drill moved that block
     copies_done: int = 0
     copies_failed: int = 0
     copies_dropped: int = 0  # planned for a request that left before the workers ran them
@@ -133,7 +132,8 @@ class SchedulerTokens:
         self.policy_names: dict[str, int] = {}
         self.rt = VTokenRuntime(self.allocator, self.engine,
                                 RenamedRequests(policy(), self.policy_names) if policy else None, settings.budget,
-                                reclaim_config(settings), self.read_path, seed=settings.seed)
+                                reclaim_config(settings), self.read_path, seed=settings.seed,
+                                ordering=Ordering.EVENT if settings.reclaim == "off" else None)
         self.prompt_len: dict[str, int] = {}
         self._admitted = 0
         self.first_evicted: dict[str, int] = {}
@@ -143,15 +143,14 @@ class SchedulerTokens:
 
     # ---- what the manager hooks ask ----------------------------------------------------------
     def gap(self, req_id: str) -> int:
-        t = self.rt.table
-        return t.total_len(req_id) - t.write_pos(req_id) if req_id in t else 0
+        return self.rt.gap(req_id) if req_id in self.rt else 0
 
     def intact_tokens(self, req_id: str) -> int | None:
         return self.first_evicted.get(req_id)
 
     def forget(self, req_id: str) -> None:
         """Finish, abort or preemption: vLLM frees the blocks; the table and policy state go."""
-        if req_id not in self.rt.table:
+        if req_id not in self.rt:
             return
         self.rt.detach(req_id)
         self.stats.copies_dropped += self.engine.drop_request(req_id)
@@ -166,79 +165,75 @@ class SchedulerTokens:
     # ---- build_connector_meta ------------------------------------------------------------------
     def on_schedule(self, so, drill_round: int | None = None) -> StepOrders:
         t0 = time.perf_counter()
+        rt, cached = self.rt, so.scheduled_cached_reqs
+        if drill_round is not None:  # first: its copies and layouts travel in this step's orders
+            self._drill(drill_round, [r for r in cached.req_ids if r not in cached.resumed_req_ids and r in rt
+                                      and rt.total_len(r) > 0])
         orders = StepOrders(copies=self.engine.take_outbox(), layouts=self._layouts)
         self._layouts = {}
         req_to_blocks = self.manager.req_to_blocks
-        t = self.rt.table
         syncs: list[tuple[str, int, int]] = []  # (request, tokens computed before this step, scheduled)
         for nr in so.scheduled_new_reqs:
             n_prompt = len(nr.prompt_token_ids) if nr.prompt_token_ids is not None else len(nr.prompt_embeds)
             self.prompt_len[nr.req_id] = n_prompt
             self.policy_names[nr.req_id] = self._admitted
             self._admitted += 1
-            self.rt.admit(nr.req_id)
+            rt.admit(nr.req_id)
             syncs.append((nr.req_id, nr.num_computed_tokens, so.num_scheduled_tokens[nr.req_id]))
-        cached = so.scheduled_cached_reqs
         for r, computed in zip(cached.req_ids, cached.num_computed_tokens):
             if r in cached.resumed_req_ids:
-                if r in t:
+                if r in rt:
                     raise InvariantViolation("B1", f"resumed request {r!r} still has a token table")
-                self.rt.admit(r)
+                rt.admit(r)
             syncs.append((r, computed, so.num_scheduled_tokens[r]))
-        if drill_round is not None:
-            orders.relocations = self._drill(drill_round, [r for r, _, _ in syncs if r not in cached.resumed_req_ids
-                                                           and t.total_len(r) > 0])
         for r, computed, scheduled in syncs:
             held = req_to_blocks[r]
-            known = t.block_ids(r)
+            known = rt.block_ids(r)
             # new and resumed requests start empty: a prefix-cache hit arrives as computed tokens in held blocks
-            if t.total_len(r) not in (0, computed):
+            if rt.total_len(r) not in (0, computed):
                 raise InvariantViolation("B1", f"request {r!r}: vLLM computed {computed} tokens, the token table has "
-                                               f"{t.total_len(r)}")
+                                               f"{rt.total_len(r)}")
             if [b.block_id for b in held[:len(known)]] != known:
                 raise InvariantViolation("B1", f"request {r!r}: token table blocks {known} are not a prefix of vLLM's "
                                                f"{[b.block_id for b in held]}")
-            slots = self.rt.sync(r, [b.block_id for b in held[len(known):]], computed + scheduled)
+            slots = rt.sync(r, [b.block_id for b in held[len(known):]], computed + scheduled)
             g = self.gap(r)
             if g:
                 orders.gaps[r] = g
             if self.settings.strict_verify == "strict":
                 orders.write_slots[r] = slots[len(slots) - scheduled:]  # a prefix hit's tokens are not rewritten
             if self.read_path is ReadPath.GATHER or self.settings.policy in SCORE_POLICIES:
-                orders.read[r] = (t.attention_slots(r), t.live_token_ids(r))
+                orders.read[r] = (rt.attention_slots(r), rt.live_token_ids(r))
         if self.settings.strict_verify == "strict":
-            check_copies_sent(self.rt.manager, self.engine)
+            check_copies_sent(rt, self.engine)
         self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - t0
         return orders
 
-    def _drill(self, round_no: int, req_ids: list[str]) -> list[Relocation]:
-        """Relocation drill (test hook): move block ``round_no mod n`` of each request's n blocks to a
-        fresh block, through the table, so every block moves over the rounds, the tail block (still
-        being written) and blocks moved twice included. Shared and prefix-cached blocks never move, and nothing
-        moves while vLLM's pool has no free block (the drill must not take what a request needs)."""
-        t, S, pool = self.rt.table, self.block_size, self.allocator.pool
-        out = []
+    def _drill(self, round_no: int, req_ids: list[str]) -> None:
+        """Relocation drill (test hook): move block ``round_no mod n`` of each request's n blocks to a fresh
+        block, through a relocate plan (``VTokenRuntime.relocate_block``: the manager's checks and one-plan rule
+        cover it), so every block moves over the rounds, the tail block (still being written) and blocks moved
+        twice included. Shared and prefix-cached blocks never move, and nothing moves while vLLM's pool has no
+        free block (the drill must not take what a request needs). Under EVENT the plan commits at once."""
+        pool = self.allocator.pool
         for r in req_ids:
-            blocks, cursor = t.block_ids(r), t.write_pos(r)
-            if not blocks:
-                continue
+            blocks = self.rt.block_ids(r)
             i = round_no % len(blocks)
-            old = blocks[i]
-            if pool.blocks[old].ref_cnt != 1 or manager_hooks.is_cached(pool, pool.blocks[old]) \
-                    or not self.allocator.can_allocate(1, Purpose.EVACUATION):  # a full pool: the drill waits
+            b = pool.blocks[blocks[i]]
+            if b.ref_cnt != 1 or manager_hooks.is_cached(pool, b) or not self.allocator.can_allocate(1, Purpose.EVACUATION) \
+                    or not self.rt.relocate_block(r, i):
                 self.stats.drill_skipped += 1
                 continue
-            [new] = self.allocator.allocate(1, Purpose.EVACUATION)
-            moves = [Move(tok, old, s % S, new, s % S) for tok, s in t.live_slots(r) if s // S == old]
-            t.set_layout(r, blocks[:i] + [new] + blocks[i:], cursor + S)  # attach before the cursor,
-            t.apply_moves(r, moves)  # move,
-            t.set_layout(r, blocks[:i] + [new] + blocks[i + 1:], cursor)  # drop the emptied source
-            self.manager.req_to_blocks[r][i] = pool.blocks[new]
-            self.allocator.free([old])
-            out.append((r, i, old, new))
-        self.stats.drill_planned += len(out)
-        return out
+            self.stats.drill_tail += i == len(blocks) - 1
+            self.stats.drill_moved[(r, i)] = self.stats.drill_moved.get((r, i), 0) + 1
+        for rec in self.rt.settle():
+            if rec.state is not PlanState.COMMITTED:
+                raise InvariantViolation("I3", f"request {rec.plan.req_id!r}: its drill plan did not commit at once "
+                                               f"under EVENT ordering ({rec.state.value}: {rec.abort_reason})")
+            self.stats.drill_planned += 1
+            self.stats.drill_moves += len(rec.plan.moves)
+            self._committed(rec, listed=len(self.rt.block_ids(rec.plan.req_id)))
 
     # ---- update_connector_output -----------------------------------------------------------
     def on_reports(self, done: list[int], failed: list[int]) -> list[str]:
@@ -258,25 +253,24 @@ class SchedulerTokens:
         """Evict and reclaim after a forward; ``attention``: the workers' rows for score-based policies (requests
         that left meanwhile are dropped). Returns each request's victims."""
         t0 = time.perf_counter()
-        t = self.rt.table
-        decoding = [r for r in t.request_ids() if t.total_len(r) >= self.prompt_len[r]]
-        rows = {r: row for r, row in (attention or {}).items() if r in t}
-        victims = self.rt.evict_and_reclaim(decoding, rows)
+        rt = self.rt
+        decoding = [r for r in rt.running() if rt.total_len(r) >= self.prompt_len[r]]
+        rows = {r: row for r, row in (attention or {}).items() if r in rt}
+        victims = rt.evict_and_reclaim(decoding, rows)
         self.stats.attention_rows += len(rows)
         for r, chosen in victims.items():
             self.first_evicted[r] = min(self.first_evicted.get(r, chosen[0]), min(chosen))
             self.stats.evicted += len(chosen)
-        for rec in self.rt.manager.settle():  # EVENT ordering: ORDERED copies commit at once
-            r = rec.plan.req_id
+        for rec in rt.settle():  # EVENT ordering: ORDERED copies commit at once
             if rec.state is not PlanState.COMMITTED:
                 continue
+            r = rec.plan.req_id
             self.stats.plans_committed += 1
             self.stats.moves += len(rec.plan.moves)
-            self.stats.blocks_released += len(rec.plan.src_blocks) - len(set(rec.plan.dst_blocks) & set(self.rt.table.block_ids(r)))
-            self._mirror(r)
-            self.stats.uncached += self._drop_stale_hashes(r, rec.plan)
+            self.stats.blocks_released += len(rec.plan.src_blocks) - len(set(rec.plan.dst_blocks) & set(rt.block_ids(r)))
+            self._committed(rec)
         # every abort, whichever path made it (a refused launch, a failed copy, a request that left mid-copy)
-        self.stats.plans_aborted = sum(self.rt.manager.stats.plans_aborted.values())
+        self.stats.plans_aborted = sum(rt.reclaim_stats.plans_aborted.values())
         self.stats.seconds += time.perf_counter() - t0
         return victims
 
@@ -290,8 +284,8 @@ class SchedulerTokens:
         another request's K/V in it (issue #15). So every destination and every block from the cursor's block
         on loses its hash before vLLM can schedule again. None of them may be shared: the planners never
         write a shared block (``plan_densify``: SHARED_BLOCK), and this is where that is relied on."""
-        t, pool = self.rt.table, self.allocator.pool
-        written = {m.dst_block for m in plan.moves} | set(writable_blocks(t, r))
+        pool = self.allocator.pool
+        written = {m.dst_block for m in plan.moves} | set(writable_blocks(self.rt, r, self.block_size))
         shared = sorted(b for b in written if pool.blocks[b].ref_cnt > 1)
         if shared:
             raise InvariantViolation("B2", f"request {r!r}: committed plan writes shared block(s) {shared}")
@@ -305,14 +299,23 @@ class SchedulerTokens:
         private = [b.block_id for b in self.manager.req_to_blocks.get(r, []) if not b.is_null and b.ref_cnt == 1]
         return manager_hooks.uncache(pool, private)
 
-    def _mirror(self, r: str) -> None:
-        """Make vLLM's block list for ``r`` the table's, after a commit."""
+    def _committed(self, rec, listed: int | None = None) -> None:
+        """After a commit: vLLM's block list for the request becomes the table's, and B2 holds again.
+        ``listed``: how many blocks the table listed before the commit (default: all vLLM holds)."""
+        self._mirror(rec.plan.req_id, listed)
+        self.stats.uncached += self._drop_stale_hashes(rec.plan.req_id, rec.plan)
+
+    def _mirror(self, r: str, listed: int | None) -> None:
+        """Make vLLM's block list for ``r`` the table's, after a commit. The table's list before the commit is
+        a prefix of vLLM's (B1): all of it after a step, all but this step's new blocks before sync (the drill,
+        whose relocate plan keeps the list's length). That prefix is replaced: densify drops tail blocks,
+        compact swaps in destinations, relocate one."""
         held = self.manager.req_to_blocks[r]
-        blocks = self.rt.table.block_ids(r)
+        blocks = self.rt.block_ids(r)
         pool = self.allocator.pool
         if not all(pool.blocks[b].ref_cnt >= 1 for b in blocks):
             raise InvariantViolation("B1", f"request {r!r}: table lists a free block")
-        held[:] = [pool.blocks[b] for b in blocks]  # densify drops tail blocks; compact swaps in destinations
+        held[:len(held) if listed is None else listed] = [pool.blocks[b] for b in blocks]
         self._layouts[r] = list(blocks)
 
     # ---- observability ---------------------------------------------------------------------------
@@ -331,23 +334,21 @@ class SchedulerTokens:
 
     def retained_vs_ideal(self) -> tuple[int, int]:
         """Blocks the tracked requests hold, and the ideal ceil(live / S) summed over them."""
-        t, S = self.rt.table, self.block_size
-        ids = t.request_ids()
-        return sum(len(t.block_ids(r)) for r in ids), sum(-(-t.num_live(r) // S) for r in ids)
+        return self.rt.retained_vs_ideal()
 
     def check(self, pool: bool = True, requests=None) -> None:
         """Under strict verify, after every step: the bridge (vLLM's block lists are the tables', B1), the dense
         prefix (I7) and B2 (no block a request may still write is prefix-cached or shared), O(blocks held). With
         ``pool``, also P1 over vLLM's whole pool, O(pool size); with ``requests`` (the scheduler's
         ``requests``: id -> vLLM ``Request``), also B3 over every prefix-cached block a request holds."""
-        t, blocks = self.rt.table, self.allocator.pool.blocks
-        for r in t.request_ids():
+        t, blocks = self.rt, self.allocator.pool.blocks
+        for r in t.running():
             held = [b.block_id for b in self.manager.req_to_blocks.get(r, [])]
             if held != t.block_ids(r):
                 raise InvariantViolation("B1", f"request {r!r}: vLLM holds blocks {held}, its token table {t.block_ids(r)}")
             if self.read_path is ReadPath.DENSE and t.write_pos(r) != t.num_live(r):
                 raise InvariantViolation("I7", f"request {r!r}: {t.num_live(r)} live tokens but cursor {t.write_pos(r)}")
-            for b in writable_blocks(t, r):
+            for b in writable_blocks(t, r, self.block_size):
                 if manager_hooks.is_cached(self.allocator.pool, blocks[b]) or blocks[b].ref_cnt > 1:
                     raise InvariantViolation("B2", f"request {r!r}: block {b} at or after its append cursor "
                                                    f"(position {t.write_pos(r)}) is "
@@ -370,7 +371,7 @@ class SchedulerTokens:
         releases sparse source blocks, so a hashed block after them moves down the list (its content stays)."""
         from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-        t, S, pool = self.rt.table, self.block_size, self.allocator.pool
+        t, S, pool = self.rt, self.block_size, self.allocator.pool
         if pool.hash_block_size != S:
             return  # hashes at another granularity: not a configuration vtoken runs (compat)
         chain = {make_block_hash_with_group_id(h, 0): j for j, h in enumerate(request.block_hashes)}

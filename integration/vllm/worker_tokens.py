@@ -12,8 +12,7 @@ Per step (``apply``, called from ``handle_preemptions``, before ``_update_states
   1. run the copies the scheduler planned after the previous forward (device layer, verified per
      ``strict_verify``); a copy whose verification fails is reported FAILED;
   2. install the block lists those copies changed (the worker's list and the block-table row);
-  3. run drill relocations (whole blocks, rewrite one index);
-  4. remember the step's gaps (and, under strict verify, the table's write slots to audit).
+  3. remember the step's gaps (and, under strict verify, the table's write slots to audit).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import torch
 
 from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.errors import InvariantViolation
-from vtoken.core.token_table import Move
 
 from ..device.copy_engine import TorchCopyEngine
 from .compat import UnsupportedConfigError
@@ -77,12 +75,8 @@ class WorkerTokens:
         self.audit: dict[str, list[int]] = {}
         self.done: list[int] = []
         self.failed: list[int] = []
-        self.failed_requests: set[str] = set()
-        self.relocated = 0  # drill relocations
-        self.tail_moves = 0
         self.audited = 0  # write slots checked against the scheduler's tables
         self.seconds = 0.0  # worker-side time spent in vtoken (copies, verification, slot mapping, audit)
-        self.moved: dict[tuple[str, int], int] = {}
         self._wrap_prepare_inputs()
 
     # ---- handle_preemptions ------------------------------------------------------------------
@@ -92,11 +86,6 @@ class WorkerTokens:
             (self.done if self._copy(rid, moves) else self.failed).append(handle)
         for rid, blocks in orders.layouts.items():
             self._install_layout(rid, blocks)
-        for rid, i, old, new in orders.relocations:
-            if not self._copy(rid, [Move(o, old, o, new, o) for o in range(self.block_size)]):
-                self.failed_requests.add(rid)  # quarantined: the scheduler fails the request
-            self._rewrite_index(rid, i, old, new)
-            self.relocated += 1
         self.gaps = orders.gaps
         self.audit = orders.write_slots
         self.read = orders.read
@@ -115,22 +104,6 @@ class WorkerTokens:
         row = r.input_batch.req_id_to_index.get(rid)
         if row is not None:  # not in the batch: its row is rebuilt from block_ids when it returns
             r.input_batch.block_table[0].add_row(list(blocks), row)
-
-    def _rewrite_index(self, rid: str, i: int, old: int, new: int) -> None:
-        r = self.runner
-        ids = r.requests[rid].block_ids[0]
-        if ids[i] != old:
-            raise InvariantViolation("B1", f"worker has block {ids[i]} at index {i} of {rid!r}, scheduler moved {old}")
-        ids[i] = new
-        self.moved[(rid, i)] = self.moved.get((rid, i), 0) + 1
-        self.tail_moves += i == len(ids) - 1
-        row = r.input_batch.req_id_to_index.get(rid)
-        if row is not None:
-            table = r.input_batch.block_table[0].block_table.np
-            if table[row, i] != old:
-                raise InvariantViolation("B1", f"worker's block table row {row} has block {table[row, i]} at index {i} "
-                                               f"of {rid!r}, scheduler moved {old}")
-            table[row, i] = new
 
     # ---- slot mapping through the table (dense read path); what attention reads (gather, scores) ----------------------------------------
     def _wrap_prepare_inputs(self) -> None:
@@ -204,10 +177,10 @@ class WorkerTokens:
                                                f"assigned {expected[:8]}")
             self.audited += len(got)
 
-    def take_reports(self) -> tuple[list[int], list[int], list[str]]:
-        done, failed, requests = self.done, self.failed, sorted(self.failed_requests)
-        self.done, self.failed, self.failed_requests = [], [], set()
-        return done, failed, requests
+    def take_reports(self) -> tuple[list[int], list[int]]:
+        done, failed = self.done, self.failed
+        self.done, self.failed = [], []
+        return done, failed
 
 
 def _decode_batch(reqs: list) -> DecodeBatch | None:
