@@ -139,8 +139,11 @@ class BlockPool:
                 )
             raise PoolExhaustedError(f"{purpose.value} needs {n} blocks, {len(self._free)} free")
         blocks = [self._free.popleft() for _ in range(n)]
+        held = [b for b in blocks if self._ref[b]]
+        if held:  # P1: handing out a referenced block would give one block to two owners
+            self._free.extendleft(reversed(blocks))
+            raise InvariantViolation("P1", f"block {held[0]} is in the free queue with ref count {self._ref[held[0]]}")
         for b in blocks:
-            assert self._ref[b] == 0, f"block {b} in the free queue with ref count {self._ref[b]}"
             self._ref[b] = 1
         return blocks
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from . import contracts  # noqa: F401  (the docstring contracts call it)
+from .errors import InvariantViolation
 from .plan import NoPlan, NoPlanReason, Plan, PlanKind
 from .token_table import Move, RequestSnapshot
 
@@ -28,9 +30,7 @@ def eligible_sources(snap: RequestSnapshot) -> list[int]:
     Eligible: wholly before the append cursor's block (appends never land in
     them), not shared (ref count 1), and not full.
 
-    post:
-        # exactly the eligible indices, each once, in ascending live count
-        sorted(__return__) == [i for i in range(min(len(snap.blocks), snap.write_pos // snap.block_size)) if snap.blocks[i] not in snap.shared_blocks and snap.live_count(i) < snap.block_size] and [snap.live_count(i) for i in __return__] == sorted(snap.live_count(i) for i in __return__)
+    post: contracts.eligible_in_ascending_live_count(snap, __return__)
     """
     S = snap.block_size
     cursor_block = snap.write_pos // S
@@ -45,11 +45,8 @@ def choose_sources(snap: RequestSnapshot, max_sources: int, dst_budget: int) -> 
     """Stage 3's admission gate: the sources to pack and how many destinations they need.
 
     pre: max_sources >= 1 and dst_budget >= 0
-    post:
-        # 1..max_sources sources, in block-list order, none shared, none at or after the append block
-        not __return__ or (0 < len(__return__.src_blocks) <= max_sources and list(__return__.src_blocks) == [b for b in snap.blocks if b in __return__.src_blocks] and all(b not in snap.shared_blocks and snap.blocks.index(b) < snap.write_pos // snap.block_size for b in __return__.src_blocks))
-        # strict decrease within budget: their T_live live tokens need ceil(T_live / S) destinations, fewer than the sources
-        not __return__ or (__return__.num_live == sum(snap.live_count(snap.blocks.index(b)) for b in __return__.src_blocks) and __return__.num_live <= __return__.num_dst * snap.block_size < __return__.num_live + snap.block_size and __return__.num_dst < len(__return__.src_blocks) and __return__.num_dst <= dst_budget)
+    post: not __return__ or contracts.sources_private_before_the_cursor(snap, __return__, max_sources)
+    post: not __return__ or contracts.strict_decrease_within_budget(snap, __return__, dst_budget)
     """
     assert max_sources >= 1 and dst_budget >= 0
     S = snap.block_size
@@ -76,9 +73,7 @@ def plan_compaction(snap: RequestSnapshot, dst_blocks: Sequence[int], max_source
 
     pre: max_sources >= 1
     pre: all(b not in snap.blocks and b not in dst_blocks[:i] for i, b in enumerate(dst_blocks))  # distinct, fresh
-    post:
-        # every live token of the sources moves once, in logical order, to consecutive slots of the destinations
-        not __return__ or ([m.token_id for m in __return__.moves] == [t for t, s in snap.live_slots() if s // snap.block_size in __return__.src_blocks] and [(m.dst_block, m.dst_offset) for m in __return__.moves] == [(__return__.dst_blocks[i // snap.block_size], i % snap.block_size) for i in range(len(__return__.moves))] and __return__.blocks_saved > 0)
+    post: not __return__ or contracts.compact_fills_in_logical_order(snap, __return__)
     """
     choice = choose_sources(snap, max_sources, len(dst_blocks))
     if not choice:
@@ -86,9 +81,10 @@ def plan_compaction(snap: RequestSnapshot, dst_blocks: Sequence[int], max_source
     S = snap.block_size
     sources = set(choice.src_blocks)
     tokens = [(t, s) for t, s in snap.live_slots() if s // S in sources]
-    assert len(tokens) == choice.num_live
     dsts = tuple(dst_blocks[: choice.num_dst])
-    assert not sources & set(dsts) and not set(dsts) & set(snap.blocks), "destinations must be fresh"
+    if len(tokens) != choice.num_live or sources & set(dsts) or set(dsts) & set(snap.blocks):
+        raise InvariantViolation("I4", f"request {snap.req_id!r}: compact would move {len(tokens)} of "
+                                       f"{choice.num_live} live tokens into {dsts}, which must be fresh blocks")
     moves = tuple(
         Move(t, s // S, s % S, dsts[i // S], i % S) for i, (t, s) in enumerate(tokens)
     )

@@ -13,6 +13,8 @@ new cursor's block.
 
 from __future__ import annotations
 
+from . import contracts  # noqa: F401  (the docstring contracts call it)
+from .errors import InvariantViolation
 from .plan import NoPlan, NoPlanReason, Plan, PlanKind
 from .token_table import Move, RequestSnapshot
 
@@ -20,11 +22,8 @@ from .token_table import Move, RequestSnapshot
 def plan_densify(snap: RequestSnapshot) -> Plan | NoPlan:
     """Moves that make the live tokens of ``snap`` fill positions [0, n_live), or why none are needed.
 
-    post:
-        # I7 after commit: moved tokens (from their current slot) and unmoved ones fill exactly [0, n_live)
-        not __return__ or (all(dict(snap.live_slots())[m.token_id] == m.src_block * snap.block_size + m.src_offset for m in __return__.moves) and sorted([snap.blocks.index(s // snap.block_size) * snap.block_size + s % snap.block_size for t, s in snap.live_slots() if t not in {m.token_id for m in __return__.moves}] + [snap.blocks.index(m.dst_block) * snap.block_size + m.dst_offset for m in __return__.moves]) == list(range(snap.num_live)))
-        # the cursor becomes n_live; released blocks lie wholly at or after it; no shared block is touched
-        not __return__ or (__return__.dense_write_pos == snap.num_live and __return__.version == snap.version and all(snap.blocks.index(b) * snap.block_size >= snap.num_live for b in __return__.src_blocks) and not ({m.src_block for m in __return__.moves} | {m.dst_block for m in __return__.moves} | set(__return__.src_blocks) | ({snap.blocks[snap.num_live // snap.block_size]} if snap.num_live % snap.block_size else set())) & snap.shared_blocks)
+    post: not __return__ or contracts.densify_fills_the_prefix(snap, __return__)  # I7 after commit
+    post: not __return__ or contracts.densify_frees_only_the_tail(snap, __return__)
     """
     S = snap.block_size
     n = snap.num_live
@@ -37,7 +36,9 @@ def plan_densify(snap: RequestSnapshot) -> Plan | NoPlan:
         if pos >= n:
             movers.append((t, s))
     holes = [p for p in range(n) if p not in occupied]
-    assert len(holes) == len(movers), "every live token above n_live has a hole below it"
+    if len(holes) != len(movers):  # zip would drop movers: a live token would stay above n_live (I7)
+        raise InvariantViolation("I7", f"request {snap.req_id!r}: {len(movers)} live tokens at or above n_live "
+                                       f"{n}, {len(holes)} holes below it")
     keep = -(-n // S)
     written = -(-snap.write_pos // S)
     src_blocks = tuple(snap.blocks[keep:written])

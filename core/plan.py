@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from . import contracts  # noqa: F401  (the docstring contracts call it)
 from .token_table import Move
 
 
@@ -89,18 +90,14 @@ class Plan:
         pre: block_size >= 1 and 0 <= write_pos <= len(blocks) * block_size
         pre: all(b not in blocks[:i] for i, b in enumerate(blocks))  # distinct
         pre: self.kind is not PlanKind.DENSIFY or self.dense_write_pos is not None
-        # compact: distinct sources, all in the list before the cursor block; distinct fresh destinations
-        pre: self.kind is not PlanKind.COMPACT or (len(self.src_blocks) > 0 and all(b in blocks and blocks.index(b) < write_pos // block_size and b not in self.src_blocks[:i] for i, b in enumerate(self.src_blocks)))
+        pre: self.kind is not PlanKind.COMPACT or contracts.compact_sources_before_the_cursor(self, blocks, write_pos, block_size)
         # relocate: one source in the list, one fresh destination
-        pre: self.kind is not PlanKind.RELOCATE or (len(self.src_blocks) == 1 and self.src_blocks[0] in blocks and len(self.dst_blocks if dst_blocks is None else dst_blocks) == 1)
+        pre: self.kind is not PlanKind.RELOCATE or (len(self.src_blocks) == 1 and self.src_blocks[0] in blocks)
+        pre: self.kind is not PlanKind.RELOCATE or len(self.dst_blocks if dst_blocks is None else dst_blocks) == 1
+        # compact, relocate: distinct destinations, none in the list
         pre: self.kind is PlanKind.DENSIFY or (lambda d: all(b not in blocks and b not in d[:i] for i, b in enumerate(d)))(self.dst_blocks if dst_blocks is None else dst_blocks)
-        post:
-            # the sources leave, the destinations (compact) join, every other block stays; nothing is listed twice
-            len(set(__return__[0])) == len(__return__[0]) and set(__return__[0]) == (set(blocks) - set(self.src_blocks)) | (set() if self.kind is PlanKind.DENSIFY else set(self.dst_blocks if dst_blocks is None else dst_blocks))
-            # densify: the cursor is n_live; relocate: the list keeps its length and the cursor stays
-            self.kind is not PlanKind.RELOCATE or (len(__return__[0]) == len(blocks) and __return__[1] == write_pos)
-            # compact: the cursor stays at the same offset of the same block
-            __return__[1] == self.dense_write_pos if self.kind is PlanKind.DENSIFY else self.kind is PlanKind.RELOCATE or (__return__[1] % block_size == write_pos % block_size and (write_pos // block_size == len(blocks) or __return__[0][__return__[1] // block_size] == blocks[write_pos // block_size]))
+        post: contracts.the_sources_leave_and_the_destinations_join(self, blocks, self.dst_blocks if dst_blocks is None else dst_blocks, __return__[0])
+        post: contracts.the_cursor_after_commit(self, blocks, write_pos, block_size, *__return__)
         """
         dsts = self.dst_blocks if dst_blocks is None else dst_blocks
         gone = set(self.src_blocks)

@@ -277,6 +277,7 @@ class ReclamationManager:
         if not plan:
             self.stats.no_plan[plan.reason] += 1
             return plan
+        assert req_id not in self.inflight  # I4: one plan per request (checked by the callers first)
         rec = PlanRecord(plan)
         self.inflight[req_id] = rec
         self.stats.plans_made += 1
@@ -343,6 +344,7 @@ class ReclamationManager:
                 self.engine.order_before_compute(rec.handle)
             elif self.config.ordering is Ordering.FORCE_SYNC:
                 self.engine.wait(rec.handle)
+        assert all(r.state is PlanState.COPYING for r in self.inflight.values())  # launched or aborted, each one
         return refused
 
     def settle(self) -> list[PlanRecord]:
@@ -368,6 +370,8 @@ class ReclamationManager:
                 self.orphans.remove(rec)
                 self._release_handle(rec)
                 self.pool.free(rec.held)
+        assert all(r.state in (PlanState.COMMITTED, PlanState.ABORTED) and self.inflight.get(r.plan.req_id) is not r
+                   for r in done)
         return done
 
     def on_request_removed(self, req_id: object, blocks: list[int]) -> None:
@@ -470,6 +474,7 @@ class ReclamationManager:
         self.pool.free(list(plan.src_blocks) + unused)
         rec.state = PlanState.COMMITTED
         del self.inflight[req]
+        assert rec.handle is None and t.write_pos(req) <= len(t.block_ids(req)) * S
         self.stats.plans_committed += 1
         self.stats.moves_committed += len(moves)
         self.stats.blocks_released += len(plan.src_blocks) - len(dsts)
@@ -569,6 +574,7 @@ class ReclamationManager:
         rec.state = PlanState.ABORTED
         rec.abort_reason, rec.abort_detail = reason, detail
         del self.inflight[rec.plan.req_id]
+        assert rec.handle is None and rec.plan.req_id not in self.inflight
         self.stats.plans_aborted[reason] += 1
 
     def _status(self, rec: PlanRecord) -> CopyStatus:

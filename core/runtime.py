@@ -205,6 +205,7 @@ class VTokenRuntime:
         if prefix:
             self.table.sync_new_tokens(req_id, prefix, len(prefix) * self.pool.block_size)
             self.scores.extend(req_id, len(prefix) * self.pool.block_size)
+        assert self.table.total_len(req_id) == self.table.write_pos(req_id) == len(prefix) * self.pool.block_size
 
     def finish(self, req_id: object) -> None:
         self._remove(req_id)
@@ -342,8 +343,11 @@ class VTokenRuntime:
             raise InvariantViolation("P3", f"step {self.iteration}: appends need {sum(need.values())} blocks after "
                                      f"settling, {self.pool.num_free} free; the forecast said they fit")
         for r, n in appends.items():
-            self.table.sync_new_tokens(r, self.pool.allocate(need[r], Purpose.ADMISSION), self.table.total_len(r) + n)
+            grown = self.table.total_len(r) + n
+            self.table.sync_new_tokens(r, self.pool.allocate(need[r], Purpose.ADMISSION), grown)
             self.scores.extend(r, self.table.total_len(r))
+            assert self.table.total_len(r) == grown and self.table.write_pos(r) <= len(self.table.block_ids(r)) * \
+                self.pool.block_size
         reqs = {}
         for r in self.table.request_ids():
             start = self.table.total_len(r) - appends.get(r, 0)
@@ -395,6 +399,7 @@ class VTokenRuntime:
         # -- validated; mutate --
         self._evict_and_reclaim(victims)
         self._last = None
+        assert all(not self.table.is_live(r, t) for r, chosen in victims.items() for t in chosen)
         return victims
 
     # ---- for engines that allocate and schedule themselves (vLLM) -----------------------
@@ -450,6 +455,7 @@ class VTokenRuntime:
             raise PlanConflictError(f"request {req_id!r} has a plan in flight; its blocks cannot be handed back yet")
         blocks = self.table.remove_request(req_id)
         self.scores.remove_request(req_id)
+        assert req_id not in self.table and self.manager.in_flight(req_id) is None
         return blocks
 
     # ---- helpers ----------------------------------------------------------------------
@@ -676,6 +682,7 @@ class VTokenRuntime:
         blocks = self.table.remove_request(req_id)
         self.scores.remove_request(req_id)
         self.manager.on_request_removed(req_id, blocks)
+        assert req_id not in self.table and self.manager.in_flight(req_id) is None
 
 
 __all__ = ["ReadPath", "StepInputs", "StepRequest", "VTokenRuntime", "AdmissionClosedError", "NO_SLOT", "check_budget"]

@@ -29,6 +29,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
+from . import contracts  # noqa: F401  (the docstring contracts call it)
 from .checks import as_list, check_request_id, is_int, is_known_key
 from .errors import (
     BlockListTooShortError,
@@ -148,6 +149,7 @@ class TokenTable:
         if req_id in self._requests:
             raise DuplicateRequestError(f"request {req_id!r} is already registered")
         self._requests[req_id] = RequestTokens()
+        assert self._requests[req_id].total_len == 0
 
     def remove_request(self, req_id: object) -> list[int]:
         """Forget a request (finish or preemption); returns its block list for the caller to free."""
@@ -156,8 +158,10 @@ class TokenTable:
             if s != NO_SLOT:
                 self.occupancy.release(s)
         for b in r.blocks:
+            assert self._listed[b] >= 1, f"block {b} of request {req_id!r} is not counted as listed"
             self._listed[b] -= 1
         del self._requests[req_id]
+        assert req_id not in self._requests
         return list(r.blocks)
 
     def __contains__(self, req_id: object) -> bool:
@@ -185,15 +189,14 @@ class TokenTable:
 
         pre: req_id in self
         raises: TokenOutOfRangeError, BlockOutOfRangeError, BlockNotOwnedError, BlockListTooShortError
-        post:
-            # one fresh slot per new token, in the request's blocks, in order; they are the write slots
-            len(__return__) == total_len - __old__.self.total_len(__old__.req_id) == len(set(__return__)) and __return__ == self.write_slots(req_id) and all(s // self.block_size in self.block_ids(req_id) and self.occupancy.holders(s) >= 1 for s in __return__)
-            # T1: the new tokens are live and counted; T2: the cursor moved past them
-            self.num_live(req_id) == __old__.self.num_live(__old__.req_id) + len(__return__) == len(self.live_token_ids(req_id)) and self.write_pos(req_id) == __old__.self.write_pos(__old__.req_id) + len(__return__) and all(self.is_live(req_id, t) for t in range(__old__.self.total_len(__old__.req_id), total_len))
+        post: contracts.sync_wrote_fresh_slots(__old__.self, self, req_id, total_len, __return__)
+        post: contracts.sync_appended_live_tokens(__old__.self, self, req_id, total_len, __return__)
         """
         r, new_ids, n_new = self._check_sync(req_id, block_ids, total_len)
-        # -- validated; mutate --
         S = self.block_size
+        live_before, pos_before, listed_before = r.num_live, r.write_pos, len(r.blocks)
+        assert n_new >= 0 and pos_before + n_new <= (listed_before + len(new_ids)) * S  # T2: room for every token
+        # -- validated; mutate --
         for b in new_ids:
             r.blocks.append(b)
             r.masks[b] = 0
@@ -209,6 +212,8 @@ class TokenTable:
             out.append(slot)
         r.write_pos += n_new
         r.num_live += n_new
+        assert r.total_len == total_len and len(r.blocks) == listed_before + len(new_ids)
+        assert r.write_pos == pos_before + n_new and r.num_live == live_before + n_new == len(out) + live_before
         return out
 
     def check_sync(self, req_id: object, block_ids: Sequence[int], total_len: int) -> list[int]:
@@ -270,19 +275,18 @@ class TokenTable:
         pre: req_id in self
         pre: token_id in self.live_token_ids(req_id)
         raises: TokenOutOfRangeError, TokenAlreadyEvictedError
-        post:
-            # the token is dead and no longer counted (T1)
-            not self.is_live(req_id, token_id) and self.num_live(req_id) == __old__.self.num_live(__old__.req_id) - 1 == len(self.live_token_ids(req_id))
-            # metadata only: every other token keeps its slot, the block list and cursor stay
-            self.block_ids(req_id) == __old__.self.block_ids(__old__.req_id) and self.write_pos(req_id) == __old__.self.write_pos(__old__.req_id) and all(self.slot_of(req_id, t) == __old__.self.slot_of(__old__.req_id, t) for t in range(self.total_len(req_id)) if t != token_id)
+        post: contracts.evict_killed_one_token(__old__.self, self, req_id, token_id)  # T1
+        post: contracts.evict_moved_nothing(__old__.self, self, req_id, token_id)  # metadata only
         """
         r = self._get(req_id)
         slot = self._live_slot(req_id, r, token_id)
         b, o = divmod(slot, self.block_size)
+        assert r.masks[b] >> o & 1, f"live token {token_id} of {req_id!r} at slot {slot}, unmarked in block {b}"
         r.masks[b] &= ~(1 << o)
         self.occupancy.release(slot)
         r.slots[token_id] = NO_SLOT
         r.num_live -= 1
+        assert r.num_live >= 0 and not r.masks[b] >> o & 1
 
     def apply_moves(self, req_id: object, moves: Iterable[Move]) -> None:
         """Atomically relocate live tokens whose K/V has been copied (I2).
@@ -294,11 +298,8 @@ class TokenTable:
 
         pre: req_id in self
         raises: TokenOutOfRangeError, TokenAlreadyEvictedError, MoveSourceMismatchError, DestinationError, BlockNotOwnedError
-        post:
-            # liveness, counts, block list and cursor are unchanged; moved tokens sit where the moves say
-            self.live_token_ids(req_id) == __old__.self.live_token_ids(__old__.req_id) and self.num_live(req_id) == __old__.self.num_live(__old__.req_id) and self.block_ids(req_id) == __old__.self.block_ids(__old__.req_id) and self.write_pos(req_id) == __old__.self.write_pos(__old__.req_id) and all(self.slot_of(req_id, m[0]) == m[3] * self.block_size + m[4] for m in moves)
-            # I2 and T2: live tokens hold distinct slots of the request's blocks, all before the cursor
-            len(set(self.attention_slots(req_id))) == self.num_live(req_id) and all(self.block_ids(req_id).index(s // self.block_size) * self.block_size + s % self.block_size < self.write_pos(req_id) for s in self.attention_slots(req_id))
+        post: contracts.moves_kept_liveness_and_layout(__old__.self, self, req_id, moves)
+        post: contracts.live_slots_distinct_before_the_cursor(self, req_id)  # I2, T2
         """
         r = self._get(req_id)
         S = self.block_size
@@ -347,6 +348,9 @@ class TokenTable:
                     f"({m.dst_block}, {m.dst_offset}) is occupied by a live token"
                 )
             claimed.add(dst)
+        assert len(vacated) == len(claimed) == len(batch)
+        # a source another request still holds (a shared prefix slot) stays live: each such move adds a slot
+        live_slots_after = self.occupancy.live_slots + sum(1 for s in vacated if self.occupancy.holders(s) > 1)
         # -- validated; mutate atomically --
         for m in batch:
             slot = r.slots[m.token_id]
@@ -357,6 +361,7 @@ class TokenTable:
             self.occupancy.claim(m.dst_block * S + m.dst_offset)
             r.slots[m.token_id] = m.dst_block * S + m.dst_offset
         r.layout_version += 1
+        assert self.occupancy.live_slots == live_slots_after, "a batch of moves miscounted the pool's live slots"
 
     # ---- block-list rewrites (reclamation only) -------------------------------------
     def set_layout(self, req_id: object, blocks: Sequence[int], write_pos: int) -> None:
@@ -404,10 +409,13 @@ class TokenTable:
         for b in new:
             if b not in keep_old:
                 self._listed[b] += 1
+        live_before = sum(m.bit_count() for m in r.masks.values())
         r.masks = {b: r.masks.get(b, 0) for b in new}
         r.blocks = new
         r.write_pos = write_pos
         r.layout_version += 1
+        assert sum(m.bit_count() for m in r.masks.values()) == live_before == r.num_live  # no live token left
+        assert r.write_pos <= len(r.blocks) * S
 
     # ---- views ----------------------------------------------------------------------
     def num_live(self, req_id: object) -> int:

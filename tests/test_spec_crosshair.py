@@ -45,7 +45,13 @@ from typing import Iterable
 
 from crosshair import register_type
 
+from typing import Sequence
+
+from vtoken.core import contracts
 from vtoken.core.block_pool import BlockOutOfRangeError, BlockPool, DoubleFreeError
+from vtoken.core.compact import choose_sources
+from vtoken.core.plan import NoPlan, Plan, PlanKind
+from vtoken.core.token_table import Move, RequestSnapshot
 from vtoken.spec.crosshair_states import make_pool
 
 
@@ -80,18 +86,36 @@ class PlantedPool(BlockPool):
 
 # reachable pools of the planted class, as spec/crosshair_states.py builds them for BlockPool
 register_type(PlantedPool, lambda factory: make_pool(factory, PlantedPool))
+
+
+def plan_compaction(snap: RequestSnapshot, dst_blocks: Sequence[int], max_sources: int) -> Plan | NoPlan:
+    """compact.plan_compaction, planted: the destinations are filled from their second slot.
+
+    pre: max_sources >= 1
+    pre: all(b not in snap.blocks and b not in dst_blocks[:i] for i, b in enumerate(dst_blocks))  # distinct, fresh
+    post: not __return__ or contracts.compact_fills_in_logical_order(snap, __return__)
+    """
+    choice = choose_sources(snap, max_sources, len(dst_blocks))
+    if not choice:
+        return choice
+    S = snap.block_size
+    tokens = [(t, s) for t, s in snap.live_slots() if s // S in choice.src_blocks]
+    dsts = tuple(dst_blocks[: choice.num_dst])
+    moves = tuple(Move(t, s // S, s % S, dsts[(i + 1) // S % len(dsts)], (i + 1) % S) for i, (t, s) in enumerate(tokens))
+    return Plan(PlanKind.COMPACT, snap.req_id, snap.version, moves, choice.src_blocks, dsts)
 '''
 
 
 def test_planted_contract_violations_are_found(tmp_path):
     (tmp_path / "vtoken_planted.py").write_text(textwrap.dedent(PLANTED))
     rep = run_crosshair(
-        ["vtoken_planted.blocks_needed", "vtoken_planted.PlantedPool.free"],
-        per_condition_timeout=4.0, per_path_timeout=2.0, total_timeout=90.0, extra_paths=[str(tmp_path)],
+        ["vtoken_planted.blocks_needed", "vtoken_planted.PlantedPool.free", "vtoken_planted.plan_compaction"],
+        # plan_compaction's counterexample needs a snapshot with a plan to make: about 5 s of CPU
+        per_condition_timeout=12.0, per_path_timeout=3.0, total_timeout=90.0, extra_paths=[str(tmp_path)],
     )
     assert not rep.crashed, rep.summary() + "\n" + rep.stderr[-3000:]
     found = {c.message.split(" when calling ")[-1].split("(")[0] for c in rep.counterexamples}
-    assert found == {"blocks_needed", "free"}, rep.stdout
+    assert found == {"blocks_needed", "free", "plan_compaction"}, rep.stdout  # a named predicate has teeth too
     ceil = next(c for c in rep.counterexamples if "blocks_needed" in c.message)
     assert ceil.message.startswith("false when calling blocks_needed(")
     free = next(c for c in rep.counterexamples if "free(" in c.message)
