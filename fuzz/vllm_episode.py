@@ -238,8 +238,8 @@ def _drive(llm, ep: Episode, SamplingParams, TokensPrompt) -> EpisodeResult:
     if tokens.allocator.num_free != tokens.allocator.num_blocks - 1:
         raise InvariantViolation("P2", f"leak: {tokens.allocator.num_blocks - 1 - tokens.allocator.num_free} blocks "
                                        f"still held after every request left")
-    if tokens.rt.table.request_ids():
-        raise InvariantViolation("B1", f"token tables left behind: {tokens.rt.table.request_ids()}")
+    if tokens.rt.running():
+        raise InvariantViolation("B1", f"token tables left behind: {tokens.rt.running()}")
     res.stats = dict(vars(tokens.stats))
     res.worker = dict(vars(conn.workers))
     return res
@@ -281,7 +281,7 @@ def _hash_at_list_index(self, r, request):
     engine on a correct state (found by tests/test_vllm_serve.py, not by this fuzzer, whose draw rarely made
     that state)."""
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-    for i, b in enumerate(self.rt.table.block_ids(r)):
+    for i, b in enumerate(self.rt.block_ids(r)):
         h = self.allocator.pool.blocks[b].block_hash
         if h is not None and (i >= len(request.block_hashes)
                               or h != make_block_hash_with_group_id(request.block_hashes[i], 0)):

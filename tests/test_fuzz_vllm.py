@@ -100,7 +100,7 @@ def test_the_differential_oracle_alone_catches_a_stale_prefix_hash(monkeypatch):
     compared."""
     ep = _chain_episode()
     assert F.run_episode(ep).compared == 3
-    monkeypatch.setattr(scheduler_tokens, "writable_blocks", lambda table, req_id: [])
+    monkeypatch.setattr(scheduler_tokens, "writable_blocks", lambda rt, req_id, block_size: [])
     monkeypatch.setattr(scheduler_tokens.SchedulerTokens, "check_prefix_hashes", lambda self, r, request: None)
     with planted("cursor_block_keeps_hash"):
         with pytest.raises(AssertionError, match=r"prefix caching on and off generate differently: request 2 "
