@@ -23,6 +23,10 @@ from vtoken.core.block_pool import blocks_needed
 from vtoken.core.sim.simulator import RequestSpec, SimConfig, Simulator
 
 MAX_STEPS = 1_000_000
+RUN_FIELDS = ("steps", "completed", "finished", "preemptions", "peak_running", "waste_ratio_F", "utilisation",
+              "blocks_le_50pct", "dead_blocks_share", "retained_blocks_per_request", "ideal_blocks_per_request",
+              "retained_slots_per_request", "allocated_blocks", "peak_allocated_blocks", "ideal_blocks_at_peak",
+              "plans_committed", "plans_aborted", "moves_committed", "blocks_released", "invariant_checks", "wall_s")
 
 
 def pool_for(workload: Sequence[RequestSpec], block_size: int, headroom: int) -> int:
@@ -32,7 +36,7 @@ def pool_for(workload: Sequence[RequestSpec], block_size: int, headroom: int) ->
 
 def measure_run(cfg: SimConfig, workload: Sequence[RequestSpec], stop_at_preemption: bool = False,
                 max_steps: int = MAX_STEPS) -> dict:
-    """Run ``workload`` under ``cfg``; returns the JSON-ready measurements (see ``report.RUN_FIELDS``)."""
+    """Run ``workload`` under ``cfg``; returns the JSON-ready measurements (``RUN_FIELDS``)."""
     assert workload, "a run needs at least one request"
     started = time.perf_counter()
     sim = Simulator(cfg, list(workload))

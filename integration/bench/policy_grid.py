@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from vtoken.core.sim.simulator import SimConfig
 
-from .context import BenchContext
+from .runner import BenchContext
 from .measure import pool_for
 from .settings import BenchSettings, WorkloadSpec
 from .systems import EVICTING, configure

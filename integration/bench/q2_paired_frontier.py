@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .context import BenchContext
+from .runner import BenchContext
 from .plots import grouped_bars, pyplot, save
 from .policy_grid import policy_grid, select
 from .stats import fmt_spread, summarize

@@ -31,7 +31,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .context import BenchContext
+from .runner import BenchContext
 from .plots import grouped_bars, pyplot, save
 from .q6_quality import vtoken_config
 from .stats import fmt_spread, summarize

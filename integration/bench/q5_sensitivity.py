@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .context import BenchContext
+from .runner import BenchContext
 from .plots import line_with_spread, pyplot, save
 from .policy_grid import run_point
 from .stats import fmt_spread, summarize

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from vtoken.core.plan import NoPlanReason
 
-from .context import BenchContext
+from .runner import BenchContext
 from .plots import grouped_bars, pyplot, save
 from .q6_quality import COUNTERS, EVICTING, Q6_LABELS, _text, vtoken_config
 from .stats import fmt_spread, summarize

@@ -36,7 +36,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .context import BenchContext
+from .runner import BenchContext
 from .plots import grouped_bars, pyplot, save
 from .stats import fmt_spread, summarize
 from .systems import COLORS, LABELS

@@ -44,7 +44,7 @@ from vtoken.core.reclamation import Ordering, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 from vtoken.core.sim.simulator import SimConfig, attention_weights, content_tag
 
-from .context import BenchContext
+from .runner import BenchContext
 from .plots import line_with_spread, pyplot, save, scaling_axes
 from .stats import fmt_spread, loglog_slope, summarize
 from .systems import COLORS, LABELS, SYSTEMS, configure

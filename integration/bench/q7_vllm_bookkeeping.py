@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .context import BenchContext
+from .runner import BenchContext
 from .plots import line_with_spread, pyplot, save, scaling_axes
 from .q4_overhead import system_config
 from .q7_bookkeeping_cost import PAPER

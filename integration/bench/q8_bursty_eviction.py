@@ -51,7 +51,7 @@ from vtoken.core.block_pool import blocks_needed
 from vtoken.core.sim.simulator import RequestSpec, SimConfig, Simulator
 from vtoken.core.sim.workloads import CHAT_PROMPT, burst_schedule, burst_windows
 
-from .context import BenchContext
+from .runner import BenchContext
 from .measure import pool_for
 from .plots import pyplot, save
 from .stats import fmt_spread, summarize

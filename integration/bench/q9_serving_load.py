@@ -31,7 +31,7 @@ import json
 import time
 from pathlib import Path
 
-from .context import BenchContext
+from .runner import BenchContext
 from .plots import grouped_bars, pyplot, save
 from .q4_overhead import percentile, system_config
 from .server import MODEL, ServerProcess
