@@ -46,12 +46,13 @@ from vtoken.core.sim.simulator import SimConfig, attention_weights, content_tag
 
 from .runner import BenchContext
 from .plots import line_with_spread, pyplot, save, scaling_axes
-from .stats import fmt_spread, loglog_slope, summarize
+from .stats import fit_exponent, fmt_spread, nest, summaries
 from .systems import COLORS, LABELS, SYSTEMS, configure
 
 KEY = "q7"
 TITLE = "CPU-side bookkeeping per scheduling iteration as tracked requests grow"
 POLICY = "h2o"
+TIMED = ("us_per_step", "us_per_request", "begin_us", "end_us", "engine_us")
 PAPER = {"reported": "none: the paper quantifies the token table's bytes, not the host-side compute per "
                      "iteration; its tested concurrencies peak at C=48 (open question in the review, §7)"}
 
@@ -156,23 +157,12 @@ def measure_point(ctx: BenchContext, system: str, n: int, seed: int) -> dict:
 
 def run(ctx: BenchContext) -> dict:
     s = ctx.settings
-    bar = ctx.progress("q7 bookkeeping cost", len(SYSTEMS) * len(s.q7_sizes) * s.repeats)
-    runs = []
-    for seed in s.seeds:
-        for n in s.q7_sizes:
-            for system in SYSTEMS:
-                runs.append(measure_point(ctx, system, n, seed))
-                bar.advance(f"N={n} {system} seed {seed}")
-    bar.close()
-    summary = {}
-    for system in SYSTEMS:
-        mine = [r for r in runs if r["system"] == system]
-        by_n = {str(n): {m: summarize([r[m] for r in mine if r["requests"] == n])
-                         for m in ("us_per_step", "us_per_request", "begin_us", "end_us", "engine_us")}
-                for n in s.q7_sizes}
-        exps = [loglog_slope(s.q7_sizes, [next(r["us_per_step"] for r in mine if r["requests"] == n and
-                                               r["seed"] == seed) for n in s.q7_sizes]) for seed in s.seeds]
-        summary[system] = {"by_requests": by_n, "scaling_exponent": summarize(exps)}
+    points = [(system, n, seed) for seed in s.seeds for n in s.q7_sizes for system in SYSTEMS]
+    runs = ctx.sweep("q7 bookkeeping cost", points, lambda x, n, seed: measure_point(ctx, x, n, seed),
+                     lambda x, n, seed: f"N={n} {x} seed {seed}")
+    summary = nest(runs, ["system"], lambda mine: {
+        "by_requests": nest(mine, ["requests"], lambda rs: summaries(rs, TIMED)),
+        "scaling_exponent": fit_exponent(mine, "us_per_step", s.q7_sizes, s.seeds, by="requests")})
     return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs, "summary": summary, "notes": [
         f"Prompts of {s.q7_prompt_len} tokens, {s.q7_warmup_steps} warm-up and {s.q7_timed_steps} timed decode "
         f"steps per point; policy {POLICY}, budget {s.budget}; pure-Python core (a production scheduler's "

@@ -98,6 +98,16 @@ class BenchContext:
     def progress(self, label: str, total: int) -> Progress:
         return Progress(label, total, self.stream)
 
+    def sweep(self, label: str, points: list[tuple], measure: Callable, note: Callable | None = None) -> list:
+        """``measure(*point)`` for every point, in order, under one progress bar (``note(*point)`` per step)."""
+        bar = self.progress(label, len(points))
+        out = []
+        for p in points:
+            out.append(measure(*p))
+            bar.advance(note(*p) if note else " ".join(map(str, p)))
+        bar.close()
+        return out
+
 
 def machine() -> dict:
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]}
