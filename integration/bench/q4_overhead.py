@@ -31,8 +31,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .runner import BenchContext
 from .plots import grouped_bars, pyplot, save
+from .runner import BenchContext
 from .stats import fmt_spread, nest, percentile, pick, summaries, summarize
 from .systems import system_config
 from .vllm_engine import EngineProcess, close_all, heldout_windows, one_core

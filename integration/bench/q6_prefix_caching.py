@@ -34,9 +34,9 @@ from pathlib import Path
 
 from vtoken.core.plan import NoPlanReason
 
-from .runner import BenchContext
 from .plots import grouped_bars, pyplot, save
 from .q6_quality import COUNTERS, EVICTING, Q6_LABELS, _text, compare, vtoken_config
+from .runner import BenchContext
 from .stats import fmt_spread, pick, summaries, totals
 from .vllm_engine import heldout_windows, run_engine
 

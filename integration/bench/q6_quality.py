@@ -36,8 +36,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .runner import BenchContext
 from .plots import grouped_bars, pyplot, save
+from .runner import BenchContext
 from .stats import fmt_spread, pick, summaries, totals
 from .systems import COLORS, LABELS, VLLM_EVICTING, vtoken_config
 from .vllm_engine import heldout_windows, run_engine

@@ -44,8 +44,8 @@ from vtoken.core.reclamation import Ordering, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 from vtoken.core.sim.simulator import SimConfig, attention_weights, content_tag
 
-from .runner import BenchContext
 from .plots import line_with_spread, pyplot, save, scaling_axes
+from .runner import BenchContext
 from .stats import fit_exponent, fmt_spread, nest, summaries
 from .systems import COLORS, LABELS, SYSTEMS, configure
 

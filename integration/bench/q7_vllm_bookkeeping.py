@@ -29,11 +29,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .runner import BenchContext
 from .plots import line_with_spread, pyplot, save, scaling_axes
-from .systems import system_config
 from .q7_bookkeeping_cost import PAPER
+from .runner import BenchContext
 from .stats import fit_exponent, fmt_spread, nest, pick, summaries, totals
+from .systems import system_config
 from .systems import COLORS, LABELS
 from .vllm_engine import heldout_windows, one_core, run_engine
 

@@ -50,9 +50,9 @@ from pathlib import Path
 from vtoken.core.sim.simulator import RequestSpec, SimConfig, Simulator
 from vtoken.core.sim.workloads import CHAT_PROMPT, burst_schedule, burst_windows
 
-from .runner import BenchContext
 from .measure import pool_for
 from .plots import pyplot, save
+from .runner import BenchContext
 from .stats import fmt_spread, pick, summaries
 
 KEY = "q8"

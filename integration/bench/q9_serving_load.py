@@ -31,11 +31,11 @@ import json
 import time
 from pathlib import Path
 
-from .runner import BenchContext
 from .plots import grouped_bars, pyplot, save
-from .systems import system_config
+from .runner import BenchContext
 from .server import MODEL, ServerProcess
 from .stats import fmt_spread, percentile, pick, summaries, summarize
+from .systems import system_config
 from .systems import COLORS, LABELS
 from .vllm_engine import heldout_windows
 
