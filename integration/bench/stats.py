@@ -73,8 +73,3 @@ def fmt_spread(s: dict, fmt: str = "{:.3f}", scale: float = 1.0) -> str:
     m, lo, hi = (fmt.format(s[k] * scale) for k in ("median", "min", "max"))
     return m if lo == hi else f"{m} ({lo}–{hi})"
 
-
-def markdown(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
-    """A markdown table: the header, its rule, one line per row."""
-    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + [
-        "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
