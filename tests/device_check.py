@@ -257,9 +257,8 @@ CHECKS = [check_moves_exact_on_cuda, check_pre_attention_hook_orders_compute_aft
 def bench(out: str | None, quick: bool, gpu: bool = True) -> dict:
     """Q4's device half (``vtoken bench device --gpu``): JSON (and PNG where matplotlib is installed) in ``out``."""
     from vtoken.integration.bench import q4_device
-    from vtoken.integration.bench.context import BenchContext
-    from vtoken.integration.bench.device_settings import device_bench_settings
-    from vtoken.integration.bench.report import machine, write_report
+    from vtoken.integration.bench.runner import BenchContext, machine, write_report
+    from vtoken.integration.bench.settings import device_bench_settings
     out_dir = Path(out or tempfile.mkdtemp(prefix="vtoken-device-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = device_bench_settings(gpu, quick)

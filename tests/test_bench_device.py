@@ -18,13 +18,13 @@ from vtoken.core.cli import main as vtoken_main
 from vtoken.core.errors import ConfigError
 from vtoken.core.sim.simulator import SimConfig, synthetic_workload
 from vtoken.integration.bench import q4_device
-from vtoken.integration.bench.context import BenchContext
 from vtoken.integration.bench.device_serving import (
     ModelShape,
     TensorSimulator,
     build_cache,
 )
-from vtoken.integration.bench.device_settings import device_bench_settings
+from vtoken.integration.bench.runner import BenchContext
+from vtoken.integration.bench.settings import device_bench_settings
 
 TINY = replace(device_bench_settings(gpu=False, quick=True), repeats=2, min_repeats=1, requests=4,
                prompt=(32, 64), output=(16, 24), num_blocks=128, copy_tokens=64)

@@ -22,11 +22,9 @@ from vtoken.core.sim.workloads import (CHAT_OUTPUT, CHAT_PROMPT, LONG_PROMPT, Le
                                    chat_workload, fixed_workload, long_context_workload, make_workload)
 from vtoken.integration.bench import q3_capacity_frontier as q3
 from vtoken.integration.bench import q8_bursty_eviction as q8
-from vtoken.integration.bench.context import BenchContext
-from vtoken.integration.bench.measure import measure_run, pool_for
-from vtoken.integration.bench.questions import QUESTIONS, select_questions
-from vtoken.integration.bench.report import REPORT_FIELDS, RUN_FIELDS
-from vtoken.integration.bench.runner import run_questions
+from vtoken.integration.bench.cli import QUESTIONS, select_questions
+from vtoken.integration.bench.measure import RUN_FIELDS, measure_run, pool_for
+from vtoken.integration.bench.runner import REPORT_FIELDS, BenchContext, run_questions
 from vtoken.integration.bench.settings import BenchSettings, Q3Setup, WorkloadSpec, bench_settings
 from vtoken.integration.bench.stats import loglog_slope, summarize
 from vtoken.integration.bench.systems import SYSTEMS, configure

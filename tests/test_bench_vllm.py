@@ -31,12 +31,8 @@ from vtoken.integration.bench import q6_prefix_caching as q6p
 from vtoken.integration.bench import q6_quality as q6
 from vtoken.integration.bench import q7_vllm_bookkeeping as q7
 from vtoken.integration.bench import q9_serving_load as q9
-from vtoken.integration.bench.report import REPORT_FIELDS
-from vtoken.integration.bench.runner import run_questions
-from vtoken.integration.bench.vllm_settings import (
-    VllmBenchSettings,
-    vllm_bench_settings,
-)
+from vtoken.integration.bench.runner import REPORT_FIELDS, run_questions
+from vtoken.integration.bench.settings import VllmBenchSettings, vllm_bench_settings
 
 TINY = replace(vllm_bench_settings(quick=True), prompts=2, max_tokens=48, policies=("h2o", "streaming_llm"))
 

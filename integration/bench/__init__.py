@@ -1,8 +1,12 @@
 """vtoken.integration.bench: the evaluation harness of issue #8 (``vtoken bench``).
 
-The simulator half (``vtoken bench sim``) answers the seed's evaluation
-questions (../shared/seed/vtoken-review.txt §4) on the deterministic core
-simulator, one module per question:
+A question is a module (the ``runner.Question`` protocol: KEY, TITLE, PAPER, run, table, plot) listed in a
+target's registry; a target (``cli.TARGETS``: sim, vllm, device) is data too: its registry, its settings
+(``settings.py``: one dataclass and one table of checks per target), its own options and what its reproducing
+command records. One runner (``runner.run_questions``) runs any question on any target and writes
+``<question>.json`` (fields in ``runner.py``) and ``<question>.png``.
+
+On the core simulator (``vtoken bench sim``), the seed's questions (../shared/seed/vtoken-review.txt §4):
 
     q1_trapped_capacity   Q1  share of blocks <= 50 % utilised, waste ratio F, per policy and workload
     q2_paired_frontier    Q2  utilisation and retained blocks per request, vtoken vs Naive-Evict
@@ -11,15 +15,13 @@ simulator, one module per question:
     q7_bookkeeping_cost   Q7  CPU cost of the runtime's per-step work as tracked requests grow
     q8_bursty_eviction    Q8  reclamation lag after an eviction burst: fixed theta_F / K vs the adaptive trigger
 
-The vLLM half (``vtoken bench vllm``, ``vllm_cli.py``) answers Q4, Q6, Q7 and Q9 on
-real vLLM (CPU) with the trained byte-level model; the device half
-(``vtoken bench device``, ``device_cli.py``) answers Q4 on a GPU; ``vtoken
-bench all`` runs them in order.
+On real vLLM (CPU) with the trained byte-level model (``vtoken bench vllm``; engines from ``vllm_engine``,
+``vtoken serve`` processes from ``server``): q4_overhead, q6_quality, q6_prefix_caching, q7_vllm_bookkeeping,
+q9_serving_load. On the device (``vtoken bench device``, over ``device_serving``): q4_device. ``vtoken bench
+all`` runs the targets in order.
 
-Every question compares the same systems (``systems.py``) under identical
-eviction decisions (same policy, same seed), repeats each point over several
-seeds, and writes ``<question>.json`` (raw measurements; fields in
-``report.py``) and ``<question>.png`` into the output directory. A new
-question is one module with the same names (KEY, TITLE, PAPER, run, table,
-plot) added to a registry (``questions.QUESTIONS``, ``vllm_cli.VLLM_QUESTIONS``).
+Every question compares the same systems (``systems.py``) under identical eviction decisions (same policy,
+same seed) and repeats each point over several seeds; ``stats.py`` holds the selections and summaries (median
+and min-max spread) every summary is built from, ``plots.py`` the shared plot forms, ``measure.py`` a measured
+simulator run and the policy grid Q1 and Q2 share.
 """

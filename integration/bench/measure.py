@@ -12,6 +12,11 @@ at least one running request, exactly the steps ``Simulator`` samples.
 ``RunCache`` memoises runs by (config, workload): questions that share a
 point (Q1 and Q2 share all runs; Q5's default point is Q2's H2O chat point)
 simulate it once.
+
+``policy_grid`` is the runs Q1 and Q2 share: every workload x seed x (native, and each policy under each
+evicting system). Each request is admitted on arrival and the pool holds every request at full length at once
+(``pool_for``), so no run preempts: the systems see the same requests at the same steps and, with the same
+policy and seed, make the same eviction decisions. A run that preempted anyway fails loudly.
 """
 
 from __future__ import annotations
@@ -22,7 +27,13 @@ from typing import Sequence
 from vtoken.core.block_pool import blocks_needed
 from vtoken.core.sim.simulator import RequestSpec, SimConfig, Simulator
 
+from .systems import EVICTING, configure
+
 MAX_STEPS = 1_000_000
+RUN_FIELDS = ("steps", "completed", "finished", "preemptions", "peak_running", "waste_ratio_F", "utilisation",
+              "blocks_le_50pct", "dead_blocks_share", "retained_blocks_per_request", "ideal_blocks_per_request",
+              "retained_slots_per_request", "allocated_blocks", "peak_allocated_blocks", "ideal_blocks_at_peak",
+              "plans_committed", "plans_aborted", "moves_committed", "blocks_released", "invariant_checks", "wall_s")
 
 
 def pool_for(workload: Sequence[RequestSpec], block_size: int, headroom: int) -> int:
@@ -32,7 +43,7 @@ def pool_for(workload: Sequence[RequestSpec], block_size: int, headroom: int) ->
 
 def measure_run(cfg: SimConfig, workload: Sequence[RequestSpec], stop_at_preemption: bool = False,
                 max_steps: int = MAX_STEPS) -> dict:
-    """Run ``workload`` under ``cfg``; returns the JSON-ready measurements (see ``report.RUN_FIELDS``)."""
+    """Run ``workload`` under ``cfg``; returns the JSON-ready measurements (``RUN_FIELDS``)."""
     assert workload, "a run needs at least one request"
     started = time.perf_counter()
     sim = Simulator(cfg, list(workload))
@@ -99,3 +110,35 @@ class RunCache:
 
     def __len__(self) -> int:
         return len(self._runs)
+
+
+NO_POLICY = "none"
+
+
+def base_config(s, workload_size: int, num_blocks: int, seed: int, **over) -> SimConfig:
+    cfg = dict(num_blocks=num_blocks, block_size=s.block_size, headroom=s.headroom, budget=s.budget,
+               theta_f=s.theta_f, max_running=workload_size, seed=seed, check_invariants=s.check_invariants)
+    cfg.update(over)
+    return SimConfig(**cfg)
+
+
+def run_point(ctx, spec, seed: int, system: str, policy: str | None, **over) -> dict:
+    """One measured run of ``spec`` (built with ``seed``) under ``system``; ``over`` overrides SimConfig fields."""
+    s = ctx.settings
+    workload = spec.build(seed)
+    block_size = over.get("block_size", s.block_size)
+    base = base_config(s, len(workload), pool_for(workload, block_size, s.headroom), seed, **over)
+    m = ctx.cache.run(configure(base, system, policy), workload)
+    if m["preemptions"] or not m["completed"]:
+        raise AssertionError(f"{spec.name} seed {seed} {system}/{policy}: {m['preemptions']} preemptions, "
+                             f"completed={m['completed']}; the pool was sized to rule both out")
+    return {"workload": spec.name, "policy": policy or NO_POLICY, "system": system, "seed": seed, **m}
+
+
+def policy_grid(ctx, label: str) -> list[dict]:
+    """Every run of the grid, as flat records (workload, policy, system, seed, measurements)."""
+    s = ctx.settings
+    points = [(spec, seed, system, policy) for spec in s.workloads for seed in s.seeds
+              for system, policy in [("native", None)] + [(x, p) for p in s.policies for x in EVICTING]]
+    return ctx.sweep(label, points, lambda *p: run_point(ctx, *p),
+                     lambda spec, seed, system, policy: f"{spec.name} seed {seed} {policy or ''} {system}")

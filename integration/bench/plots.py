@@ -7,6 +7,8 @@ from pathlib import Path
 
 from vtoken.core.errors import ConfigError
 
+from .systems import COLORS, EVICTING, LABELS
+
 
 def pyplot():
     """matplotlib.pyplot on the Agg backend, or a specific error naming the missing extra."""
@@ -60,3 +62,26 @@ def scaling_axes(axes, xlabel: str, ylabels: Sequence[str]) -> None:
         ax.grid(alpha=0.3, which="both")
     axes[0].set_yscale("log")
     axes[0].legend(fontsize=7)
+
+
+def policy_panels(report: dict, path: Path, rows: Sequence[tuple[str, str, float]], title: str,
+                  band: tuple[float, float, str] | None = None) -> None:
+    """Q1 and Q2: a column per workload, a row per (metric, y label, scale): bars per policy and evicting system
+    (median, min-max), Native's median dashed; ``band`` (lo, hi, label) shades the paper's range in the top row."""
+    plt = pyplot()
+    by_w = report["summary"]["by_workload"]
+    fig, axes = plt.subplots(len(rows), len(by_w), figsize=(5.5 * len(by_w), 7), squeeze=False)
+    for col, (wname, w) in enumerate(by_w.items()):
+        policies = [p for p in w if p != "native"]
+        for row, (metric, ylabel, scale) in enumerate(rows):
+            ax = axes[row][col]
+            grouped_bars(ax, policies, {x: [w[p][x][metric] for p in policies] for x in EVICTING}, COLORS, LABELS,
+                         ylabel, scale)
+            ax.axhline(w["native"][metric]["median"] * scale, color=COLORS["native"], ls="--", lw=1,
+                       label="Native (no eviction)")
+            if band and row == 0:
+                ax.axhspan(band[0], band[1], color="k", alpha=0.08, label=band[2])
+            ax.set_title(wname, fontsize=10)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    save(fig, path)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .context import BenchContext
-from .plots import grouped_bars, pyplot, save
-from .policy_grid import policy_grid, select
-from .stats import fmt_spread, summarize
-from .systems import COLORS, EVICTING, LABELS
+from .measure import policy_grid
+from .plots import policy_panels
+from .runner import BenchContext
+from .stats import fmt_spread, nest, pick, summaries
+from .systems import EVICTING
 
 KEY = "q1"
 TITLE = "Trapped capacity: share of blocks <= 50 % utilised and waste ratio F, per policy and workload"
@@ -33,16 +33,9 @@ METRICS = ("blocks_le_50pct", "waste_ratio_F", "dead_blocks_share")
 
 def run(ctx: BenchContext) -> dict:
     runs = policy_grid(ctx, "q1 trapped capacity")
-    s = ctx.settings
-    by_workload: dict = {}
-    for spec in s.workloads:
-        w = by_workload[spec.name] = {"native": {m: summarize([r[m] for r in select(runs, workload=spec.name,
-                                                                                     system="native")])
-                                             for m in METRICS}}
-        for policy in s.policies:
-            w[policy] = {system: {m: summarize([r[m] for r in select(runs, workload=spec.name, policy=policy,
-                                                                     system=system)]) for m in METRICS}
-                         for system in EVICTING}
+    by_workload = nest(runs, ["workload"], lambda rs: {
+        "native": summaries(pick(rs, system="native"), METRICS),
+        **nest([r for r in rs if r["system"] != "native"], ["policy", "system"], lambda x: summaries(x, METRICS))})
     naive = [v["naive_evict"]["blocks_le_50pct"]["median"] for w in by_workload.values()
              for k, v in w.items() if k != "native"]
     summary = {"by_workload": by_workload, "naive_evict_blocks_le_50pct_median_range": [min(naive), max(naive)]}
@@ -74,23 +67,6 @@ def table(report: dict) -> list[str]:
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
-    workloads = list(report["summary"]["by_workload"])
-    fig, axes = plt.subplots(2, len(workloads), figsize=(5.5 * len(workloads), 7), squeeze=False)
-    for col, wname in enumerate(workloads):
-        w = report["summary"]["by_workload"][wname]
-        policies = [p for p in w if p != "native"]
-        for row, (metric, ylabel) in enumerate((("blocks_le_50pct", "blocks ≤ 50 % utilised (%)"),
-                                                ("waste_ratio_F", "waste ratio F"))):
-            ax = axes[row][col]
-            scale = 100 if metric == "blocks_le_50pct" else 1
-            grouped_bars(ax, policies, {x: [w[p][x][metric] for p in policies] for x in EVICTING}, COLORS, LABELS,
-                         ylabel, scale)
-            ax.axhline(w["native"][metric]["median"] * scale, color=COLORS["native"], ls="--", lw=1,
-                       label="Native (no eviction)")
-            if metric == "blocks_le_50pct":
-                ax.axhspan(56, 67, color="k", alpha=0.08, label="paper, Naive-Evict: 56–67 %")
-            ax.set_title(f"{wname}", fontsize=10)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("Q1 trapped capacity (median, min–max over seeds)")
-    save(fig, path)
+    policy_panels(report, path, (("blocks_le_50pct", "blocks ≤ 50 % utilised (%)", 100),
+                                 ("waste_ratio_F", "waste ratio F", 1)),
+                  "Q1 trapped capacity (median, min–max over seeds)", band=(56, 67, "paper, Naive-Evict: 56–67 %"))

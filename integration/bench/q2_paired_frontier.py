@@ -18,11 +18,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .context import BenchContext
-from .plots import grouped_bars, pyplot, save
-from .policy_grid import policy_grid, select
-from .stats import fmt_spread, summarize
-from .systems import COLORS, LABELS
+from .measure import policy_grid
+from .plots import policy_panels
+from .runner import BenchContext
+from .stats import fmt_spread, nest, pick, summaries
 
 KEY = "q2"
 TITLE = "Paired frontier: utilisation and retained blocks per request, vtoken vs Naive-Evict (same decisions)"
@@ -32,13 +31,14 @@ PAPER = {"utilisation_gain": {"llama-3.1-8b": 0.2188, "mistral-7b": 0.2167},
                    "27.2-72.3 % fewer retained blocks per request than Naive-Evict"}
 VTOKEN = ("vtoken_compact", "vtoken_densify")
 ABSOLUTE = ("utilisation", "retained_blocks_per_request")
+GAINS = ("utilisation_gain_pp", "utilisation_gain_rel", "retained_reduction")
 
 
 def _pairs(runs: list[dict], workload: str, policy: str) -> list[dict]:
-    naive = select(runs, workload=workload, policy=policy, system="naive_evict")
+    naive = pick(runs, workload=workload, policy=policy, system="naive_evict")
     out = []
     for system in VTOKEN:
-        for n, v in zip(naive, select(runs, workload=workload, policy=policy, system=system)):
+        for n, v in zip(naive, pick(runs, workload=workload, policy=policy, system=system)):
             assert n["seed"] == v["seed"]
             if abs(n["ideal_blocks_per_request"] - v["ideal_blocks_per_request"]) > 1e-9:
                 raise AssertionError(f"{workload} {policy} seed {n['seed']}: {system} kept different tokens than "
@@ -55,24 +55,18 @@ def _pairs(runs: list[dict], workload: str, policy: str) -> list[dict]:
 def run(ctx: BenchContext) -> dict:
     runs = policy_grid(ctx, "q2 paired frontier")
     s = ctx.settings
-    pairs, by_workload = [], {}
-    for spec in s.workloads:
-        w = by_workload[spec.name] = {}
-        native = select(runs, workload=spec.name, system="native")
-        w["native"] = {m: summarize([r[m] for r in native]) for m in ABSOLUTE}
-        for policy in s.policies:
-            p = _pairs(runs, spec.name, policy)
-            pairs += p
-            w[policy] = {system: {m: summarize([r[m] for r in select(runs, workload=spec.name, policy=policy,
-                                                                     system=system)]) for m in ABSOLUTE}
-                         for system in ("naive_evict",) + VTOKEN}
-            for system in VTOKEN:
-                mine = [x for x in p if x["system"] == system]
-                for m in ("utilisation_gain_pp", "utilisation_gain_rel", "retained_reduction"):
-                    w[policy][system][m] = summarize([x[m] for x in mine])
+    pairs = [p for spec in s.workloads for policy in s.policies for p in _pairs(runs, spec.name, policy)]
+
+    def cell(rs: list[dict]) -> dict:  # one (workload, policy, system): absolute values, and gains over Naive-Evict
+        gains = pick(pairs, **{k: rs[0][k] for k in ("workload", "policy", "system")})
+        return {**summaries(rs, ABSOLUTE), **(summaries(gains, GAINS) if gains else {})}
+
+    by_workload = nest(runs, ["workload"], lambda rs: {
+        "native": summaries(pick(rs, system="native"), ABSOLUTE),
+        **nest([r for r in rs if r["system"] != "native"], ["policy", "system"], cell)})
     ranges = {}
     for system in VTOKEN:
-        for m in ("utilisation_gain_pp", "utilisation_gain_rel", "retained_reduction"):
+        for m in GAINS:
             med = [w[p][system][m]["median"] for w in by_workload.values() for p in w if p != "native"]
             ranges[f"{system}.{m}"] = [min(med), max(med)]
     return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs + pairs,
@@ -118,21 +112,6 @@ def table(report: dict) -> list[str]:
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
-    by_w = report["summary"]["by_workload"]
-    fig, axes = plt.subplots(2, len(by_w), figsize=(5.5 * len(by_w), 7), squeeze=False)
-    systems = ("naive_evict",) + VTOKEN
-    for col, (wname, w) in enumerate(by_w.items()):
-        policies = [p for p in w if p != "native"]
-        for row, (metric, ylabel, scale) in enumerate((("utilisation", "memory utilisation (%)", 100),
-                                                       ("retained_blocks_per_request", "retained blocks / request",
-                                                        1))):
-            ax = axes[row][col]
-            grouped_bars(ax, policies, {x: [w[p][x][metric] for p in policies] for x in systems}, COLORS, LABELS,
-                         ylabel, scale)
-            ax.axhline(w["native"][metric]["median"] * scale, color=COLORS["native"], ls="--", lw=1,
-                       label="Native (no eviction)")
-            ax.set_title(wname, fontsize=10)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("Q2 paired frontier: same eviction decisions (median, min–max over seeds)")
-    save(fig, path)
+    policy_panels(report, path, (("utilisation", "memory utilisation (%)", 100),
+                                 ("retained_blocks_per_request", "retained blocks / request", 1)),
+                  "Q2 paired frontier: same eviction decisions (median, min–max over seeds)")

@@ -35,8 +35,8 @@ from vtoken.core.block_pool import blocks_needed
 from vtoken.core.sim.simulator import SimConfig
 from vtoken.core.sim.workloads import fixed_workload
 
-from .context import BenchContext
 from .plots import grouped_bars, pyplot, save
+from .runner import BenchContext
 from .settings import Q3Setup
 from .stats import fmt_spread, summarize
 from .systems import COLORS, LABELS, SYSTEMS, configure

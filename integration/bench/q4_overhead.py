@@ -31,10 +31,10 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .context import BenchContext
 from .plots import grouped_bars, pyplot, save
-from .q6_quality import vtoken_config
-from .stats import fmt_spread, summarize
+from .runner import BenchContext
+from .stats import fmt_spread, nest, percentile, pick, summaries, summarize
+from .systems import system_config
 from .vllm_engine import EngineProcess, close_all, heldout_windows, one_core
 
 KEY = "q4"
@@ -65,24 +65,7 @@ METRICS = ("tok_s", "p50_ms", "p95_ms")
 C_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
 
 
-def system_config(system: str, policy: str, budget: float, seed: int, score_layers: int,
-                  evidence_dir: str) -> dict | None:
-    """``additional_config["vtoken"]`` of a configuration; None for plain vLLM."""
-    if system == "plain":
-        return None
-    if system == "on":
-        return {"policy": "none"}
-    strict = system.endswith("_strict")
-    cfg = vtoken_config(system.removesuffix("_strict"), policy, budget, seed, score_layers, evidence_dir)
-    return cfg | {"strict_verify": "strict" if strict else "off"}
-
-
 # ---- the measurement (also tests/bench_vllm_overhead.py's) ---------------------------------------
-def percentile(xs: list[float], q: int) -> float:
-    """The q-th percentile (1..99) of ``xs``, inclusive (never beyond the data)."""
-    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
-
-
 def run_interleaved(configs: dict[str, dict | None], rounds: list[list[list[int]]], max_tokens: int,
                     block_size: int, threads: int = 1, on_event=None, warmup_tokens: int = 8) -> dict:
     """One engine process (``EngineProcess``) per configuration (``None``: plain vLLM), all alive together; round
@@ -156,21 +139,17 @@ def run(ctx: BenchContext) -> dict:
 
 def ratios(runs: list[dict], system: str, reference: str) -> dict:
     """Within-round ratios of ``system`` to ``reference``: throughput, p50, p95 (median and spread)."""
-    ref = {r["round"]: r for r in runs if r["system"] == reference}
-    mine = [(r, ref[r["round"]]) for r in runs if r["system"] == system]
-    return {"throughput": summarize([a["tok_s"] / b["tok_s"] for a, b in mine]),
-            "p50": summarize([a["p50_ms"] / b["p50_ms"] for a, b in mine]),
-            "p95": summarize([a["p95_ms"] / b["p95_ms"] for a, b in mine])}
+    ref = {r["round"]: r for r in pick(runs, system=reference)}
+    mine = [(r, ref[r["round"]]) for r in pick(runs, system=system)]
+    return {name: summarize([a[m] / b[m] for a, b in mine])
+            for name, m in (("throughput", "tok_s"), ("p50", "p50_ms"), ("p95", "p95_ms"))}
 
 
 def summarize_runs(runs: list[dict], s, engines: dict, pinning: dict | None) -> dict:
-    by_c = {}
-    for c in s.q4_concurrency:
-        rs = [r for r in runs if r["concurrency"] == c]
-        by_c[str(c)] = {
-            "systems": {x: {m: summarize([r[m] for r in rs if r["system"] == x]) for m in METRICS} for x in SYSTEMS},
-            "ratios": [{"part": part, "system": x, "reference": ref, **ratios(rs, x, ref)}
-                       for part, x, ref in COMPARISONS]}
+    by_c = nest(runs, ["concurrency"], lambda rs: {
+        "systems": {x: summaries(pick(rs, system=x), METRICS) for x in SYSTEMS},
+        "ratios": [{"part": part, "system": x, "reference": ref, **ratios(rs, x, ref)}
+                   for part, x, ref in COMPARISONS]})
     return {"by_concurrency": by_c, "engines": engines, "pinning": pinning, "policy": s.overhead_policy,
             "budget": s.overhead_budget, "rounds": len(_rounds(s))}
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .context import BenchContext
+from .measure import run_point
 from .plots import line_with_spread, pyplot, save
-from .policy_grid import run_point
-from .stats import fmt_spread, summarize
+from .runner import BenchContext
+from .stats import fmt_spread, nest, pick, summaries
 from .systems import COLORS, EVICTING, LABELS, SYSTEMS
 
 KEY = "q5"
@@ -46,23 +46,17 @@ def run(ctx: BenchContext) -> dict:
     s = ctx.settings
     spec = s.q5_workload
     sweeps = _sweeps(ctx)
-    bar = ctx.progress("q5 sensitivity", s.repeats * (1 + sum(len(v) for v in sweeps.values())))
-    runs = []
-    for seed in s.seeds:
-        for sweep, points in [("reference", [(0, "native", {})])] + list(sweeps.items()):
-            for value, system, over in points:
-                rec = run_point(ctx, spec, seed, system, None if system == "native" else s.q5_policy, **over)
-                runs.append({"sweep": sweep, "value": value, **rec})
-                bar.advance(f"{sweep}={value} {system} seed {seed}")
-    bar.close()
-    summary: dict = {}
-    for sweep, points in sweeps.items():
-        out = summary[sweep] = {}
-        for value, system, _ in points:
-            mine = [r for r in runs if r["sweep"] == sweep and r["value"] == value and r["system"] == system]
-            out.setdefault(system, {})[str(value)] = {m: summarize([r[m] for r in mine]) for m in METRICS}
-    ref = [r for r in runs if r["sweep"] == "reference"]
-    summary["native_reference"] = {m: summarize([r[m] for r in ref]) for m in METRICS}
+    points = [(seed, sweep, *point) for seed in s.seeds
+              for sweep, ps in [("reference", [(0, "native", {})])] + list(sweeps.items()) for point in ps]
+
+    def measure(seed, sweep, value, system, over) -> dict:
+        policy = None if system == "native" else s.q5_policy
+        return {"sweep": sweep, "value": value, **run_point(ctx, spec, seed, system, policy, **over)}
+    runs = ctx.sweep("q5 sensitivity", points, measure,
+                     lambda seed, sweep, value, system, _: f"{sweep}={value} {system} seed {seed}")
+    summary = {sweep: nest(pick(runs, sweep=sweep), ["system", "value"], lambda rs: summaries(rs, METRICS))
+               for sweep in sweeps}
+    summary["native_reference"] = summaries(pick(runs, sweep="reference"), METRICS)
     return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs, "summary": summary, "notes": [
         f"Workload: {spec.name}, {spec.num_requests} requests; policy {s.q5_policy}; other factors at their "
         f"defaults (eviction ratio {1 - s.budget:.1f}, theta_F {s.theta_f}, block size {s.block_size}).",

@@ -8,7 +8,7 @@ group's first request (nothing of it cached), then all the others, whose prefix 
 first request finished, or a sibling scheduled in the same step computes it). The trained byte-level Llama,
 greedy, fp32, ``logprobs=0``, ``ignore_eos``, ``q6_prefix_max_tokens`` bytes each.
 
-Systems (``q6_quality.vtoken_config``, every engine with vtoken on): the full cache (policy none), and per policy
+Systems (``systems.vtoken_config``, every engine with vtoken on): the full cache (policy none), and per policy
 in ``q6_prefix_policies`` at ``q6_prefix_budget`` Naive-Evict (gather, reclaim off), vtoken compact (gather) and
 vtoken densify (dense); the evicting ones with ``strict_verify: strict`` and ``on_mismatch: quarantine``. Each
 system runs twice, vLLM's prefix caching on and off, with the same requests in the same order.
@@ -34,10 +34,10 @@ from pathlib import Path
 
 from vtoken.core.plan import NoPlanReason
 
-from .context import BenchContext
 from .plots import grouped_bars, pyplot, save
-from .q6_quality import COUNTERS, EVICTING, Q6_LABELS, _text, vtoken_config
-from .stats import fmt_spread, summarize
+from .q6_quality import COUNTERS, EVICTING, Q6_LABELS, _text, compare, vtoken_config
+from .runner import BenchContext
+from .stats import fmt_spread, pick, summaries, totals
 from .vllm_engine import heldout_windows, run_engine
 
 KEY = "q6_prefix"
@@ -85,14 +85,6 @@ def submission(groups: list[list[list[int]]]) -> tuple[list[tuple[int, int]], li
     then the rest (which find their group's prefix cached)."""
     order = [(g, 0) for g in range(len(groups))] + [(g, i) for g, grp in enumerate(groups) for i in range(1, len(grp))]
     return order, [[groups[g][i] for g, i in order[:len(groups)]], [groups[g][i] for g, i in order[len(groups):]]]
-
-
-def compare(outputs: list, ref: list) -> tuple[int, int, float]:
-    """Requests (same prompts, in order) with equal token ids; with equal ids and logprobs (bit for bit); the
-    largest |logprob difference| where the ids are equal."""
-    same = [a[0] == b[0] for a, b in zip(outputs, ref, strict=True)]
-    diffs = [abs(x - y) for eq, a, b in zip(same, outputs, ref) if eq for x, y in zip(a[1], b[1])]
-    return sum(same), sum(eq and a[1] == b[1] for eq, a, b in zip(same, outputs, ref)), max(diffs, default=0.0)
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -178,12 +170,9 @@ NOTES = [
 
 
 def summarize_runs(runs: list[dict], s) -> dict:
-    def pick(**kw):
-        return [r for r in runs if all(r[k] == v for k, v in kw.items())]
-
     def metrics(rs: list[dict]) -> dict:
-        out = {c: sum(r.get(c, 0) for r in rs) for c in COUNTERS + SHARED + HITS}
-        out["per_seed"] = {m: summarize([r[m] for r in rs]) for m in PER_SEED if m in rs[0]}
+        out = totals(rs, COUNTERS + SHARED + HITS)
+        out["per_seed"] = summaries(rs, [m for m in PER_SEED if m in rs[0]])
         for key, ref in (("vs_off", "off"), ("vs_naive", "naive")):
             if f"identical_to_{ref}" in rs[0]:
                 out[key] = {"pairs": out["requests"], "same_tokens": sum(r[f"same_tokens_as_{ref}"] for r in rs),
@@ -192,26 +181,24 @@ def summarize_runs(runs: list[dict], s) -> dict:
         return out
 
     def total(system: str, caching: str, key: str) -> dict:
-        vs = [metrics(pick(system=system, policy=p, caching=caching))[key] for p in s.q6_prefix_policies]
+        vs = [metrics(pick(runs, system=system, policy=p, caching=caching))[key] for p in s.q6_prefix_policies]
         return {"pairs": sum(v["pairs"] for v in vs), "same_tokens": sum(v["same_tokens"] for v in vs),
                 "identical": sum(v["identical"] for v in vs),
                 "max_abs_logprob_diff": max(v["max_abs_logprob_diff"] for v in vs)}
 
-    by_policy = {p: {x: {c: metrics(pick(system=x, policy=p, caching=c)) for c in CACHING} for x in EVICTING}
+    by_policy = {p: {x: {c: metrics(pick(runs, system=x, policy=p, caching=c)) for c in CACHING} for x in EVICTING}
                  for p in s.q6_prefix_policies}
-    full = {c: metrics(pick(system="full", caching=c)) for c in CACHING}
+    full = {c: metrics(pick(runs, system="full", caching=c)) for c in CACHING}
     evicting = [r for r in runs if r["system"] != "full"]
-    by_caching = {c: [r for r in runs if r["caching"] == c] for c in CACHING}
     return {
         "full": full,
         "by_policy": by_policy,
-        "hits": {c: {k: sum(r[k] for r in by_caching[c]) for k in HITS} for c in CACHING},
+        "hits": {c: totals(pick(runs, caching=c), HITS) for c in CACHING},
         "identity": {c: total("vtoken_compact", c, "vs_naive") for c in CACHING},
         "densify_vs_naive": {c: total("vtoken_densify", c, "vs_naive") for c in CACHING},
         "on_vs_off": {"full": full["on"]["vs_off"], **{x: total(x, "on", "vs_off") for x in EVICTING}},
-        "verify": {c: sum(r.get(c, 0) for r in evicting)
-                   for c in ("relocations", "verified", "mismatches", "quarantined", "copies_failed",
-                             "write_slots_audited")},
+        "verify": totals(evicting, ("relocations", "verified", "mismatches", "quarantined", "copies_failed",
+                                    "write_slots_audited")),
         "all_finished_by_length": all(r["all_finished_by_length"] for r in runs),
         "generations": sum(r["requests"] for r in runs),
     }

@@ -36,10 +36,10 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .context import BenchContext
 from .plots import grouped_bars, pyplot, save
-from .stats import fmt_spread, summarize
-from .systems import COLORS, LABELS
+from .runner import BenchContext
+from .stats import fmt_spread, pick, summaries, totals
+from .systems import COLORS, LABELS, VLLM_EVICTING, vtoken_config
 from .vllm_engine import heldout_windows, run_engine
 
 KEY = "q6"
@@ -48,7 +48,7 @@ PAPER = {"rouge_l_f1_diff_vs_naive_evict": -0.0016, "pairs_within_0.01": 0.931, 
          "pairs": 144, "relocation_checks": "every relocation event held (hash of retained ids + K/V)",
          "source": "paper §4.6: 144 paired generations (Llama-3.1-8B, ShareGPT, deterministic decoding), "
                    "mean ROUGE-L F1 difference vToken - Naive-Evict -0.0016, 93.1 % of pairs within 0.01"}
-EVICTING = ("naive_evict", "vtoken_compact", "vtoken_densify")
+EVICTING = VLLM_EVICTING
 SYSTEMS = ("full",) + EVICTING
 Q6_LABELS = {**LABELS, "full": "Full cache"}
 Q6_COLORS = {**COLORS, "full": COLORS["native"]}
@@ -56,17 +56,6 @@ POLICY_COLORS = {"streaming_llm": "#2ca02c", "random": "#9467bd", "h2o": "#d6272
 QUALITY = ("agreement_prefix", "agreement_overall", "first_divergence", "rouge_l_f1", "mean_logprob", "text_match")
 COUNTERS = ("relocations", "verified", "mismatches", "quarantined", "copies_done", "copies_failed", "tokens_evicted",
             "tokens_moved", "plans_committed", "blocks_released", "attention_rows", "write_slots_audited")
-
-
-def vtoken_config(system: str, policy: str | None, budget: float | None, seed: int, score_layers: int,
-                  evidence_dir: str) -> dict:
-    if system == "full":
-        return {"policy": "none"}
-    path = {"naive_evict": ("gather", "off"), "vtoken_compact": ("gather", "compact"),
-            "vtoken_densify": ("dense", "densify")}[system]
-    return {"policy": policy, "budget": budget, "read_path": path[0], "reclaim": path[1], "seed": seed,
-            "score_layers": score_layers, "strict_verify": "strict", "on_mismatch": "quarantine",
-            "evidence_dir": evidence_dir}
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -119,6 +108,14 @@ def measure(outputs: list, reference: list, truths: list[list[int]], max_tokens:
     return agg, per
 
 
+def compare(outputs: list, ref: list) -> tuple[int, int, float]:
+    """Requests (same prompts, in order) with equal token ids; with equal ids and logprobs (bit for bit); the
+    largest |logprob difference| where the ids are equal."""
+    same = [a[0] == b[0] for a, b in zip(outputs, ref, strict=True)]
+    diffs = [abs(x - y) for eq, a, b in zip(same, outputs, ref) if eq for x, y in zip(a[1], b[1])]
+    return sum(same), sum(eq and a[1] == b[1] for eq, a, b in zip(same, outputs, ref)), max(diffs, default=0.0)
+
+
 # ---- the run ------------------------------------------------------------------------------------
 def _engines(s) -> list[tuple[str, str | None, float | None, list[int]]]:
     """(system, policy, budget, seeds) per engine. Only Random's victims depend on vtoken's seed, so it gets
@@ -163,12 +160,8 @@ def run(ctx: BenchContext) -> dict:
                 p.update(prompt=_text(prompt), truth=_text(truth))
         if system in ("vtoken_compact", "vtoken_densify"):
             naive = raw[("naive_evict", policy, budget, seed)]["outputs"]
-            same = [a[0] == b[0] for a, b in zip(one["outputs"], naive)]
-            rec["same_tokens_as_naive"] = sum(same)
-            rec["identical_to_naive"] = sum(a[0] == b[0] and a[1] == b[1] for a, b in zip(one["outputs"], naive))
-            rec["max_abs_logprob_diff_vs_naive"] = max(
-                (abs(x - y) for a, b, eq in zip(one["outputs"], naive, same) if eq for x, y in zip(a[1], b[1])),
-                default=0.0)
+            (rec["same_tokens_as_naive"], rec["identical_to_naive"],
+             rec["max_abs_logprob_diff_vs_naive"]) = compare(one["outputs"], naive)
         rec["prompts"] = per
         runs.append(rec)
     return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs, "summary": summarize_runs(runs, s),
@@ -196,45 +189,34 @@ NOTES = [
 
 
 def summarize_runs(runs: list[dict], s) -> dict:
-    def pick(**kw):
-        return [r for r in runs if all(r[k] == v for k, v in kw.items())]
-
     def metrics(rs: list[dict]) -> dict:
-        out = {m: summarize([r[m] for r in rs]) for m in QUALITY}
-        out.update({c: sum(r.get(c, 0) for r in rs) for c in COUNTERS})
+        out = summaries(rs, QUALITY)
+        out.update(totals(rs, COUNTERS))
         return out
 
-    by_budget = {}
-    for budget in s.budgets:
-        b = by_budget[str(budget)] = {}
-        for policy in s.policies:
-            b[policy] = {}
-            for system in EVICTING:
-                rs = pick(system=system, policy=policy, budget=budget)
-                b[policy][system] = metrics(rs)
-                if system != "naive_evict":
-                    for k in ("identical_to_naive", "same_tokens_as_naive"):
-                        b[policy][system][k] = sum(r[k] for r in rs)
-                    b[policy][system]["max_abs_logprob_diff_vs_naive"] = max(
-                        r["max_abs_logprob_diff_vs_naive"] for r in rs)
-    compact = pick(system="vtoken_compact")
-    densify = pick(system="vtoken_densify")
+    def cell(rs: list[dict]) -> dict:  # one (budget, policy, evicting system); compact and densify vs Naive-Evict
+        out = metrics(rs)
+        if rs[0]["system"] != "naive_evict":
+            out.update(totals(rs, ("identical_to_naive", "same_tokens_as_naive")),
+                       max_abs_logprob_diff_vs_naive=max(r["max_abs_logprob_diff_vs_naive"] for r in rs))
+        return out
+
+    by_budget = {str(b): {p: {x: cell(pick(runs, system=x, policy=p, budget=b)) for x in EVICTING}
+                          for p in s.policies} for b in s.budgets}
+    compact = pick(runs, system="vtoken_compact")
+    densify = pick(runs, system="vtoken_densify")
     evicting = [r for r in runs if r["system"] != "full"]
     return {
-        "full": metrics(pick(system="full")),
+        "full": metrics(pick(runs, system="full")),
         "by_budget": by_budget,
         "identity": {"pairs": s.prompts * len(compact), "identical": sum(r["identical_to_naive"] for r in compact)},
         "densify_vs_naive": {"pairs": s.prompts * len(densify),
                              "same_tokens": sum(r["same_tokens_as_naive"] for r in densify),
                              "max_abs_logprob_diff": max((r["max_abs_logprob_diff_vs_naive"] for r in densify),
                                                          default=0.0)},
-        "verify": {"relocations": sum(r.get("relocations", 0) for r in evicting),
-                   "verified": sum(r.get("verified", 0) for r in evicting),
-                   "mismatches": sum(r.get("mismatches", 0) for r in evicting),
-                   "quarantined": sum(r.get("quarantined", 0) for r in evicting),
-                   "write_slots_audited": sum(r.get("write_slots_audited", 0) for r in evicting),
-                   "by_system": {x: {c: sum(r.get(c, 0) for r in pick(system=x))
-                                     for c in ("relocations", "verified", "mismatches")} for x in EVICTING}},
+        "verify": {**totals(evicting, ("relocations", "verified", "mismatches", "quarantined", "write_slots_audited")),
+                   "by_system": {x: totals(pick(runs, system=x), ("relocations", "verified", "mismatches"))
+                                 for x in EVICTING}},
         "all_finished_by_length": all(r["all_finished_by_length"] for r in runs),
         "generations": len(runs) * s.prompts,
     }

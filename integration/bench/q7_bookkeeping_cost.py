@@ -44,14 +44,15 @@ from vtoken.core.reclamation import Ordering, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 from vtoken.core.sim.simulator import SimConfig, attention_weights, content_tag
 
-from .context import BenchContext
 from .plots import line_with_spread, pyplot, save, scaling_axes
-from .stats import fmt_spread, loglog_slope, summarize
+from .runner import BenchContext
+from .stats import fit_exponent, fmt_spread, nest, summaries
 from .systems import COLORS, LABELS, SYSTEMS, configure
 
 KEY = "q7"
 TITLE = "CPU-side bookkeeping per scheduling iteration as tracked requests grow"
 POLICY = "h2o"
+TIMED = ("us_per_step", "us_per_request", "begin_us", "end_us", "engine_us")
 PAPER = {"reported": "none: the paper quantifies the token table's bytes, not the host-side compute per "
                      "iteration; its tested concurrencies peak at C=48 (open question in the review, §7)"}
 
@@ -63,30 +64,21 @@ class TimedCopyEngine(InMemoryCopyEngine):
         super().__init__(store, auto_complete=True)
         self.spent_ns = 0
 
-    def _timed(self, method, *args):
+
+def _timed(name: str):
+    real = getattr(InMemoryCopyEngine, name)
+
+    def method(self, *args, **kw):
         t0 = time.perf_counter_ns()
         try:
-            return method(*args)
+            return real(self, *args, **kw)
         finally:
             self.spent_ns += time.perf_counter_ns() - t0
+    return method
 
-    def submit(self, moves, req_id=None):
-        return self._timed(super().submit, moves, req_id)
 
-    def poll(self, handle):
-        return self._timed(super().poll, handle)
-
-    def wait(self, handle):
-        return self._timed(super().wait, handle)
-
-    def order_before_compute(self, handle):
-        return self._timed(super().order_before_compute, handle)
-
-    def release(self, handle):
-        return self._timed(super().release, handle)
-
-    def before_compute(self):
-        return self._timed(super().before_compute)
+for _name in ("submit", "poll", "wait", "order_before_compute", "release", "before_compute"):  # the engine's API
+    setattr(TimedCopyEngine, _name, _timed(_name))
 
 
 def build_timed_runtime(cfg: SimConfig) -> VTokenRuntime:
@@ -156,23 +148,12 @@ def measure_point(ctx: BenchContext, system: str, n: int, seed: int) -> dict:
 
 def run(ctx: BenchContext) -> dict:
     s = ctx.settings
-    bar = ctx.progress("q7 bookkeeping cost", len(SYSTEMS) * len(s.q7_sizes) * s.repeats)
-    runs = []
-    for seed in s.seeds:
-        for n in s.q7_sizes:
-            for system in SYSTEMS:
-                runs.append(measure_point(ctx, system, n, seed))
-                bar.advance(f"N={n} {system} seed {seed}")
-    bar.close()
-    summary = {}
-    for system in SYSTEMS:
-        mine = [r for r in runs if r["system"] == system]
-        by_n = {str(n): {m: summarize([r[m] for r in mine if r["requests"] == n])
-                         for m in ("us_per_step", "us_per_request", "begin_us", "end_us", "engine_us")}
-                for n in s.q7_sizes}
-        exps = [loglog_slope(s.q7_sizes, [next(r["us_per_step"] for r in mine if r["requests"] == n and
-                                               r["seed"] == seed) for n in s.q7_sizes]) for seed in s.seeds]
-        summary[system] = {"by_requests": by_n, "scaling_exponent": summarize(exps)}
+    points = [(system, n, seed) for seed in s.seeds for n in s.q7_sizes for system in SYSTEMS]
+    runs = ctx.sweep("q7 bookkeeping cost", points, lambda x, n, seed: measure_point(ctx, x, n, seed),
+                     lambda x, n, seed: f"N={n} {x} seed {seed}")
+    summary = nest(runs, ["system"], lambda mine: {
+        "by_requests": nest(mine, ["requests"], lambda rs: summaries(rs, TIMED)),
+        "scaling_exponent": fit_exponent(mine, "us_per_step", s.q7_sizes, s.seeds, by="requests")})
     return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs, "summary": summary, "notes": [
         f"Prompts of {s.q7_prompt_len} tokens, {s.q7_warmup_steps} warm-up and {s.q7_timed_steps} timed decode "
         f"steps per point; policy {POLICY}, budget {s.budget}; pure-Python core (a production scheduler's "

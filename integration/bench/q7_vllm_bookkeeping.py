@@ -29,11 +29,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .context import BenchContext
 from .plots import line_with_spread, pyplot, save, scaling_axes
-from .q4_overhead import system_config
 from .q7_bookkeeping_cost import PAPER
-from .stats import fmt_spread, loglog_slope, summarize
+from .runner import BenchContext
+from .stats import fit_exponent, fmt_spread, nest, pick, summaries, totals
+from .systems import system_config
 from .systems import COLORS, LABELS
 from .vllm_engine import heldout_windows, one_core, run_engine
 
@@ -68,18 +68,6 @@ def measure_concurrency(vtoken: dict, prompt_sets: list[list[list[int]]], max_to
             for ps, one in zip(prompt_sets, res["sets"])]
 
 
-def fit_exponent(runs: list[dict], metric: str, sizes: list[int], seeds: list[int]) -> dict | None:
-    """The growth exponent b of ``metric`` ~ C^b: per seed, the log-log least-squares slope over ``sizes``
-    (``stats.loglog_slope``); median and spread over seeds. None when a value is not positive (no log)."""
-    exps = []
-    for seed in seeds:
-        ys = [next(r[metric] for r in runs if r["concurrency"] == c and r["seed"] == seed) for c in sizes]
-        if min(ys) <= 0:
-            return None
-        exps.append(loglog_slope(sizes, ys))
-    return summarize(exps)
-
-
 def run(ctx: BenchContext) -> dict:
     s = ctx.settings
     evidence = str(ctx.out_dir / "q7-vtoken-evidence")
@@ -96,14 +84,10 @@ def run(ctx: BenchContext) -> dict:
                 runs += [{"system": x, "concurrency": c, "seed": seed, "vtoken": cfg, **one}
                          for seed, one in zip(s.seeds, costs)]
     progress.close()
-    summary = {"systems": {}, "pinning": pinning, "policy": s.overhead_policy, "budget": s.overhead_budget}
-    for x in SYSTEMS:
-        mine = [r for r in runs if r["system"] == x]
-        summary["systems"][x] = {
-            "by_concurrency": {str(c): {m: summarize([r[m] for r in mine if r["concurrency"] == c]) for m in METRICS}
-                               for c in sizes},
-            "exponent": {m: fit_exponent(mine, m, sizes, s.seeds) for m in FITTED},
-            **{k: sum(r[k] for r in mine) for k in COUNTS}}
+    systems = {x: {"by_concurrency": nest(pick(runs, system=x), ["concurrency"], lambda rs: summaries(rs, METRICS)),
+                   "exponent": {m: fit_exponent(pick(runs, system=x), m, sizes, s.seeds) for m in FITTED},
+                   **totals(pick(runs, system=x), COUNTS)} for x in SYSTEMS}
+    summary = {"systems": systems, "pinning": pinning, "policy": s.overhead_policy, "budget": s.overhead_budget}
     return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs, "summary": summary,
             "notes": notes(s, pinning)}
 

@@ -47,14 +47,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vtoken.core.block_pool import blocks_needed
 from vtoken.core.sim.simulator import RequestSpec, SimConfig, Simulator
 from vtoken.core.sim.workloads import CHAT_PROMPT, burst_schedule, burst_windows
 
-from .context import BenchContext
 from .measure import pool_for
 from .plots import pyplot, save
-from .stats import fmt_spread, summarize
+from .runner import BenchContext
+from .stats import fmt_spread, pick, summaries
 
 KEY = "q8"
 TITLE = "Bursty eviction: reclamation lag, peak blocks and rounds, fixed theta_F x K vs the adaptive trigger"
@@ -199,18 +198,10 @@ METRICS = ("lag_mean", "censored", "peak_allocated_blocks", "allocated_first_32"
 def run(ctx: BenchContext) -> dict:
     s, setup = ctx.settings, setup_for(ctx)
     systems = configs(setup)
-    bar = ctx.progress("q8 bursty eviction", len(systems) * s.repeats)
-    runs = []
-    for seed in s.seeds:
-        for config in systems:
-            runs.append(measure(ctx, setup, config, seed))
-            bar.advance(f"{config['name']} seed {seed}")
-    bar.close()
-    by_system = {}
-    for config in systems:
-        mine = [r for r in runs if r["system"] == config["name"]]
-        by_system[config["name"]] = {**{k: config[k] for k in ("trigger", "theta_f", "check_every", "burst_df")},
-                                     **{m: summarize([r[m] for r in mine]) for m in METRICS}}
+    runs = ctx.sweep("q8 bursty eviction", [(c, seed) for seed in s.seeds for c in systems],
+                     lambda c, seed: measure(ctx, setup, c, seed), lambda c, seed: f"{c['name']} seed {seed}")
+    by_system = {c["name"]: {**{k: c[k] for k in ("trigger", "theta_f", "check_every", "burst_df")},
+                             **summaries(pick(runs, system=c["name"]), METRICS)} for c in systems}
     rises = [r["max_quiet_rise_F"] for r in runs]
     summary = {"setup": asdict(setup), "by_system": by_system, "max_quiet_rise_F": max(rises),
                "adaptive_vs_fixed_lag": {

@@ -31,11 +31,11 @@ import json
 import time
 from pathlib import Path
 
-from .context import BenchContext
 from .plots import grouped_bars, pyplot, save
-from .q4_overhead import percentile, system_config
+from .runner import BenchContext
 from .server import MODEL, ServerProcess
-from .stats import fmt_spread, summarize
+from .stats import fmt_spread, percentile, pick, summaries, summarize
+from .systems import system_config
 from .systems import COLORS, LABELS
 from .vllm_engine import heldout_windows
 
@@ -149,13 +149,11 @@ def run(ctx: BenchContext) -> dict:
                  for seed, w in zip(s.seeds, res["windows"])]
         counters[x] = res["counters"]
     progress.close()
-    summary = {"systems": {}, "policy": s.overhead_policy, "budget": s.overhead_budget}
-    base = summarize([r["throughput_tok_s"] for r in runs if r["system"] == "plain"])["median"]
-    for x in SYSTEMS:
-        mine = [r for r in runs if r["system"] == x]
-        summary["systems"][x] = {**{m: summarize([r[m] for r in mine]) for m in METRICS},
-                                 "throughput_vs_plain": summarize([r["throughput_tok_s"] / base for r in mine]),
-                                 "counters": counters[x]}
+    base = summarize([r["throughput_tok_s"] for r in pick(runs, system="plain")])["median"]
+    systems = {x: {**summaries(pick(runs, system=x), METRICS),
+                   "throughput_vs_plain": summarize([r["throughput_tok_s"] / base for r in pick(runs, system=x)]),
+                   "counters": counters[x]} for x in SYSTEMS}
+    summary = {"systems": systems, "policy": s.overhead_policy, "budget": s.overhead_budget}
     return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs, "summary": summary, "notes": notes(s)}
 
 

@@ -1,81 +1,136 @@
-"""Run the selected questions and write each one's JSON and PNG into the output folder."""
+"""The one runner: any question, on any target, writes ``<question>.json`` and ``<question>.png`` the same way.
+
+A question is a module with the names of ``Question`` (KEY, TITLE, PAPER, run, table, plot): ``run(ctx)`` measures
+and summarises, returning the report's question, title, paper, runs, summary and notes; the runner adds what every
+report records and writes it; ``table`` and ``plot`` read only the report, so a JSON can be re-tabulated.
+
+``<question>.json`` (one per question, in ``--out``):
+
+    question    "q1" ... the question's key
+    title       one line
+    command     the command line that produced it
+    settings    every parameter of the run (``settings.py``)
+    paper       the paper's numbers this question is compared with
+    notes       what differs from the paper's setup, and why
+    machine     cpus, platform, python
+    duration_s  wall time of this question
+    runs        raw measurements, one object per run (identifying fields + measurements, ``measure.RUN_FIELDS``
+                for simulator runs; the other questions list theirs in their module docstrings)
+    summary     medians and spreads (min-max) over repeats, as tabulated
+"""
 
 from __future__ import annotations
 
-import argparse
-import shlex
+import json
+import math
+import os
+import platform
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
-from typing import TextIO
+from typing import Callable, Protocol, TextIO
 
-from vtoken.core.errors import ConfigError
-
-from .context import BenchContext
+from .measure import RunCache
 from .plots import pyplot
-from .report import machine, write_report
-from .settings import BenchSettings
+
+REPORT_FIELDS = ("question", "title", "command", "settings", "paper", "notes", "machine", "duration_s", "runs",
+                 "summary")
 
 
-def command_line(target: str, a: argparse.Namespace, options: tuple[str, ...]) -> str:
-    """The canonical ``vtoken bench <target>`` command that reproduces this run (recorded in every JSON):
-    ``--quick``, ``--out``, ``--questions``, then each of ``options`` that is set (a seed of 0 is the default)."""
-    parts = ["vtoken", "bench", target] + (["--quick"] if a.quick else []) + ["--out", a.out]
-    if a.questions:
-        parts += ["--questions", *a.questions]
-    for name in options:
-        value = getattr(a, name)
-        if value is None or value is False or (name == "seed" and value == 0):
-            continue
-        flag = "--" + name.replace("_", "-")
-        parts += [flag] if value is True else [flag, str(value)]
-    return " ".join(shlex.quote(x) for x in parts)
+class Question(Protocol):
+    KEY: str
+    TITLE: str
+    PAPER: dict
+    run: Callable[[BenchContext], dict]
+    table: Callable[[dict], list[str]]
+    plot: Callable[[dict, Path], None]
 
 
-def add_run_options(p: argparse.ArgumentParser, out: str, registry: dict | None = None) -> None:
-    """The options every ``vtoken bench`` target shares: --quick, --out, --questions (when it has a
-    registry to choose from), --repeats and --seed."""
-    from .settings import MIN_REPEATS
-    p.add_argument("--quick", action="store_true", help="smaller scale, same questions (minutes on 2 cores)")
-    p.add_argument("--out", default=out, help="output folder for <question>.json and .png")
-    if registry is not None:
-        p.add_argument("--questions", nargs="+", metavar="Q", help=f"subset of {list(registry)} (default: all)")
-    else:
-        p.set_defaults(questions=None)
-    p.add_argument("--repeats", type=int, help=f"seeds per point (default and minimum {MIN_REPEATS})")
-    p.add_argument("--seed", type=int, default=0, help="first seed; repeat i uses seed + i")
+class Progress:
+    """A dependency-free progress bar on stderr: one line, redrawn in place on a terminal, a line per 10 %
+    otherwise (so logs stay short)."""
+
+    def __init__(self, label: str, total: int, stream: TextIO | None = None, width: int = 28) -> None:
+        assert total >= 0, f"progress total must be >= 0, got {total}"
+        self.label, self.total, self.width = label, total, width
+        self.stream = stream if stream is not None else sys.stderr
+        self.done = 0
+        self.started = time.monotonic()
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last_decile = -1
+
+    def advance(self, note: str = "", n: int = 1) -> None:
+        self.done = min(self.total, self.done + n)
+        frac = self.done / self.total if self.total else 1.0
+        if self._tty:
+            filled = int(frac * self.width)
+            bar = "#" * filled + "." * (self.width - filled)
+            self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total} "
+                              f"{time.monotonic() - self.started:6.1f}s {note[:40]:<40}")
+            self.stream.flush()
+        elif int(frac * 10) > self._last_decile:
+            self._last_decile = int(frac * 10)
+            self.stream.write(f"{self.label} {self.done}/{self.total} ({frac:.0%}) "
+                              f"{time.monotonic() - self.started:.1f}s {note}\n")
+            self.stream.flush()
+
+    def close(self) -> float:
+        """Finish the line; returns the elapsed seconds."""
+        elapsed = time.monotonic() - self.started
+        if self._tty:
+            self.stream.write("\n")
+        self.stream.write(f"{self.label} done in {elapsed:.1f}s\n")
+        self.stream.flush()
+        return elapsed
 
 
-def run_half(target: str, a: argparse.Namespace, prepare, options: tuple[str, ...], install: str) -> int:
-    """``vtoken bench <target>``: ``prepare()`` returns (settings, questions) or raises; a ``ConfigError`` or a
-    missing dependency (``ImportError``: ``install`` names the extras) is printed and returns 2 before any
-    work or output folder. Then every question runs into ``a.out``."""
-    try:
-        settings, questions = prepare()
-        out_dir = prepare_out_dir(a.out)
-    except ImportError:
-        print(f"vtoken bench {target}: needs {install}", file=sys.stderr)
-        return 2
-    except ConfigError as e:
-        print(f"vtoken bench {target}: {e}", file=sys.stderr)
-        return 2
-    started = time.monotonic()
-    run_questions(questions, settings, out_dir, command_line(target, a, options))
-    print(f"\nvtoken bench {target}: {len(questions)} question(s) in {time.monotonic() - started:.0f} s; "
-          f"JSON and PNG in {out_dir}/", file=sys.stderr)
-    return 0
+@dataclass
+class BenchContext:
+    """What a question gets to run with: the settings, the shared run cache, progress bars, the output folder."""
+
+    settings: object
+    out_dir: Path
+    command: str = "vtoken bench sim"
+    stream: TextIO = field(default_factory=lambda: sys.stderr)
+    cache: RunCache = field(default_factory=RunCache)
+
+    def progress(self, label: str, total: int) -> Progress:
+        return Progress(label, total, self.stream)
+
+    def sweep(self, label: str, points: list[tuple], measure: Callable, note: Callable | None = None) -> list:
+        """``measure(*point)`` for every point, in order, under one progress bar (``note(*point)`` per step)."""
+        bar = self.progress(label, len(points))
+        out = []
+        for p in points:
+            out.append(measure(*p))
+            bar.advance(note(*p) if note else " ".join(map(str, p)))
+        bar.close()
+        return out
 
 
-def prepare_out_dir(out: str | Path) -> Path:
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"--out {str(path)!r} exists and is not a directory")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]}
 
 
-def run_questions(questions: list[ModuleType], settings: BenchSettings, out_dir: Path, command: str,
+def _clean(x: object) -> object:
+    """JSON has no inf/nan: write them as strings."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_report(path: Path, report: dict) -> None:
+    missing = [f for f in REPORT_FIELDS if f not in report]
+    assert not missing, f"report for {report.get('question')!r} lacks fields {missing}"
+    path.write_text(json.dumps(_clean(report), indent=1, sort_keys=False) + "\n")
+
+
+def run_questions(questions: list[Question], settings, out_dir: Path, command: str,
                   stream: TextIO | None = None, tables: TextIO | None = None) -> dict[str, dict]:
     """Run each question in order; returns key -> report. Tables (markdown) go to ``tables`` (default stdout)."""
     pyplot()  # fail before any work if matplotlib is missing

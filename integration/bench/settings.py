@@ -1,10 +1,27 @@
-"""What ``vtoken bench sim`` runs: the full evaluation, or ``--quick`` (same questions, smaller scale).
+"""What each ``vtoken bench`` target runs: its settings, the full and ``--quick`` scales, and the checks that
+refuse a bad value in one line naming it.
 
-Scales are chosen for a pure-Python simulator on 2 cores: ``--quick`` keeps
-every question, every system and >= 5 repeats, with fewer and shorter
-requests; the full run is closer to the paper's scale (docs/results.md gives
-its duration). Repeat i uses seed ``seed + i`` for both the workload's
-lengths and the randomized eviction policy.
+One mechanism for every target: a frozen dataclass of fields (recorded in every JSON as ``settings``, in field
+order) and a table ``CHECKS`` of field -> check. A target's scales are instances of its class; ``settings_for``
+applies the command line's ``--repeats`` / ``--seed`` (and the target's own options) to one. Repeat i uses seed
+``seed + i``.
+
+sim (``SimSettings``): scales for a pure-Python simulator on 2 cores; ``--quick`` keeps every question, every
+system and >= 5 repeats, with fewer and shorter requests (docs/results.md gives the full run's duration).
+
+vllm (``VllmSettings``): vLLM's CPU build on 2 cores with the shipped byte-level model
+(``integration/vllm/models/byte-llama``): an engine starts in ~2 s and a decode step of a few requests takes a few
+ms, so the cost is engine starts (one per system and budget; one per seed for Random, whose victims depend on the
+seed). ``--quick`` keeps every system, every policy and >= 5 repeats at budget 0.5 only, with fewer and shorter
+generations. The timing questions (Q4, Q7) evict with ``overhead_policy`` at ``overhead_budget`` pinned to one core
+(``pin``): Q4 keeps one engine process per configuration alive and serves ``q4_concurrency`` requests per round, Q7
+starts one engine per (configuration, concurrency). Q6's prefix-caching half serves ``q6_prefix_groups`` groups of
+``q6_prefix_requests`` requests sharing a held-out prefix (``q6_prefix_len``: shortest and longest, bytes) plus a
+private ``q6_suffix_len``-byte suffix, evicting with each of ``q6_prefix_policies`` at ``q6_prefix_budget``.
+
+device (``DeviceSettings``): on CUDA (``--gpu``) Llama-3.1-8B's KV geometry (32 layers, 8 KV heads of 128, fp16,
+128 KiB per token), 16-token blocks, 32 requests under Random eviction at 0.5 (the paper's stress setting); on
+CPU a tiny geometry with every system and >= 5 repeats: it checks the harness, not a GPU's overlap.
 """
 
 from __future__ import annotations
@@ -12,13 +29,105 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from vtoken.core.errors import ConfigError
-from vtoken.core.policies import POLICIES
+from vtoken.core.policies import POLICIES as CORE_POLICIES
 from vtoken.core.sim.simulator import RequestSpec
 from vtoken.core.sim.workloads import WORKLOADS, make_workload
 
+from .server import ENGINE as SERVER_ENGINE
+
 MIN_REPEATS = 5
+POLICIES = ("streaming_llm", "random", "h2o", "scissorhands")  # what vtoken inside vLLM evicts with
 
 
+# ---- checks: each raises ConfigError naming the field ------------------------------------------------
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def int_at_least(lo: int):
+    def check(name: str, v: object, s) -> None:
+        if not _int(v) or v < lo:
+            raise ConfigError(f"{name} must be an int >= {lo}, got {v!r}")
+    return check
+
+
+def enough_repeats(name: str, v: object, s) -> None:
+    least = getattr(s, "min_repeats", MIN_REPEATS)
+    if not _int(v) or v < least:
+        raise ConfigError(f"repeats must be an int >= {least} (median and spread need them), got {v!r}")
+
+
+def a_ratio(name: str, v: object, s) -> None:
+    if not isinstance(v, float) or not 0.0 < v < 1.0:
+        raise ConfigError(f"{name} must be a ratio in (0, 1) (float), got {v!r}")
+
+
+def ratios_in_0_1(name: str, v: object, s) -> None:
+    if not v or any(not isinstance(b, float) or not 0.0 < b < 1.0 for b in v):
+        raise ConfigError(f"{name} must be ratios in (0, 1) (floats), got {v!r}")
+
+
+def known_policies(choices: list[str], required: bool = True):
+    def check(name: str, v: object, s) -> None:
+        if required and not v:
+            raise ConfigError(f"{name} must name at least one eviction policy")
+        bad = [p for p in v if p not in choices]
+        if bad:
+            raise ConfigError(f"unknown policies {bad}; choose from {choices}")
+    return check
+
+
+def one_of(choices: tuple, shown: str):
+    def check(name: str, v: object, s) -> None:
+        if v not in choices:
+            raise ConfigError(f"{name} must be {shown}, got {v!r}")
+    return check
+
+
+def increasing_counts(least: int):
+    def check(name: str, v: object, s) -> None:
+        if not isinstance(v, tuple) or len(v) < least or any(not _int(c) or c < 1 for c in v) \
+                or list(v) != sorted(set(v)):
+            raise ConfigError(f"{name} must be >= {least} increasing request counts >= 1, got {v!r}")
+    return check
+
+
+def prefix_bounds(name: str, v: object, s) -> None:
+    if not isinstance(v, tuple) or len(v) != 2 or not all(_int(n) for n in v) or not 1 <= v[0] <= v[1]:
+        raise ConfigError(f"{name} must be (shortest, longest) prefix bytes, 1 <= shortest <= longest, got {v!r}")
+
+
+def seconds_in_range(name: str, v: object, s) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 600:
+        raise ConfigError(f"{name} must be a number of seconds in (0, 600], got {v!r}")
+
+
+def fits_the_server(name: str, v: object, s) -> None:
+    if s.q9_prompt_len + s.q9_max_tokens + 1 > SERVER_ENGINE["max_model_len"]:
+        raise ConfigError(f"q9_prompt_len + q9_max_tokens must fit the server's max_model_len "
+                          f"{SERVER_ENGINE['max_model_len']} with bos, got {s.q9_prompt_len} + {s.q9_max_tokens}")
+
+
+class Settings:
+    """A target's settings: ``CHECKS`` (field -> check, in the order they run) validated on construction; a key
+    that is no field names a check of several fields (it reads them from the settings)."""
+
+    CHECKS: dict = {}
+
+    def __post_init__(self) -> None:
+        for name, check in self.CHECKS.items():
+            check(name, getattr(self, name, None), self)
+
+    @property
+    def seeds(self) -> list[int]:
+        return list(range(self.seed, self.seed + self.repeats))
+
+    def describe(self) -> dict:
+        """JSON-ready, as recorded in every question's output."""
+        return asdict(self)
+
+
+# ---- sim ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class WorkloadSpec:
     """A named workload generator and its arguments (``core/sim/workloads.py``)."""
@@ -71,7 +180,7 @@ class Q3Setup:
 
 
 @dataclass(frozen=True)
-class BenchSettings:
+class SimSettings(Settings):
     quick: bool
     repeats: int = MIN_REPEATS
     seed: int = 0
@@ -93,49 +202,136 @@ class BenchSettings:
     q7_timed_steps: int = 8
     check_invariants: bool = False
 
-    def __post_init__(self) -> None:
-        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < MIN_REPEATS:
-            raise ConfigError(f"repeats must be an int >= {MIN_REPEATS} (median and spread need them), "
-                              f"got {self.repeats!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"seed must be an int >= 0, got {self.seed!r}")
-        bad = [p for p in self.policies if p not in POLICIES]
-        if bad:
-            raise ConfigError(f"unknown policies {bad}; choose from {sorted(POLICIES)}")
+    CHECKS = {"repeats": enough_repeats, "seed": int_at_least(0),
+              "policies": known_policies(sorted(CORE_POLICIES), required=False)}
 
-    @property
-    def seeds(self) -> list[int]:
-        return list(range(self.seed, self.seed + self.repeats))
-
-    def describe(self) -> dict:
-        """JSON-ready, as recorded in every question's output."""
-        return asdict(self)
-
-
-FULL = BenchSettings(
-    quick=False,
-    workloads=(WorkloadSpec("chat", 48, arrival_gap=2, max_len=2048),
-               WorkloadSpec("long_context", 16, arrival_gap=8, max_len=32768, scale=0.25, output_scale=1.0)),
-    q3=Q3Setup(32),
-    q5_workload=WorkloadSpec("chat", 24, arrival_gap=2, max_len=2048),
-)
 
 _QUICK_CHAT = WorkloadSpec("chat", 10, arrival_gap=2, max_len=1024, scale=0.5)
-QUICK = BenchSettings(
-    quick=True,
-    workloads=(_QUICK_CHAT,
-               WorkloadSpec("long_context", 8, arrival_gap=8, max_len=32768, scale=0.0625, output_scale=1.0)),
-    q3=Q3Setup(64),
-    q5_workload=_QUICK_CHAT,
-    q7_sizes=(16, 64, 256, 1024),
-    q7_prompt_len=32,
-    q7_warmup_steps=1,
-    q7_timed_steps=3,
-)
+SIM = {
+    False: SimSettings(
+        quick=False,
+        workloads=(WorkloadSpec("chat", 48, arrival_gap=2, max_len=2048),
+                   WorkloadSpec("long_context", 16, arrival_gap=8, max_len=32768, scale=0.25, output_scale=1.0)),
+        q3=Q3Setup(32), q5_workload=WorkloadSpec("chat", 24, arrival_gap=2, max_len=2048)),
+    True: SimSettings(
+        quick=True,
+        workloads=(_QUICK_CHAT,
+                   WorkloadSpec("long_context", 8, arrival_gap=8, max_len=32768, scale=0.0625, output_scale=1.0)),
+        q3=Q3Setup(64), q5_workload=_QUICK_CHAT, q7_sizes=(16, 64, 256, 1024), q7_prompt_len=32,
+        q7_warmup_steps=1, q7_timed_steps=3),
+}
+
+
+# ---- vllm --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VllmSettings(Settings):
+    quick: bool
+    repeats: int = MIN_REPEATS
+    seed: int = 0
+    prompts: int = 8  # held-out windows per seed
+    prompt_len: int = 64  # bytes (= tokens)
+    max_tokens: int = 160  # generated greedily, ignore_eos
+    budgets: tuple[float, ...] = (0.3, 0.5, 0.7)  # live tokens kept per request (ratio)
+    policies: tuple[str, ...] = POLICIES
+    score_layers: int = 1  # H2O, Scissorhands: attention rows from the last layer (the dense score pass)
+    block_size: int = 32
+    threads: int = 1  # torch threads in the (in-process) engine; 2 OpenMP threads stall on a shared 2-core box
+    overhead_policy: str = "random"  # Q4, Q7: victims spread over blocks, so reclamation has work; no score pass
+    overhead_budget: float = 0.5
+    q4_concurrency: tuple[int, ...] = (16, 48)  # requests per round (the paper's C)
+    q4_max_tokens: int = 128
+    q7_concurrency: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)  # running requests C (max_num_seqs = C)
+    q7_max_tokens: int = 32
+    pin: bool = True  # Q4, Q7: the bench and its engines on one core (``vllm_engine.one_core``)
+    q6_prefix_groups: int = 4  # Q6 prefix caching: shared prefixes per seed
+    q6_prefix_requests: int = 4  # requests per shared prefix: the first alone, then the rest (prefix-cache hits)
+    q6_prefix_len: tuple[int, int] = (96, 128)  # bytes of the shortest and the longest group's shared prefix
+    q6_suffix_len: int = 16  # private bytes after the shared prefix
+    q6_prefix_max_tokens: int = 80  # generated greedily, ignore_eos
+    q6_prefix_policies: tuple[str, ...] = POLICIES
+    q6_prefix_budget: float = 0.5
+    q9_clients: int = 8  # Q9 serving load: closed-loop streaming clients of one server
+    q9_seconds: float = 20.0  # per timed window (one per seed)
+    q9_prompt_len: int = 256  # bytes (= tokens, after bos)
+    q9_max_tokens: int = 128  # generated greedily, ignore_eos
+    min_repeats: int = MIN_REPEATS  # the CLI never lowers it; tests may, explicitly
+
+    CHECKS = {"min_repeats": int_at_least(1), "repeats": enough_repeats, "seed": int_at_least(0),
+              **{name: int_at_least(1) for name in (
+                  "prompts", "prompt_len", "max_tokens", "threads", "score_layers", "block_size", "q4_max_tokens",
+                  "q7_max_tokens", "q6_prefix_groups", "q6_suffix_len", "q6_prefix_max_tokens", "q9_clients",
+                  "q9_prompt_len", "q9_max_tokens")},
+              "q6_prefix_requests": int_at_least(2),  # a first request and one that hits it
+              "q6_prefix_len": prefix_bounds,
+              "q4_concurrency": increasing_counts(1),
+              "q7_concurrency": increasing_counts(2),  # Q7 fits an exponent: >= 2 sizes
+              "q9_seconds": seconds_in_range, "q9 fits the server": fits_the_server,
+              "overhead_policy": one_of(POLICIES, f"one of {list(POLICIES)}"), "overhead_budget": a_ratio,
+              "q6_prefix_budget": a_ratio, "budgets": ratios_in_0_1, "policies": known_policies(list(POLICIES)),
+              "q6_prefix_policies": known_policies(list(POLICIES))}
+
+
+VLLM = {False: VllmSettings(quick=False),
+        True: VllmSettings(quick=True, prompts=4, max_tokens=96, budgets=(0.5,), q4_concurrency=(16,),
+                           q4_max_tokens=96, q7_concurrency=(16, 64, 256), q6_prefix_max_tokens=32,
+                           q6_prefix_policies=("random", "h2o"), q9_clients=4, q9_seconds=6.0, q9_prompt_len=128,
+                           q9_max_tokens=64)}
+
+
+# ---- device ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceSettings(Settings):
+    quick: bool
+    device: str = "cpu"
+    repeats: int = MIN_REPEATS
+    seed: int = 0
+    layers: int = 4
+    heads: int = 2
+    head_dim: int = 32
+    dtype: str = "float32"
+    num_blocks: int = 512
+    block_size: int = 16
+    requests: int = 8
+    prompt: tuple[int, int] = (64, 128)
+    output: tuple[int, int] = (32, 64)
+    policy: str = "random"
+    budget: float = 0.5
+    copy_tokens: int = 1024  # tokens per relocation in the throughput and contention measurements
+    min_repeats: int = MIN_REPEATS
+
+    CHECKS = {"device": one_of(("cpu", "cuda"), "'cpu' or 'cuda'"), "repeats": enough_repeats,
+              "seed": int_at_least(0)}
+
+
+_GPU_FULL = DeviceSettings(quick=False, device="cuda", layers=32, heads=8, head_dim=128, dtype="float16",
+                           num_blocks=4096, requests=32, prompt=(256, 768), output=(128, 256), copy_tokens=4096)
+DEVICE = {(False, True): DeviceSettings(quick=True),  # (gpu, quick)
+          (False, False): DeviceSettings(quick=False, layers=8, heads=4, head_dim=64, num_blocks=1024, requests=16,
+                                         prompt=(128, 256), output=(64, 128)),
+          (True, False): _GPU_FULL,
+          (True, True): replace(_GPU_FULL, quick=True, requests=16, output=(64, 128))}
+
+
+def settings_for(base: Settings, repeats: int | None = None, seed: int = 0, **options) -> Settings:
+    """``base`` with the command line's ``--repeats`` (None: the minimum), ``--seed`` and the target's own options
+    (those left None keep ``base``'s value)."""
+    over = {k: v for k, v in options.items() if v is not None}
+    return replace(base, repeats=MIN_REPEATS if repeats is None else repeats, seed=seed, **over)
 
 
 def bench_settings(quick: bool, repeats: int | None = None, seed: int = 0,
-                   check_invariants: bool = False) -> BenchSettings:
-    base = QUICK if quick else FULL
-    return replace(base, repeats=MIN_REPEATS if repeats is None else repeats, seed=seed,
-                   check_invariants=check_invariants)
+                   check_invariants: bool = False) -> SimSettings:
+    return settings_for(SIM[quick], repeats, seed, check_invariants=check_invariants)
+
+
+def vllm_bench_settings(quick: bool, repeats: int | None = None, seed: int = 0,
+                        threads: int | None = None) -> VllmSettings:
+    return settings_for(VLLM[quick], repeats, seed, threads=threads)
+
+
+def device_bench_settings(gpu: bool, quick: bool, repeats: int | None = None, seed: int = 0) -> DeviceSettings:
+    return settings_for(DEVICE[(gpu, quick)], repeats, seed)
+
+
+# the names the questions and tests know them by
+BenchSettings, VllmBenchSettings, DeviceBenchSettings = SimSettings, VllmSettings, DeviceSettings

@@ -1,10 +1,11 @@
-"""Summaries of repeated measurements: median and spread (min-max), and a log-log slope."""
+"""Summaries of repeated measurements: median and spread (min-max), a log-log slope, and the selections and
+groupings every question's summary is built from."""
 
 from __future__ import annotations
 
 import math
 import statistics
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 def summarize(values: Sequence[float]) -> dict:
@@ -13,11 +14,34 @@ def summarize(values: Sequence[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def relative_change(new: float, old: float) -> float:
-    """(new - old) / old; 0 when both are 0."""
-    if old == 0:
-        return 0.0 if new == 0 else math.inf
-    return (new - old) / old
+def percentile(xs: list[float], q: int) -> float:
+    """The q-th percentile (1..99) of ``xs``, inclusive (never beyond the data)."""
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
+
+
+def pick(runs: list[dict], **match) -> list[dict]:
+    """The runs whose fields equal ``match``, in their order."""
+    return [r for r in runs if all(r[k] == v for k, v in match.items())]
+
+
+def summaries(runs: list[dict], metrics: Sequence[str]) -> dict:
+    """metric -> ``summarize`` of that field over ``runs``."""
+    return {m: summarize([r[m] for r in runs]) for m in metrics}
+
+
+def totals(runs: list[dict], counters: Sequence[str]) -> dict:
+    """counter -> its sum over ``runs`` (0 where a run lacks it)."""
+    return {c: sum(r.get(c, 0) for r in runs) for c in counters}
+
+
+def nest(runs: list[dict], keys: Sequence[str], leaf: Callable[[list[dict]], object]) -> dict:
+    """{str(value of keys[0]): {... leaf(the runs with those values)}}, values in the order the runs first show."""
+    if not keys:
+        return leaf(runs)
+    groups: dict = {}
+    for r in runs:
+        groups.setdefault(r[keys[0]], []).append(r)
+    return {str(k): nest(rs, keys[1:], leaf) for k, rs in groups.items()}
 
 
 def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -32,7 +56,20 @@ def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / den
 
 
+def fit_exponent(runs: list[dict], metric: str, sizes: list[int], seeds: list[int], by: str = "concurrency"):
+    """The growth exponent b of ``metric`` ~ size^b (the size is field ``by``): per seed, the log-log least-squares
+    slope over ``sizes`` (``loglog_slope``); median and spread over seeds. None when a value is not positive."""
+    exps = []
+    for seed in seeds:
+        ys = [next(r[metric] for r in runs if r[by] == c and r["seed"] == seed) for c in sizes]
+        if min(ys) <= 0:
+            return None
+        exps.append(loglog_slope(sizes, ys))
+    return summarize(exps)
+
+
 def fmt_spread(s: dict, fmt: str = "{:.3f}", scale: float = 1.0) -> str:
     """'median (min-max)' for tables."""
     m, lo, hi = (fmt.format(s[k] * scale) for k in ("median", "min", "max"))
     return m if lo == hi else f"{m} ({lo}–{hi})"
+

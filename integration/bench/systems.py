@@ -1,4 +1,5 @@
-"""The systems every question compares, as simulator configurations.
+"""The systems every question compares: as simulator configurations (``configure``) and, on vLLM, as vtoken's
+``additional_config`` (``vtoken_config``, ``system_config``), with their labels and colours.
 
 The seed's three variants (§4, Setup), with vtoken in both read paths:
 
@@ -12,6 +13,10 @@ Eviction decisions depend only on the policy, the budget, the seed and the
 request's live tokens, never on the physical layout, so naive_evict and both
 vtoken systems evict exactly the same tokens (Q2 checks this: their ideal
 packed footprints are equal).
+
+On vLLM every engine has vtoken on: the full cache is policy none (``full``), and Q4 adds ``plain`` (vtoken off,
+no additional_config), ``on`` (vtoken on, nothing evicted) and the evicting systems with strict verify
+(``*_strict``).
 """
 
 from __future__ import annotations
@@ -41,3 +46,31 @@ def configure(base: SimConfig, system: str, policy: str | None) -> SimConfig:
     if system == "vtoken_compact":
         return replace(base, policy=policy, reclaim="compact", read_path="gather", ordering="poll")
     return replace(base, policy=policy, reclaim="densify", read_path="dense", ordering="event")
+
+
+VLLM_EVICTING = ("naive_evict", "vtoken_compact", "vtoken_densify")
+READ_RECLAIM = {"naive_evict": ("gather", "off"), "vtoken_compact": ("gather", "compact"),
+                "vtoken_densify": ("dense", "densify")}
+
+
+def vtoken_config(system: str, policy: str | None, budget: float | None, seed: int, score_layers: int,
+                  evidence_dir: str) -> dict:
+    """``additional_config["vtoken"]`` of a Q6 system: strict verify on, a mismatch quarantined (counted)."""
+    if system == "full":
+        return {"policy": "none"}
+    read_path, reclaim = READ_RECLAIM[system]
+    return {"policy": policy, "budget": budget, "read_path": read_path, "reclaim": reclaim, "seed": seed,
+            "score_layers": score_layers, "strict_verify": "strict", "on_mismatch": "quarantine",
+            "evidence_dir": evidence_dir}
+
+
+def system_config(system: str, policy: str, budget: float, seed: int, score_layers: int,
+                  evidence_dir: str) -> dict | None:
+    """``additional_config["vtoken"]`` of a timing configuration (Q4, Q7, Q9); None for plain vLLM."""
+    if system == "plain":
+        return None
+    if system == "on":
+        return {"policy": "none"}
+    strict = system.endswith("_strict")
+    cfg = vtoken_config(system.removesuffix("_strict"), policy, budget, seed, score_layers, evidence_dir)
+    return cfg | {"strict_verify": "strict" if strict else "off"}

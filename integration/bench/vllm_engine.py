@@ -186,56 +186,49 @@ def run_engine(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: int
     ``RequestOutput.num_cached_tokens``); None: off, as before. ``counters(llm)``: more counters (ints) of
     the engine, added to ``_counters``' and reported as deltas the same way."""
     with engine_environment(threads):
-        return _run_engine(vtoken, prompt_sets, max_tokens, block_size, on_done, warmup_tokens, timed_attention,
-                           prefix_caching, counters)
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
 
-
-def _run_engine(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: int, block_size: int, on_done,
-                warmup_tokens: int, timed_attention: bool, prefix_caching: bool | None = None,
-                counters=None) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    longest = max(len(p) for ps in prompt_sets for p in ps) + max_tokens
-    most = max(len(ps) for ps in prompt_sets)
-    started = time.monotonic()
-    llm = LLM(**engine_args(vtoken, longest, most, block_size, bool(prefix_caching)))
-    res: dict = {"start_s": time.monotonic() - started, "sets": []}
-    try:
-        res["threads"] = llm.collective_rpc(worker_threads)[0]
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, detokenize=False)
-        if warmup_tokens:
-            params.max_tokens = warmup_tokens
-            llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_sets[0]], params, use_tqdm=False)
-            params.max_tokens = max_tokens
-        if timed_attention:
-            llm.collective_rpc(time_attention)
-        before = _counters(llm) if counters is None else {**_counters(llm), **counters(llm)}
-        for i, ps in enumerate(prompt_sets):
-            t0 = time.monotonic()
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
-            wall = time.monotonic() - t0
-            outputs = []
-            for o in outs:
-                c = o.outputs[0]
-                ids = list(c.token_ids)
-                outputs.append((ids, [d[t].logprob for d, t in zip(c.logprobs or [], ids)], c.finish_reason))
-            after = _counters(llm) if counters is None else {**_counters(llm), **counters(llm)}
-            res["sets"].append({"outputs": outputs, "wall_s": wall,
-                                "counters": {k: after[k] - before.get(k, 0) for k in after}})
-            if prefix_caching is not None:
-                res["sets"][-1]["cached_tokens"] = [o.num_cached_tokens or 0 for o in outs]
-            before = after
-            if on_done is not None:
-                on_done(i)
-        llm.llm_engine.engine_core.engine_core.scheduler.connector.tokens.allocator.check()  # P1 after the run
-    except Exception as e:
-        del llm
-        drop_frames(e)
-        gc.collect()
-        raise
-    del llm  # vLLM's shutdown collects garbage itself
-    return res
+        longest = max(len(p) for ps in prompt_sets for p in ps) + max_tokens
+        most = max(len(ps) for ps in prompt_sets)
+        started = time.monotonic()
+        llm = LLM(**engine_args(vtoken, longest, most, block_size, bool(prefix_caching)))
+        res: dict = {"start_s": time.monotonic() - started, "sets": []}
+        try:
+            res["threads"] = llm.collective_rpc(worker_threads)[0]
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, detokenize=False)
+            if warmup_tokens:
+                params.max_tokens = warmup_tokens
+                llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_sets[0]], params, use_tqdm=False)
+                params.max_tokens = max_tokens
+            if timed_attention:
+                llm.collective_rpc(time_attention)
+            before = _counters(llm) if counters is None else {**_counters(llm), **counters(llm)}
+            for i, ps in enumerate(prompt_sets):
+                t0 = time.monotonic()
+                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
+                wall = time.monotonic() - t0
+                outputs = []
+                for o in outs:
+                    c = o.outputs[0]
+                    ids = list(c.token_ids)
+                    outputs.append((ids, [d[t].logprob for d, t in zip(c.logprobs or [], ids)], c.finish_reason))
+                after = _counters(llm) if counters is None else {**_counters(llm), **counters(llm)}
+                res["sets"].append({"outputs": outputs, "wall_s": wall,
+                                    "counters": {k: after[k] - before.get(k, 0) for k in after}})
+                if prefix_caching is not None:
+                    res["sets"][-1]["cached_tokens"] = [o.num_cached_tokens or 0 for o in outs]
+                before = after
+                if on_done is not None:
+                    on_done(i)
+            llm.llm_engine.engine_core.engine_core.scheduler.connector.tokens.allocator.check()  # P1 after the run
+        except Exception as e:
+            del llm
+            drop_frames(e)
+            gc.collect()
+            raise
+        del llm  # vLLM's shutdown collects garbage itself
+        return res
 
 
 # ---- an engine in a process of its own ------------------------------------------------------------
