@@ -788,7 +788,13 @@ class RefinementDriver:
         def plan_request(req_id):
             out = type(m).plan_request(m, req_id)
             if out:
-                self.check_plan(out.plan)
+                self.check_plan(out.plan, f"plan_request({req_id!r})")
+            return out
+
+        def plan_relocation(req_id, index):
+            out = type(m).plan_relocation(m, req_id, index)
+            if out:
+                self.check_plan(out.plan, f"plan_relocation({req_id!r}, {index})")
             return out
 
         def _abort(rec, reason, detail=""):
@@ -805,9 +811,10 @@ class RefinementDriver:
 
         t.sync_new_tokens = sync_new_tokens
         m._commit, m._abort, m.launch, m.plan_request = _commit, _abort, launch, plan_request
+        m.plan_relocation = plan_relocation
         e.before_compute = before_compute
 
-    def check_plan(self, plan) -> None:
+    def check_plan(self, plan, call: str) -> None:
         """A plan is a proposed transition: its commit, with the copy landed (T9), must be a model path from
         the state it was planned in (``planned_commit``); else ``RefinementViolation`` before anything runs."""
         self.obs.observe()  # the state the plan was made from (a compact plan's destinations are held: free)
@@ -824,7 +831,7 @@ class RefinementDriver:
                 return
             answers.append(answer)
         cls = RefinementUndecided if "unknown" in answers else RefinementViolation
-        raise cls(f"ReclamationManager.plan_request({plan.req_id!r}) made a {plan.kind.value} plan whose commit no "
+        raise cls(f"ReclamationManager.{call} made a {plan.kind.value} plan whose commit no "
                   f"model path allows ({len(plan.moves)} moves, sources {list(plan.src_blocks)}, destinations "
                   f"{list(plan.dst_blocks)}):\n  {describe(before, planned)}")
 
@@ -928,6 +935,17 @@ class RefinementDriver:
         if req not in self.rt.manager.inflight:
             with self.obs.unit(f"ReclamationManager.plan_request({req})"):
                 self.rt.manager.plan_request(req)
+
+    def relocate(self, req: int, index: int) -> None:
+        """The relocation drill's plan: a block before the cursor's (``index`` mod their number) to a fresh
+        block, in place. Its commit is T6 (the destination joins), T4b (the moves), T5 (the source leaves),
+        like compact's.
+        NOTE: the drill may also move the cursor's own block; the model has no path for that (T5 drops only
+        blocks before the cursor's block), so the refinement check covers the other blocks only."""
+        n = self.rt.table.write_pos(req) // self.S
+        if n and req not in self.rt.manager.inflight:
+            with self.obs.unit(f"ReclamationManager.plan_relocation({req}, {index % n})"):
+                self.rt.manager.plan_relocation(req, index % n)
 
     def plan_again(self, req: int) -> None:
         """A second plan for a request with one in flight: refused (I4), changing nothing."""

@@ -141,6 +141,16 @@ def s_cursor_shift(d):
     d.plan(_sparse(d, 8, [0, 2]))
 
 
+def s_relocate(d):  # blocks [0, 1, 2], cursor 5: block 0 relocates to block 3 while a step appends (into block 2)
+    r = d.admit(5)
+    d.step()
+    d.relocate(r, 0)
+    d.launch()
+    d.step()
+    d.copy_event("complete", 0)
+    d.settle()
+
+
 #: each planted core bug that touches a modelled transition: its scenario, and the call the check names.
 #: Two kinds of flag: a transition the model does not allow (or a state with no abstraction, or a refused
 #: call that changed the state), and a plan whose commit no model path allows ("plan_request").
@@ -203,9 +213,9 @@ OUT_OF_SCOPE = {
                                 "it, the block arithmetic is the fuzzer's to check",
     "compact_underfills_destinations": "destinations left part empty are a legal layout (T6, T4b, T5): fill "
                                        "order is a planner property (spec/planner_model.py)",
-    "relocate_ignores_appends": "the refinement programs do not drive the drill's relocate plans; the commit's "
-                                "executed check refuses the stale commit (I4) before anything changes, and the "
-                                "fuzzer catches it (test_fuzz_planted.py)",
+    "relocate_ignores_appends": "appends reach only the cursor's block, and a relocate of that block has no model "
+                                "path (T5 drops blocks before the cursor's); the commit's executed check refuses the "
+                                "stale commit (I4) and the fuzzer catches it (test_fuzz_planted.py)",
 }
 
 
@@ -316,6 +326,12 @@ class RefinementMachine(RuleBasedStateMachine):
         if r is not None:
             (self.d.plan_again if again else self.d.plan)(r)
 
+    @rule(index=st.integers(0, 7), block=st.integers(0, 7))
+    def relocate(self, index, block):
+        r = self._req(index)
+        if r is not None and self.d.setup.read_path is ReadPath.GATHER:  # dense: only between steps (relocate_block)
+            self.d.relocate(r, block)
+
     @rule()
     def launch(self):
         self.d.launch()
@@ -333,6 +349,14 @@ class RefinementMachine(RuleBasedStateMachine):
         r = self._req(index)
         if r is not None:
             self.d.refused_moves(r, which)
+
+
+def test_a_relocate_plan_refines_the_model_and_commits():
+    """The drill's plan on a block before the cursor's: planned, copied while a step appends, committed; every
+    unit a model transition, the commit the path T9, T6, T4b, T5."""
+    d = R.run_program(COMPACT, s_relocate)
+    assert d.rt.table.block_ids(0) == [3, 1, 2] and d.rt.reclaim_stats.plans_committed == 1
+    assert any(k.startswith("plan: T9 T6 T4b T5") for k in d.obs.checked.matched), d.obs.checked.matched
 
 
 def test_real_transitions_refine_the_model():
