@@ -343,11 +343,8 @@ class VTokenRuntime:
             raise InvariantViolation("P3", f"step {self.iteration}: appends need {sum(need.values())} blocks after "
                                      f"settling, {self.pool.num_free} free; the forecast said they fit")
         for r, n in appends.items():
-            grown = self.table.total_len(r) + n
-            self.table.sync_new_tokens(r, self.pool.allocate(need[r], Purpose.ADMISSION), grown)
+            self.table.sync_new_tokens(r, self.pool.allocate(need[r], Purpose.ADMISSION), self.table.total_len(r) + n)
             self.scores.extend(r, self.table.total_len(r))
-            assert self.table.total_len(r) == grown and self.table.write_pos(r) <= len(self.table.block_ids(r)) * \
-                self.pool.block_size
         reqs = {}
         for r in self.table.request_ids():
             start = self.table.total_len(r) - appends.get(r, 0)
@@ -399,7 +396,6 @@ class VTokenRuntime:
         # -- validated; mutate --
         self._evict_and_reclaim(victims)
         self._last = None
-        assert all(not self.table.is_live(r, t) for r, chosen in victims.items() for t in chosen)
         return victims
 
     # ---- for engines that allocate and schedule themselves (vLLM) -----------------------
