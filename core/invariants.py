@@ -15,6 +15,8 @@ scans); call them from tests, the simulator and the fuzzer, not the hot path.
   I6  destination safety       blocks a pending copy writes stay allocated and held
   I7  dense prefix             on the dense path, live tokens fill [0, n_live)
   P1-P3 pool                   see block_pool.py; P3: headroom is borrowed only by evacuation
+  V1  maintained views         the token table's live index equals a recount of its slot arrays
+                               (checked with I2, request by request: ``TokenTable.check_views``)
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ def check_i2_unique_mapping(sys) -> None:
                 raise InvariantViolation(
                     "I2", f"request {r!r} block {b}: live count {recorded.get(b, 0)} recorded, {counts[b]} found"
                 )
+        table.check_views(r)  # V1, once the table's own counts are known to be right
     table.occupancy.check_against(dict(holders))
     recs = list(sys.manager.inflight.values())
     for rec in recs:

@@ -95,15 +95,57 @@ class ReadPath(enum.Enum):
     DENSE = "dense"
 
 
-@dataclass(frozen=True)
 class StepRequest:
-    """One request's inputs for one forward."""
+    """One request's inputs for one forward: what changed since its previous step, and its full read list
+    on demand.
 
-    req_id: object
-    new_tokens: range  # logical ids appended this step
-    write_slots: list[int]  # where their K/V goes (NO_SLOT: skip the write)
-    read_slots: list[int]  # what attention reads, in read order
-    read_tokens: list[int]  # the logical token at each read slot
+    ``new_tokens``/``write_slots`` are this step's appends (NO_SLOT: skip the write). The read list (what
+    attention reads, in read order, and the logical token at each read slot) changed since the request's
+    previous step by exactly this, unless ``rebuilt`` (its first step, a relocation committed, or too many
+    evictions to list: re-read the whole list): the tokens in ``evicted`` left it, and the tokens of
+    ``joined`` whose ``joined_slots`` entry is not NO_SLOT joined it at the end, in order (``joined`` is
+    ``new_tokens`` unless the engine also synced between steps). ``version`` is the request's layout
+    version, which changes exactly when its layout does.
+
+    ``read_slots`` and ``read_tokens`` are computed on first use (O(L)) from the table, and only while the
+    request's table is as ``begin_step`` left it (``StepOrderError`` after it changed, e.g. after
+    ``end_step`` evicted): a consumer that reads during the forward gets exactly what the step reads."""
+
+    __slots__ = ("req_id", "new_tokens", "write_slots", "version", "rebuilt", "evicted", "joined", "joined_slots",
+                 "_rt", "_stamp", "_read")
+
+    def __init__(self, rt: VTokenRuntime, req_id: object, new_tokens: range, write_slots: list[int]) -> None:
+        self.req_id, self.new_tokens, self.write_slots = req_id, new_tokens, write_slots
+        self.version, self.rebuilt, self.evicted, joined_from = rt.table.take_changes(req_id)
+        self.joined = range(joined_from, rt.table.total_len(req_id))
+        self.joined_slots = write_slots if self.joined == new_tokens else rt.table.write_slots(req_id, joined_from)
+        self._rt, self._stamp = rt, rt._stamp(req_id)
+        self._read: tuple[list[int], list[int]] | None = None
+
+    @property
+    def read_slots(self) -> list[int]:
+        return self._read_lists()[0]
+
+    @property
+    def read_tokens(self) -> list[int]:
+        return self._read_lists()[1]
+
+    def _read_lists(self, keep: bool = True) -> tuple[list[int], list[int]]:
+        """Computed once and kept (``keep``; ``end_step`` does not keep what it computes, so a rejected
+        ``end_step`` leaves the step as it found it)."""
+        if self._read is not None:
+            return self._read
+        if self.req_id not in self._rt.table or self._rt._stamp(self.req_id) != self._stamp:
+            raise StepOrderError(f"request {self.req_id!r}: its read list was not read during its step and "
+                                 f"the table has changed since; read read_slots/read_tokens before end_step")
+        lists = self._rt._read_slots(self.req_id)
+        if keep:
+            self._read = lists
+        return lists
+
+    def __repr__(self) -> str:
+        return (f"StepRequest({self.req_id!r}, new_tokens={self.new_tokens}, write_slots={self.write_slots[:8]}, "
+                f"version={self.version}, rebuilt={self.rebuilt}, evicted={self.evicted[:8]})")
 
 
 @dataclass(frozen=True)
@@ -298,7 +340,14 @@ class VTokenRuntime:
 
     def settle(self) -> list:
         """Commit or abort every plan whose copy has settled (``ReclamationManager.settle``), for engines
-        that step themselves; ``begin_step`` does this for the simulator. Returns the settled records."""
+        that step themselves; ``begin_step`` does this for the simulator. Returns the settled records.
+
+        NOTE: inside an open step, a commit changes the layout the step's read lists come from; they are
+        computed first (``StepRequest``), so the step keeps reading what it read."""
+        if self._last is not None:
+            for r in self.manager.inflight:
+                if is_known_key(self._last.requests, r) and r in self.table:
+                    self._last.requests[r]._read_lists()
         return self.manager.settle()
 
     # ---- Algorithm 1 -------------------------------------------------------------------
@@ -307,7 +356,7 @@ class VTokenRuntime:
         pos = self.table.write_pos(req_id)
         if n_new.__class__ is not int or n_new < 0:
             check_int(f"request {req_id!r}: n_new", n_new, 0)
-        return max(0, blocks_needed(pos + n_new, S) - len(self.table.block_ids(req_id)))
+        return max(0, blocks_needed(pos + n_new, S) - self.table.num_blocks_of(req_id))
 
     def begin_step(self, appends: Mapping[object, int]) -> StepInputs:
         """Settle copies, sync this step's new tokens, and build every running request's slots.
@@ -346,12 +395,13 @@ class VTokenRuntime:
             self.table.sync_new_tokens(r, self.pool.allocate(need[r], Purpose.ADMISSION), self.table.total_len(r) + n)
             self.scores.extend(r, self.table.total_len(r))
         reqs = {}
-        for r in self.table.request_ids():
+        for r in self.table.request_ids():  # O(1) per request beyond its appends and evictions
             start = self.table.total_len(r) - appends.get(r, 0)
             new = range(start, self.table.total_len(r))
             write = self.table.write_slots(r)[-len(new):] if len(new) else []
-            slots, tokens = self._read_slots(r)
-            reqs[r] = StepRequest(r, new, write, slots, tokens)
+            if self.read_path is ReadPath.DENSE and not self._is_dense(r):
+                self._read_slots(r)  # raises I7, naming the slot (the cursor past n_live may still read densely)
+            reqs[r] = StepRequest(self, r, new, write)
         self._last = StepInputs(self.iteration, reqs)
         self.engine.before_compute()  # pre-attention hook: the forward waits on ordered copies (I3)
         return self._last
@@ -387,11 +437,12 @@ class VTokenRuntime:
             if r not in self.table or self.table.total_len(r) < req.new_tokens.stop:
                 continue  # finished during the step (and perhaps admitted again: not the request that read)
             row = check_weights(f"request {r!r}: attention row", weights)
-            if len(row) != len(req.read_tokens):
+            read_tokens = req._read_lists(keep=False)[1]
+            if len(row) != len(read_tokens):
                 raise InvalidArgumentError(
-                    f"request {r!r}: attention row of {len(row)} weights for {len(req.read_tokens)} read tokens"
+                    f"request {r!r}: attention row of {len(row)} weights for {len(read_tokens)} read tokens"
                 )
-            rows[r] = (req.read_tokens, row)
+            rows[r] = (read_tokens, row)
         victims = self._record_and_choose(self.table.request_ids(), rows)
         # -- validated; mutate --
         self._evict_and_reclaim(victims)
@@ -494,7 +545,7 @@ class VTokenRuntime:
         self.iteration += 1
 
     def _select(self, r: object) -> list[int]:
-        live = self.table.live_token_ids(r)
+        live = self.table.live_tokens(r)  # a rank view: O(1), not a list
         total = self.table.total_len(r)
         accumulated, persistence = self.scores.readers(r)  # unchecked: policies sort by them
         view = RequestView(
@@ -539,7 +590,15 @@ class VTokenRuntime:
             self.manager.plan_round(self.table.request_ids())
 
     def _is_dense(self, r: object) -> bool:
+        """Live tokens fill [0, n_live) (I7): they lie at distinct positions before the cursor (T2), so
+        a cursor at n_live says so in O(1)."""
         return self.table.write_pos(r) == self.table.num_live(r)
+
+    def _stamp(self, r: object) -> tuple[int, int, int]:
+        """Changes whenever the request's table does: syncs grow total_len, moves and rewrites the layout
+        version, and with neither an eviction lowers num_live."""
+        t = self.table
+        return t.layout_version(r), t.total_len(r), t.num_live(r)
 
     def _read_slots(self, r: object) -> tuple[list[int], list[int]]:
         tokens = self.table.live_token_ids(r)

@@ -38,15 +38,16 @@ from .errors import (
     ConfigError,
     DestinationError,
     DuplicateRequestError,
+    InvariantViolation,
     MoveSourceMismatchError,
     TokenAlreadyEvictedError,
     TokenOutOfRangeError,
     UnknownRequestError,
 )
+from .live_index import NO_SLOT, LiveIndex, LiveTokens
 from .occupancy import SlotOccupancy
-
-NO_SLOT = -1
 _MAX_SLOTS = 2**31 - 1  # slots are stored as C ints
+_LOG_LIMIT = 4096  # evictions ``take_changes`` lists one by one; beyond, it says "rebuilt"
 
 
 class Move(NamedTuple):
@@ -75,7 +76,8 @@ def _as_move(req_id: object, m: object) -> Move:
 class RequestTokens:
     """One request's entries. Mutated only through ``TokenTable``, which validates first."""
 
-    __slots__ = ("slots", "blocks", "masks", "write_pos", "num_live", "layout_version", "last_sync_start")
+    __slots__ = ("slots", "blocks", "masks", "write_pos", "num_live", "layout_version", "last_sync_start", "live",
+                 "evicted", "taken_version", "taken_len")
 
     def __init__(self) -> None:
         self.slots = array("i")  # logical token id -> slot, NO_SLOT when dead
@@ -83,8 +85,14 @@ class RequestTokens:
         self.masks: dict[int, int] = {}  # block -> bitmask of offsets held by live tokens
         self.write_pos = 0  # the append cursor (a position)
         self.num_live = 0
-        self.layout_version = 0  # bumped by every relocation or block-list rewrite
+        self.layout_version = 0  # bumped by every relocation or block-list rewrite: a structural change
         self.last_sync_start = 0  # first token id of the latest sync_new_tokens
+        self.live = LiveIndex()  # live ids by rank (maintained by sync_new_tokens and evict_token)
+        # the change log ``take_changes`` hands out: ids evicted since the last take (None: more than the log
+        # keeps, read the whole list), and the layout version at that take
+        self.evicted: list[int] | None = []
+        self.taken_version = -1  # never taken: the first take is a full list
+        self.taken_len = 0  # the synced length at the last take
 
     @property
     def total_len(self) -> int:
@@ -201,6 +209,7 @@ class TokenTable:
             r.blocks.append(b)
             r.masks[b] = 0
             self._listed[b] += 1
+        r.live.append(r.total_len, n_new)
         r.last_sync_start = r.total_len
         out = []
         for p in range(r.write_pos, r.write_pos + n_new):
@@ -286,6 +295,11 @@ class TokenTable:
         self.occupancy.release(slot)
         r.slots[token_id] = NO_SLOT
         r.num_live -= 1
+        r.live.remove(token_id)
+        if r.evicted is not None:
+            r.evicted.append(token_id)
+            if len(r.evicted) > _LOG_LIMIT:
+                r.evicted = None  # nobody is reading the log: bounded, the next take says "rebuilt"
         assert r.num_live >= 0 and not r.masks[b] >> o & 1
 
     def apply_moves(self, req_id: object, moves: Iterable[Move]) -> None:
@@ -444,8 +458,34 @@ class TokenTable:
         self._check_token(req_id, r, token_id)
         return r.slots[token_id]
 
+    def num_blocks_of(self, req_id: object) -> int:
+        """Blocks in the request's block list (O(1); ``block_ids`` copies them)."""
+        return len(self._get(req_id).blocks)
+
+    def live_tokens(self, req_id: object) -> LiveTokens:
+        """The live logical ids, ascending, as a rank-indexed view (``live_index.LiveTokens``): O(1) to make,
+        O(log L) per rank. What the policies see. Valid until the request's table next changes."""
+        r = self._get(req_id)
+        return LiveTokens(r.live, r.slots, 0, r.num_live)
+
+    def take_changes(self, req_id: object) -> tuple[int, bool, tuple[int, ...], int]:
+        """What changed in the request's live set since the previous take: (layout version, rebuilt, evicted,
+        joined_from).
+
+        ``rebuilt``: this is the request's first take, the layout changed (a move or a block-list rewrite) or
+        more tokens were evicted than the log keeps: read the whole list again. Otherwise the tokens of the
+        previous take's list named in ``evicted`` left it, and the tokens from ``joined_from`` (the synced
+        length at the previous take) on that are still live joined it at the end. O(evicted)."""
+        r = self._get(req_id)
+        rebuilt = r.evicted is None or r.layout_version != r.taken_version
+        joined_from = r.taken_len
+        evicted = () if rebuilt else tuple(t for t in r.evicted if t < joined_from)
+        r.evicted, r.taken_version, r.taken_len = [], r.layout_version, r.total_len
+        return r.layout_version, rebuilt, evicted, joined_from
+
     def live_token_ids(self, req_id: object) -> list[int]:
-        """Live logical token ids, ascending."""
+        """Live logical token ids, ascending: a scan of the slot array (the reference the live index is
+        checked against, and the full list on demand)."""
         return [t for t, s in enumerate(self._get(req_id).slots) if s != NO_SLOT]
 
     def live_slots(self, req_id: object) -> list[tuple[int, int]]:
@@ -456,10 +496,10 @@ class TokenTable:
         """Eq. 2: the slots of live tokens, in logical order. What the gather read path reads."""
         return [s for s in self._get(req_id).slots if s != NO_SLOT]
 
-    def write_slots(self, req_id: object) -> list[int]:
-        """Slots of the tokens added by the latest sync (NO_SLOT for any evicted since)."""
+    def write_slots(self, req_id: object, since: int | None = None) -> list[int]:
+        """Slots of the tokens added by the latest sync, or of tokens ``since`` on (NO_SLOT for any evicted)."""
         r = self._get(req_id)
-        return r.slots[r.last_sync_start:].tolist()
+        return r.slots[r.last_sync_start if since is None else since:].tolist()
 
     def block_masks(self, req_id: object) -> dict[int, int]:
         """A copy of the per-block bitmasks of this request's live offsets (what ``set_layout`` validates)."""
@@ -485,6 +525,20 @@ class TokenTable:
             layout_version=r.layout_version,
             shared_blocks=shared,
         )
+
+    def check_views(self, req_id: object) -> None:
+        """The oracle of the maintained views (V1): the live index against a recount of the slot array, and
+        ranked reads through it against ``live_token_ids``, the scan. Raises InvariantViolation; O(L)."""
+        r, where = self._get(req_id), f"request {req_id!r}"
+        r.live.check_against(r.slots, where)
+        want = self.live_token_ids(req_id)
+        view = self.live_tokens(req_id)
+        if len(view) != len(want) or list(view) != want:
+            raise InvariantViolation("V1", f"{where}: the live index reads {view!r}, the slot array {want[:8]}...")
+        for k in range(0, len(want), max(1, len(want) // 64)):
+            if view[k] != want[k] or list(view[k:k + 3]) != want[k:k + 3]:
+                raise InvariantViolation("V1", f"{where}: live rank {k} reads token {view[k]}, the slot array "
+                                         f"{want[k]}")
 
     def state(self) -> tuple:
         """Every field of every request, for tests proving a rejected call changed nothing."""

@@ -32,6 +32,7 @@ from vtoken.core import errors as E
 from vtoken.core.block_pool import BlockPool, Purpose
 from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
+from vtoken.core.sim.read_mirror import ReadListMirror
 from vtoken.core.invariants import check_all, next_read_view
 from vtoken.core.policies import POLICIES, RenamedRequests, make_policy
 from vtoken.core.policies.base import RequestView
@@ -145,6 +146,7 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
         self.rt = VTokenRuntime(self.pool, self.engine, RenamedRequests(self.policy, self.policy.names), budget,
                                 reclaim, prof.read_path, seed=0)
         self.oracles = self.policy.oracles = Oracles(self.rt, self.engine).attach()
+        self.mirror = ReadListMirror()  # V2: the step deltas, patched the way a worker would
         self.S = block_size
         self.content: dict[int, list[int]] = {}  # every synced or to-be-synced token's tag
         self.shadow: dict[int, dict[int, int]] = {}  # live tokens: request -> token -> tag
@@ -341,6 +343,8 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
         store = self.store
         weights = {}
         assert set(inputs.requests) == set(self.table.request_ids()), "a running request is missing from the step"
+        self.mirror.apply(inputs)
+        self.mirror.check(inputs)
         for r, req in inputs.requests.items():
             assert req.req_id == r, f"StepInputs.requests[{r!r}].req_id is {req.req_id!r}"
             want_new = range(lengths[r], lengths[r] + appends.get(r, 0))

@@ -11,7 +11,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from vtoken.core import block_pool, compact, densify, reclamation, runtime, token_table
+from vtoken.core import block_pool, compact, densify, live_index, reclamation, runtime, token_table
 from vtoken.core.sim import inmemory
 from vtoken.core.block_pool import blocks_needed
 from vtoken.core.copy_engine import CopyStatus
@@ -285,8 +285,7 @@ def _h2o_window_one_short():
         if not view.excess:
             return []
         recent = max(1, int(view.budget * self.recent_fraction)) - 1  # the newest token is no longer kept
-        pool = view.candidates(keep_recent=recent)
-        pool.sort(key=lambda t: (view.accumulated(t), t))
+        pool = sorted(view.candidates(keep_recent=recent), key=lambda t: (view.accumulated(t), t))
         return pool[: view.excess]
 
     return {(H2O, "select_victims"): select_victims}
@@ -413,6 +412,32 @@ def _relocate_ignores_appends():
     return {(reclamation.ReclamationManager, "is_stale"): is_stale}
 
 
+# ---- issue #19: the maintained views (V1) and the step deltas (V2) ------------------------------------------
+def _live_index_misses_an_eviction():
+    real = live_index.LiveIndex.remove
+
+    def remove(self, token_id):
+        if token_id % 2:  # odd ids stay counted live in their chunk
+            return
+        real(self, token_id)
+
+    return {(live_index.LiveIndex, "remove"): remove}
+
+
+def _take_changes(skip_moves: bool = False, drop_last_eviction: bool = False):
+    real = token_table.TokenTable.take_changes
+
+    def take_changes(self, req_id):
+        r = self._get(req_id)
+        moved = r.layout_version != r.taken_version and r.taken_version != -1
+        if skip_moves and moved and r.evicted is not None:
+            r.taken_version = r.layout_version  # a move reads as "append only"
+        version, rebuilt, evicted, joined_from = real(self, req_id)
+        return version, rebuilt, evicted[:-1] if drop_last_eviction else evicted, joined_from
+
+    return {(token_table.TokenTable, "take_changes"): take_changes}
+
+
 BUGS: dict[str, PlantedBug] = {
     b.name: b
     for b in [
@@ -475,6 +500,12 @@ BUGS: dict[str, PlantedBug] = {
                    "quality)", _densify_keeps_a_tail_block),
         PlantedBug("relocate_ignores_appends", "a relocate plan of the cursor's block commits over tokens appended "
                    "to it since planning", _relocate_ignores_appends),
+        PlantedBug("live_index_misses_an_eviction", "the live index keeps odd evicted ids counted (a maintained view "
+                   "misses evictions)", _live_index_misses_an_eviction),
+        PlantedBug("delta_misses_a_move", "a step delta after a committed relocation says append-only (a stale "
+                   "version)", lambda: _take_changes(skip_moves=True)),
+        PlantedBug("delta_forgets_an_eviction", "a step delta leaves out the latest eviction",
+                   lambda: _take_changes(drop_last_eviction=True)),
         PlantedBug("compact_underfills_destinations", "compact leaves a slot of a destination empty and spills into "
                    "the last (planner quality)", _compact_underfills_destinations),
     ]

@@ -520,3 +520,32 @@ def test_finish_frees_the_blocks():
     assert rt.pool.free_block_ids() == [3, 4, 5, 6, 7, 0, 1]
     with pytest.raises(UnknownRequestError):
         rt.finish("a")
+
+
+# ---- issue #19: the step's deltas (V2) and the lazy read lists ---------------------------------------------------------
+def test_a_step_names_what_changed_since_the_previous_one():
+    rt, engine = make(policy=Scripted({("a", 0): [1, 2], ("a", 1): [0]}), budget=0.5)
+    rt.admit("a")
+    first = rt.begin_step({"a": 5}).requests["a"]
+    assert (first.rebuilt, first.evicted, first.joined, first.version) == (True, (), range(0, 5), 0)
+    assert rt.end_step() == {"a": [1, 2]}
+    with pytest.raises(VTokenError, match="read_slots/read_tokens before end_step"):
+        first.read_slots  # noqa: B018 - never read during its step, and the table has changed since
+    second = rt.begin_step({"a": 1}).requests["a"]
+    assert (second.rebuilt, second.evicted, second.joined, second.joined_slots) == (False, (1, 2), range(5, 6), [5])
+    assert second.read_tokens == [0, 3, 4, 5] and second.read_slots == [0, 3, 4, 5]
+    assert rt.end_step() == {"a": [0]}  # budget 3 of 6
+    assert second.read_tokens == [0, 3, 4, 5]  # read during its step: kept
+
+
+def test_a_committed_relocation_makes_the_next_delta_a_full_list_at_a_new_version():
+    rt, engine = make(num_blocks=8, block_size=4, headroom=0, budget=1.0)
+    rt.admit("a")
+    rt.begin_step({"a": 6})
+    rt.end_step()
+    rec = rt.relocate_block("a", 0)
+    assert rec.plan.kind is PlanKind.RELOCATE
+    req = rt.begin_step({"a": 1}).requests["a"]  # settles: the relocation commits, the layout version moves
+    assert (req.rebuilt, req.evicted, req.version) == (True, (), 3)
+    assert rt.block_ids("a") == [2, 1]  # block 0's tokens now live in block 2, each at its own offset
+    assert req.read_tokens == list(range(7)) and req.read_slots == [8, 9, 10, 11, 4, 5, 6]

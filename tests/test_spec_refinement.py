@@ -213,6 +213,12 @@ OUT_OF_SCOPE = {
                                 "it, the block arithmetic is the fuzzer's to check",
     "compact_underfills_destinations": "destinations left part empty are a legal layout (T6, T4b, T5): fill "
                                        "order is a planner property (spec/planner_model.py)",
+    "live_index_misses_an_eviction": "the live index is a view of the slot arrays, which the abstraction reads; "
+                                     "V1's oracle (check_views) and the fuzzer catch it",
+    "delta_misses_a_move": "step deltas are what a consumer is told, not table state: V2's oracle "
+                           "(ReadListMirror) and the fuzzer catch it",
+    "delta_forgets_an_eviction": "step deltas are what a consumer is told, not table state: V2's oracle "
+                                 "(ReadListMirror) and the fuzzer catch it",
     "relocate_ignores_appends": "appends reach only the cursor's block, and a relocate of that block has no model "
                                 "path (T5 drops blocks before the cursor's); the commit's executed check refuses the "
                                 "stale commit (I4) and the fuzzer catches it (test_fuzz_planted.py)",

@@ -781,3 +781,36 @@ def test_a_block_still_being_written_cannot_be_shared():
     with pytest.raises(BlockNotOwnedError, match=r"block 1 belongs to request 'a', whose append cursor"):
         t.sync_new_tokens("b", [0, 1], 8)
     assert t.state() == before
+
+
+# ---- issue #19: the live index (V1) --------------------------------------------------------------------------------------
+def test_the_live_index_reads_ranks_without_the_scan_and_its_oracle_has_teeth():
+    from vtoken.core.errors import InvariantViolation
+    from vtoken.core.live_index import CHUNK
+
+    t = TokenTable(num_blocks=20, block_size=16)
+    t.add_request("A")
+    t.sync_new_tokens("A", list(range(10)), 150)  # three chunks: 64 + 64 + 22 ids
+    for tok in [0, 1, 63, 64, 65, 100]:
+        t.evict_token("A", tok)
+    view = t.live_tokens("A")
+    assert len(view) == 144 and view[0] == 2 and view[61] == 66 and view[-1] == 149
+    assert view[60:63] == [62, 66, 67] and list(view[140:]) == [146, 147, 148, 149]
+    assert list(view) == t.live_token_ids("A")
+    t.check_views("A")
+    t._get("A").live.counts[1] += 1  # planted: chunk 1 counts one live token too many
+    with pytest.raises(InvariantViolation, match=f"V1: request 'A': live index chunk 1 \\(ids \\[{CHUNK}, "):
+        t.check_views("A")
+
+
+def test_take_changes_lists_evictions_since_the_last_take_and_says_rebuilt_after_a_move():
+    t = TokenTable(num_blocks=4, block_size=4)
+    t.add_request("A")
+    t.sync_new_tokens("A", [0, 1], 6)
+    assert t.take_changes("A") == (0, True, (), 0)  # the first take: a full list
+    t.evict_token("A", 2)
+    t.sync_new_tokens("A", [], 7)
+    t.evict_token("A", 6)  # joined and left since the last take: not in evicted
+    assert t.take_changes("A") == (0, False, (2,), 6)
+    t.apply_moves("A", [Move(0, 0, 0, 0, 2)])
+    assert t.take_changes("A") == (1, True, (), 7)

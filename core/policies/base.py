@@ -8,6 +8,7 @@ from typing import Callable, Protocol, Sequence
 
 from ..checks import check_callable, check_int, check_number
 from ..errors import ConfigError, InvalidArgumentError
+from ..live_index import LiveTokens
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,9 @@ class RequestView:
 
     Attributes:
         req_id: the request.
-        live: live logical token ids, ascending (a token's logical position is its id).
+        live: live logical token ids, ascending (a token's logical position is its id). The runtime gives a
+            ``LiveTokens``: ``len`` O(1), ``live[k]`` and slices O(log L), nothing copied; iterate over it
+            (O(L)) only when every token matters (a score policy).
         total_len: tokens synced so far (live and evicted).
         budget: how many live tokens the request may keep.
         accumulated: token id -> accumulated attention (H2O).
@@ -42,7 +45,7 @@ class RequestView:
     protected: frozenset[int] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
-        if (self.live.__class__ is list and self.total_len.__class__ is int and self.budget.__class__ is int
+        if ((self.live.__class__ is LiveTokens or self.live.__class__ is list) and self.total_len.__class__ is int and self.budget.__class__ is int
                 and self.seed.__class__ is int and self.step.__class__ is int
                 and self.protected.__class__ is frozenset and len(self.live) <= self.total_len
                 and self.budget >= 1 and self.step >= 0 and callable(self.accumulated) and callable(self.persistence)):
@@ -64,12 +67,13 @@ class RequestView:
         """How many tokens must go to meet the budget."""
         return max(0, len(self.live) - self.budget)
 
-    def candidates(self, keep_recent: int) -> list[int]:
-        """Live tokens that may be evicted: all but the newest ``keep_recent`` (>= 0) and the protected."""
+    def candidates(self, keep_recent: int) -> Sequence[int]:
+        """Live tokens that may be evicted, ascending: all but the newest ``keep_recent`` (>= 0) and the
+        protected. Without protected tokens a slice of ``live`` (for ``LiveTokens``, a view: O(log L))."""
         if keep_recent.__class__ is not int or keep_recent < 0:
             check_int("keep_recent", keep_recent, 0)
         older = self.live[: max(0, len(self.live) - keep_recent)]
-        return [t for t in older if t not in self.protected]
+        return [t for t in older if t not in self.protected] if self.protected else older
 
 
 class EvictionPolicy(Protocol):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from .base import RequestView, check_policy_params
@@ -19,7 +20,6 @@ class Scissorhands:
         if not view.excess:
             return []
         recent = max(1, int(view.budget * self.recent_fraction))
-        pool = view.candidates(keep_recent=recent)
-        # least persistent first, then least attended, then oldest
-        pool.sort(key=lambda t: (view.persistence(t), view.accumulated(t), t))
-        return pool[: view.excess]
+        # least persistent first, then least attended, then oldest (a heap of the excess, no full sort)
+        return heapq.nsmallest(view.excess, view.candidates(keep_recent=recent),
+                               key=lambda t: (view.persistence(t), view.accumulated(t), t))

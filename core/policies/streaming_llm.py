@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 
 from .base import RequestView, check_policy_params
 
@@ -20,5 +21,5 @@ class StreamingLLM:
             return []
         sinks = set(view.live[: min(self.sinks, view.budget - 1)])  # the budget keeps >= 1 recent token
         window = view.budget - len(sinks)
-        middle = [t for t in view.candidates(keep_recent=window) if t not in sinks]
-        return middle[: view.excess]  # the oldest non-sink tokens leave first
+        middle = (t for t in view.candidates(keep_recent=window) if t not in sinks)
+        return list(islice(middle, view.excess))  # the oldest non-sink tokens leave first: O(sinks + excess)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from ..block_pool import BlockPool, Purpose, blocks_needed
 from ..errors import ConfigError, InvariantViolation
 from .inmemory import InMemoryCopyEngine, TagStore
+from .read_mirror import ReadListMirror
 from ..invariants import check_all
 from ..metrics import measure
 from ..plan import PlanKind
@@ -180,6 +181,7 @@ class Simulator:
         self.generated: dict[int, int] = {}
         self.submitted_at: dict[int, int] = {}
         self.result = SimResult()
+        self.mirror = ReadListMirror()
 
     def run(self, max_steps: int = 100_000) -> SimResult:
         step = 0
@@ -218,6 +220,9 @@ class Simulator:
             self.waiting.pop(0)
             self.running.append(r)
         inputs = rt.begin_step(appends)
+        if self.cfg.check_invariants:  # V2: the step's deltas, patched onto last step's lists, give this step's
+            self.mirror.apply(inputs)
+            self.mirror.check(inputs)
         attention = self._forward(inputs)
         rt.end_step(attention)
         for r in list(self.running):

@@ -1,0 +1,33 @@
+"""Per-request core step cost at 256 to 32,768 live tokens, per policy and read path, as one JSON line.
+
+    python tests/bench_context_policies.py LABEL
+
+16 requests, each at its budget (an int budget: one eviction per decode step), 16-token blocks,
+begin_step + end_step, median of 12 steps, no attention rows. Run it alternately in two trees to compare
+commits (docs/results.md, "Hot path I").
+"""
+import json, statistics, sys, time
+from vtoken.core import BlockPool, ReclaimConfig, VTokenRuntime
+from vtoken.core.sim import InMemoryCopyEngine, TagStore
+from vtoken.core.plan import PlanKind
+from vtoken.core.policies import make_policy
+from vtoken.core.reclamation import Ordering
+from vtoken.core.runtime import ReadPath
+R, S, STEPS = 16, 16, 12
+def core(pol, live, dense):
+    blocks = R * (live // S + 8) + 64
+    pool = BlockPool(blocks, S, headroom=8)
+    rc = ReclaimConfig(PlanKind.DENSIFY, ordering=Ordering.EVENT) if dense else ReclaimConfig()
+    rt = VTokenRuntime(pool, InMemoryCopyEngine(TagStore(blocks, S)), policy=make_policy(pol), budget=live, reclaim=rc,
+                       read_path=ReadPath.DENSE if dense else ReadPath.GATHER)
+    for r in range(R): rt.admit(r)
+    rt.begin_step({r: live for r in range(R)}); rt.end_step()
+    ts = []
+    for _ in range(STEPS):
+        t0 = time.perf_counter(); rt.begin_step({r: 1 for r in range(R)}); rt.end_step(); ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) / R * 1e6
+out = {}
+for pol, dense in (("streaming_llm", False), ("random", False), ("streaming_llm", True), ("h2o", False)):
+    for live in (256, 2048, 8192, 32768):
+        out[f"{pol} {'dense/densify' if dense else 'gather/compact'} {live}"] = round(core(pol, live, dense), 1)
+print(sys.argv[1], json.dumps(out))
