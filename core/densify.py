@@ -13,6 +13,8 @@ new cursor's block.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from . import contracts  # noqa: F401  (the docstring contracts call it)
 from .errors import InvariantViolation
 from .plan import NoPlan, NoPlanReason, Plan, PlanKind
@@ -56,3 +58,42 @@ def plan_densify(snap: RequestSnapshot) -> Plan | NoPlan:
         Move(t, s // S, s % S, snap.blocks[p // S], p % S) for (t, s), p in zip(movers, holes)
     )
     return Plan(PlanKind.DENSIFY, snap.req_id, snap.version, moves, src_blocks, (), n)
+
+
+@dataclass(frozen=True)
+class DensifyTail:
+    """What ``plan_densify_tail`` needs when one step's evictions are the only holes of a dense request,
+    and the positions from n_live to the cursor lie in the append run (their tokens are known without a
+    scan): O(evicted) data, where a ``RequestSnapshot`` is O(L)."""
+
+    req_id: object
+    version: tuple[int, int]
+    block_size: int
+    num_live: int  # n: the cursor after the commit
+    write_pos: int
+    holes: tuple[tuple[int, int], ...]  # (position, its block) of each evicted token below n, ascending
+    movers: tuple[tuple[int, int], ...]  # (token, slot) of each live token at positions [n, write_pos), ascending
+    src_blocks: tuple[int, ...]  # blocks [ceil(n / S), ceil(write_pos / S)) of the list
+    cursor_block: int | None  # the block holding position n when n is inside a block (its tail is rewritten)
+    shared_blocks: frozenset[int]  # of the blocks above, those with ref count > 1
+
+
+def plan_densify_tail(tail: DensifyTail) -> Plan | NoPlan:
+    """``plan_densify``'s answer for a request whose only holes are this step's evictions: the same moves
+    (movers in logical order into holes in ascending position), the same released blocks and cursor, the
+    same NoPlan reasons, in O(evicted). The reference is ``plan_densify`` on the full snapshot: with
+    ``ReclamationManager.verify_fast_paths`` every plan made here is compared with it (V3)."""
+    S, n = tail.block_size, tail.num_live
+    if len(tail.holes) != len(tail.movers):
+        raise InvariantViolation("I7", f"request {tail.req_id!r}: {len(tail.movers)} live tokens at or above n_live "
+                                       f"{n}, {len(tail.holes)} holes below it")
+    if not tail.movers and tail.write_pos == n:
+        return NoPlan(NoPlanReason.ALREADY_DENSE, f"request {tail.req_id!r}")
+    touched = {b for _, b in tail.holes} | {s // S for _, s in tail.movers} | set(tail.src_blocks)
+    if tail.cursor_block is not None:
+        touched.add(tail.cursor_block)  # NOTE: its tail [n, ...) is overwritten by the next appends
+    shared = sorted(touched & tail.shared_blocks)
+    if shared:
+        return NoPlan(NoPlanReason.SHARED_BLOCK, f"request {tail.req_id!r}: blocks {shared}")
+    moves = tuple(Move(t, s // S, s % S, b, p % S) for (t, s), (p, b) in zip(tail.movers, tail.holes))
+    return Plan(PlanKind.DENSIFY, tail.req_id, tail.version, moves, tail.src_blocks, (), n)

@@ -50,7 +50,7 @@ from .block_pool import BlockAllocator, Purpose
 from .compact import choose_sources, plan_compaction
 from .checks import as_list, is_int, is_known_key
 from .copy_engine import CopyEngine, CopyHandle, CopyStatus
-from .densify import plan_densify
+from .densify import DensifyTail, plan_densify, plan_densify_tail
 from .errors import (
     BlockNotOwnedError,
     BlockOutOfRangeError,
@@ -161,6 +161,9 @@ class ReclamationManager:
         self.inflight: dict[object, PlanRecord] = {}  # req_id -> its one in-flight plan (I4)
         self.orphans: list[PlanRecord] = []  # plans whose request left while the copy ran
         self.stats = ReclaimStats()
+        # NOTE: the fuzzer and the simulator switch this on: every plan a fast planner makes is compared with
+        # its reference planner on the full snapshot (V3); off in serving, where it would cost O(L) per plan
+        self.verify_fast_paths = False
         self.burst = False  # adaptive trigger: in burst mode (rounds on every iteration while F > theta_F)
         self._f_prev: float | None = None  # adaptive trigger: F read at the previous call of should_reclaim
 
@@ -248,12 +251,20 @@ class ReclamationManager:
             self.burst = False  # nothing left to gain: back to the cadence
         return made
 
-    def plan_request(self, req_id: object) -> PlanRecord | NoPlan:
+    def plan_request(self, req_id: object, evicted_positions: list[int] | None = None) -> PlanRecord | NoPlan:
         """Plan one request now with the configured planner (the dense path calls this every step).
 
         Compact destinations are allocated now (EVACUATION), at most ``destination_budget()`` of them.
+        ``evicted_positions`` (densify only): where the tokens this step evicted were; when they are the
+        request's only holes, densify plans in O(evicted) (``_densify_tail``), the same plan either way.
         raises: UnknownRequestError, PlanConflictError (I4); either way nothing changes.
         """
+        if evicted_positions is not None and self.config.planner is PlanKind.DENSIFY:
+            if req_id in self.inflight:
+                raise PlanConflictError(f"request {req_id!r} already has a plan in flight (I4)")
+            plan = self._densify_tail(req_id, evicted_positions)
+            if plan is not None:
+                return self._record(req_id, plan)
         shared = self._shared_blocks(req_id)  # first: an unknown (or unhashable) id is UnknownRequestError
         if req_id in self.inflight:
             raise PlanConflictError(f"request {req_id!r} already has a plan in flight (I4)")
@@ -272,6 +283,33 @@ class ReclamationManager:
                     raise InvariantViolation("I4", f"request {req_id!r}: the compact planner did not use exactly "
                                              f"the {len(dsts)} reserved destination blocks {dsts}: {plan!r}")
         return self._record(req_id, plan)
+
+    def _densify_tail(self, req_id: object, evicted_positions: list[int]) -> Plan | NoPlan | None:
+        """``plan_densify_tail``'s plan, or None when the step's evictions are not the request's only holes or
+        the positions from n_live to the cursor were not all appended since its last layout change."""
+        t, S = self.table, self.pool.block_size
+        n, pos = t.num_live(req_id), t.write_pos(req_id)
+        if pos - n != len(evicted_positions) or t.append_run_start(req_id) > n:
+            return None
+        block = t.block_at  # what is read of the block list: O(evicted) entries
+        movers = []
+        for p in range(n, pos):
+            tok = t.token_at(req_id, p)
+            if tok != NO_SLOT:
+                movers.append((tok, block(req_id, p // S) * S + p % S))
+        holes = tuple((p, block(req_id, p // S)) for p in sorted(evicted_positions) if p < n)
+        src = tuple(block(req_id, i) for i in range(-(-n // S), -(-pos // S)))
+        cursor = block(req_id, n // S) if n % S and n // S < t.num_blocks_of(req_id) else None
+        touched = {b for _, b in holes} | {s // S for _, s in movers} | set(src) | ({cursor} - {None})
+        tail = DensifyTail(req_id, (t.layout_version(req_id), t.total_len(req_id)), S, n, pos, holes,
+                           tuple(movers), src, cursor, frozenset(b for b in touched if self.pool.ref_count(b) > 1))
+        plan = plan_densify_tail(tail)
+        if self.verify_fast_paths:
+            want = plan_densify(t.snapshot(req_id, self._shared_blocks(req_id)))
+            if (plan.reason if not plan else plan) != (want.reason if not want else want):
+                raise InvariantViolation("V3", f"request {req_id!r}: the densify fast path planned {plan!r}, the "
+                                         f"reference plan_densify {want!r}")
+        return plan
 
     def _record(self, req_id: object, plan: Plan | NoPlan) -> PlanRecord | NoPlan:
         if not plan:
@@ -449,6 +487,9 @@ class ReclamationManager:
             self._abort(rec, "layout changed since the snapshot (I4)")
             return
         moves = [m for m in plan.moves if t.is_live(req, m.token_id)]  # evicted in flight: stay dead
+        if plan.kind is PlanKind.DENSIFY:
+            self._commit_densify(rec, moves)
+            return
         dsts = plan.kept_destinations(lambda m: t.is_live(req, m.token_id))
         unused = [b for b in plan.dst_blocks if b not in dsts]
         blocks, write_pos = t.block_ids(req), t.write_pos(req)
@@ -482,6 +523,90 @@ class ReclamationManager:
         self.stats.moves_committed += len(moves)
         self.stats.blocks_released += len(plan.src_blocks) - len(dsts)
 
+    def _commit_densify(self, rec: PlanRecord, moves: list) -> None:
+        """A densify commit in O(moves + released blocks): move the movers into the holes, then splice the
+        emptied tail [ceil(n / S), ceil(cursor / S)) out of the list and set the cursor to n (I7). Not stale,
+        so the list is the one planned from and the tail is exactly the plan's sources."""
+        plan, t, S = rec.plan, self.table, self.pool.block_size
+        req, n = plan.req_id, plan.dense_write_pos
+        live_before = t.num_live(req)
+        at = self._check_densify_commit(rec, moves)
+        # -- checked; mutate --
+        self.stats.moves_dropped += len(plan.moves) - len(moves)
+        t.apply_moves(req, moves)
+        t.splice(req, at, len(plan.src_blocks), (), n)
+        if t.num_live(req) != live_before or any(t.slot_of(req, m.token_id) != m.dst_block * S + m.dst_offset
+                                                 for m in moves):
+            raise InvariantViolation("I2", f"request {req!r}: committing plan changed its ordered live token ids")
+        self._release_handle(rec)
+        self.pool.free(list(plan.src_blocks))
+        rec.state = PlanState.COMMITTED
+        del self.inflight[req]
+        assert rec.handle is None and t.write_pos(req) == n <= t.num_blocks_of(req) * S
+        self.stats.plans_committed += 1
+        self.stats.moves_committed += len(moves)
+        self.stats.blocks_released += len(plan.src_blocks)
+
+    def _check_densify_commit(self, rec: PlanRecord, moves: list) -> int:
+        """``_check_commit`` for a densify plan, O(moves + released blocks): the copy settled, every move reads
+        its token's slot and writes an unclaimed slot of the list below the cursor, the tail holds no live
+        token once the moves are made (``TokenTable.check_splice`` with the masks they leave), and the
+        released blocks are held. Returns where the sources start in the list, ceil(n / S). Raises
+        InvariantViolation before anything changes."""
+        t, S, req, plan = self.table, self.pool.block_size, rec.plan.req_id, rec.plan
+
+        def fail(message: str) -> None:
+            raise InvariantViolation("I4", f"request {req!r}: committing its densify plan would break the table: "
+                                     f"{message}; nothing was changed")
+
+        if rec.handle is not None and not self.engine.poll(rec.handle).settled:
+            raise InvariantViolation("I3", f"request {req!r}: commit while its copy {rec.handle} is still pending")
+        cursor = t.write_pos(req)
+        sources = [t.slot_of(req, m.token_id) for m in moves]
+        vacated, claimed = set(sources), set()
+        after: dict[int, int] = {}
+        for m, src in zip(moves, sources):
+            if src != m.src_block * S + m.src_offset:
+                fail(f"move {m} reads a slot token {m.token_id} does not hold")
+            dst = m.dst_block * S + m.dst_offset
+            i = t.index_in_list(req, m.dst_block)
+            if i is None or i * S + m.dst_offset >= cursor:
+                fail(f"move {m} writes outside the block list or at or after its cursor {cursor}")
+            if dst in claimed or t.occupancy.holders(dst) - (dst in vacated):
+                fail(f"move {m} writes slot {dst}, which is claimed")
+            claimed.add(dst)
+        if len({m.token_id for m in moves}) != len(moves):
+            fail("a token moves twice")
+        for src in sources:  # the masks the moves leave: all sources vacated, then all claims
+            b = src // S
+            after[b] = after.get(b, t.block_mask(req, b)) & ~(1 << (src % S))
+        for m in moves:
+            after[m.dst_block] = after.get(m.dst_block, t.block_mask(req, m.dst_block)) | (1 << m.dst_offset)
+        # ``_check_layout``'s rules for the list with the tail spliced out, read only where it changes
+        mask_of = (lambda b: after[b] if b in after else t.block_mask(req, b))
+        pos, length = plan.dense_write_pos, t.num_blocks_of(req) - len(plan.src_blocks)
+        if not is_int(pos) or not 0 <= pos <= length * S:
+            fail(f"cursor {pos!r} outside its {length} blocks")
+        at = -(-pos // S)
+        if any(t.block_at(req, at + i) != b for i, b in enumerate(plan.src_blocks)):
+            fail(f"its sources {list(plan.src_blocks)} are not blocks [{at}, {at + len(plan.src_blocks)}) of the list")
+        for b in plan.src_blocks:
+            if mask_of(b):
+                fail(f"block {b} holds live tokens but would leave block list {self._spliced(req, at, plan)}")
+        for i in range(pos // S, length):
+            b = t.block_at(req, i if i < at else i + len(plan.src_blocks))
+            if mask_of(b) >> max(0, pos - i * S):
+                fail(f"block {b} would hold live tokens at or after cursor {pos}")
+        for b in plan.src_blocks:
+            if self.pool.ref_count(b) < 1:
+                fail(f"block {b} would be freed with {self.pool.ref_count(b)} reference(s)")
+        return at
+
+    def _spliced(self, req: object, at: int, plan: Plan) -> list[int]:
+        """The block list a densify commit leaves (for messages)."""
+        blocks = self.table.block_ids(req)
+        return blocks[:at] + blocks[at + len(plan.src_blocks):]
+
     def _check_moves(self, rec: PlanRecord) -> None:
         """Executed precondition of ``launch``: the plan's moves are a copy of its request's layout (I4).
 
@@ -491,7 +616,8 @@ class ReclamationManager:
         """
         plan, t, S = rec.plan, self.table, self.pool.block_size
         req = plan.req_id
-        into = set(t.block_ids(req)) if plan.kind is PlanKind.DENSIFY else set(plan.dst_blocks)
+        listed = (lambda b: t.index_in_list(req, b) is not None) if plan.kind is PlanKind.DENSIFY else \
+            set(plan.dst_blocks).__contains__
         n, written = t.total_len(req), set()
         for m in plan.moves:
             if not (is_int(m.token_id) and 0 <= m.token_id < n):
@@ -500,8 +626,9 @@ class ReclamationManager:
             if slot != NO_SLOT and slot != m.src_block * S + m.src_offset:  # evicted since planning: dropped at commit
                 raise InvariantViolation("I4", f"request {req!r}: move {m} reads ({m.src_block}, {m.src_offset}) "
                                          f"but the token lives at slot {slot}")
-            if m.dst_block not in into or not (is_int(m.dst_offset) and 0 <= m.dst_offset < S):
-                raise InvariantViolation("I4", f"request {req!r}: move {m} writes outside blocks {sorted(into)}")
+            if not (is_int(m.dst_block) and listed(m.dst_block)) or not (is_int(m.dst_offset) and 0 <= m.dst_offset < S):
+                where = "its block list" if plan.kind is PlanKind.DENSIFY else f"blocks {sorted(plan.dst_blocks)}"
+                raise InvariantViolation("I4", f"request {req!r}: move {m} writes outside {where}")
             dst = m.dst_block * S + m.dst_offset
             if dst in written:
                 raise InvariantViolation("I4", f"request {req!r}: two moves share a destination (slot {dst})")

@@ -204,6 +204,7 @@ class VTokenRuntime:
                                           reclaim or ReclaimConfig(ordering=ordering or Ordering.POLL))
         self.iteration = 0
         self._last: StepInputs | None = None
+        self._victim_positions: dict[object, list[int]] = {}  # this step's victims' positions (dense path)
 
     def set_budget(self, budget: float) -> None:
         """Change the eviction budget from the next victim selection on (checked as at construction; a bad
@@ -537,9 +538,13 @@ class VTokenRuntime:
         return victims
 
     def _evict_and_reclaim(self, victims: Mapping[object, list[int]]) -> None:
+        dense = self.read_path is ReadPath.DENSE and self.reclaim is not None
+        # on the dense path, where each victim was: densify then plans only the holes this step made
+        positions = {r: [self.table.position_of(r, t) for t in chosen] for r, chosen in victims.items()} if dense else {}
         for r, chosen in victims.items():
             for t in chosen:
                 self.table.evict_token(r, t)
+        self._victim_positions = positions
         self._reclaim()
         self.manager.launch()
         self.iteration += 1
@@ -570,8 +575,10 @@ class VTokenRuntime:
         return victims
 
     def _protected(self, r: object) -> frozenset[int]:
-        """On the dense path, tokens in shared blocks stay: densify cannot fill holes there."""
-        if self.read_path is not ReadPath.DENSE:
+        """On the dense path, tokens in shared blocks stay: densify cannot fill holes there. O(1) when the pool
+        says no block is shared (``BlockPool.num_shared``); otherwise a scan of the request's blocks (a pool
+        without the count, vLLM's, is always scanned)."""
+        if self.read_path is not ReadPath.DENSE or getattr(self.pool, "num_shared", None) == 0:
             return frozenset()
         S = self.pool.block_size
         shared = {b for b in self.table.block_ids(r) if self.pool.ref_count(b) > 1}
@@ -580,12 +587,14 @@ class VTokenRuntime:
         return frozenset(t for t in self.table.live_token_ids(r) if self.table.slot_of(r, t) // S in shared)
 
     def _reclaim(self) -> None:
+        evicted_positions, self._victim_positions = self._victim_positions, {}
         if self.reclaim is None:
             return
         if self.read_path is ReadPath.DENSE:
             for r in self.table.request_ids():
                 if r not in self.manager.inflight and not self._is_dense(r):
-                    self.manager.plan_request(r)
+                    self.manager.plan_request(r, evicted_positions.get(r) if is_known_key(evicted_positions, r)
+                                              else None)
         elif self.manager.should_reclaim(self.iteration):
             self.manager.plan_round(self.table.request_ids())
 

@@ -77,7 +77,7 @@ class RequestTokens:
     """One request's entries. Mutated only through ``TokenTable``, which validates first."""
 
     __slots__ = ("slots", "blocks", "masks", "write_pos", "num_live", "layout_version", "last_sync_start", "live",
-                 "evicted", "taken_version", "taken_len")
+                 "evicted", "taken_version", "taken_len", "run_pos", "run_token")
 
     def __init__(self) -> None:
         self.slots = array("i")  # logical token id -> slot, NO_SLOT when dead
@@ -93,6 +93,10 @@ class RequestTokens:
         self.evicted: list[int] | None = []
         self.taken_version = -1  # never taken: the first take is a full list
         self.taken_len = 0  # the synced length at the last take
+        # the append run: since the last layout change, position run_pos + i holds token run_token + i (if it
+        # is live); appends extend it, a move or a block-list rewrite starts a new, empty one at the cursor
+        self.run_pos = 0
+        self.run_token = 0
 
     @property
     def total_len(self) -> int:
@@ -149,6 +153,9 @@ class TokenTable:
         # per block, how many requests' block lists hold it (more than one only for shared prefix blocks);
         # 2 bytes per block, pool-wide: who they are is found by a scan, only when the count is not 0
         self._listed = array("H", bytes(2 * num_blocks))
+        # per block listed by exactly one request, its index in that request's list (4 bytes per block):
+        # a slot's position in O(1); for a shared block the holder's list is searched (``position_of``)
+        self._index_of = array("i", bytes(4 * num_blocks))
 
     # ---- registration ------------------------------------------------------------
     def add_request(self, req_id: object) -> None:
@@ -169,6 +176,8 @@ class TokenTable:
             assert self._listed[b] >= 1, f"block {b} of request {req_id!r} is not counted as listed"
             self._listed[b] -= 1
         del self._requests[req_id]
+        for b in r.blocks:
+            self._reindex(b)
         assert req_id not in self._requests
         return list(r.blocks)
 
@@ -206,6 +215,8 @@ class TokenTable:
         assert n_new >= 0 and pos_before + n_new <= (listed_before + len(new_ids)) * S  # T2: room for every token
         # -- validated; mutate --
         for b in new_ids:
+            if not self._listed[b]:  # NOTE: a shared block keeps its first holder's index (unused while shared)
+                self._index_of[b] = len(r.blocks)
             r.blocks.append(b)
             r.masks[b] = 0
             self._listed[b] += 1
@@ -320,7 +331,6 @@ class TokenTable:
         batch = [_as_move(req_id, m) for m in as_list(f"request {req_id!r}: moves", moves, MoveSourceMismatchError)]
         if not batch:
             return  # nothing moves, so the layout (and any plan's snapshot of it) stays valid
-        index = {b: i for i, b in enumerate(r.blocks)}
         tokens: set[int] = set()
         vacated: set[int] = set()
         for m in batch:
@@ -343,12 +353,13 @@ class TokenTable:
                     f"request {req_id!r}: token {m.token_id} destination ({m.dst_block}, {m.dst_offset}) "
                     f"is outside the pool ({self.num_blocks} blocks of {S})"
                 )
-            if m.dst_block not in index:
+            i = self._index_in(r, m.dst_block)
+            if i is None:
                 raise BlockNotOwnedError(
                     f"request {req_id!r}: token {m.token_id} destination block {m.dst_block} is not in its block list"
                 )
             dst = m.dst_block * S + m.dst_offset
-            if index[m.dst_block] * S + m.dst_offset >= r.write_pos:
+            if i * S + m.dst_offset >= r.write_pos:
                 raise DestinationError(
                     f"request {req_id!r}: token {m.token_id} destination slot {dst} is at or after "
                     f"the append cursor (position {r.write_pos}); appends would overwrite it"
@@ -375,6 +386,7 @@ class TokenTable:
             self.occupancy.claim(m.dst_block * S + m.dst_offset)
             r.slots[m.token_id] = m.dst_block * S + m.dst_offset
         r.layout_version += 1
+        r.run_pos, r.run_token = r.write_pos, r.total_len
         assert self.occupancy.live_slots == live_slots_after, "a batch of moves miscounted the pool's live slots"
 
     # ---- block-list rewrites (reclamation only) -------------------------------------
@@ -417,19 +429,77 @@ class TokenTable:
                 )
         # -- validated; mutate --
         keep_old = set(r.blocks)
-        for b in r.blocks:
-            if b not in keep:
-                self._listed[b] -= 1
+        dropped = [b for b in r.blocks if b not in keep]
+        for b in dropped:
+            self._listed[b] -= 1
         for b in new:
             if b not in keep_old:
                 self._listed[b] += 1
         live_before = sum(m.bit_count() for m in r.masks.values())
         r.masks = {b: r.masks.get(b, 0) for b in new}
         r.blocks = new
+        for i, b in enumerate(new):
+            self._index_of[b] = i
+        for b in dropped:
+            self._reindex(b)  # a shared block this request gave up now belongs to one request
         r.write_pos = write_pos
         r.layout_version += 1
+        r.run_pos, r.run_token = r.write_pos, r.total_len
         assert sum(m.bit_count() for m in r.masks.values()) == live_before == r.num_live  # no live token left
         assert r.write_pos <= len(r.blocks) * S
+
+    def splice(self, req_id: object, at: int, remove: int, insert: Sequence[int], write_pos: int) -> None:
+        """Replace blocks [at, at + remove) of the request's list with ``insert`` and set the cursor: a
+        densify commit's rewrite (the emptied tail leaves), under ``set_layout``'s rules, in O(removed +
+        inserted + blocks from the new cursor's on) where ``set_layout`` is O(blocks)."""
+        r = self._get(req_id)
+        new = self.check_splice(req_id, at, remove, insert, write_pos, r.masks.get)
+        # -- validated; mutate --
+        removed = r.blocks[at:at + remove]
+        for b in removed:
+            self._listed[b] -= 1
+            del r.masks[b]
+        for b in new:
+            self._listed[b] += 1
+            r.masks[b] = 0
+        r.blocks[at:at + remove] = new
+        for i in range(at, len(r.blocks) if len(new) != remove else at + len(new)):  # indices that moved
+            self._index_of[r.blocks[i]] = i
+        for b in removed:
+            self._reindex(b)
+        r.write_pos = write_pos
+        r.layout_version += 1
+        r.run_pos, r.run_token = r.write_pos, r.total_len
+        assert r.write_pos <= len(r.blocks) * self.block_size
+
+    def check_splice(self, req_id: object, at: int, remove: int, insert: Sequence[int], write_pos: int,
+                     mask_of) -> list[int]:
+        """Everything ``splice`` checks, changing nothing, with ``mask_of(block)`` giving each listed block's
+        live offsets (the commit's precondition passes the masks its moves will leave). Returns ``insert``."""
+        r, S = self._get(req_id), self.block_size
+        n = len(r.blocks)
+        new = as_list(f"request {req_id!r}: blocks to insert", insert, BlockOutOfRangeError)
+        if not (is_int(at) and is_int(remove) and 0 <= at and 0 <= remove and at + remove <= n):
+            raise BlockListTooShortError(f"request {req_id!r}: splice of blocks [{at!r}, +{remove!r}) outside its "
+                                         f"{n} blocks")
+        for b in new:
+            self._check_block(b)
+            if b in r.masks or self._listed[b] or new.count(b) > 1:
+                raise BlockNotOwnedError(f"request {req_id!r}: block {b} cannot join its block list (listed, or "
+                                         f"named twice)")
+        for b in r.blocks[at:at + remove]:
+            if mask_of(b):
+                raise BlockNotOwnedError(f"request {req_id!r}: block {b} still holds {mask_of(b).bit_count()} live "
+                                         f"token(s) and cannot leave its block list")
+        length = n - remove + len(new)
+        if not is_int(write_pos) or not 0 <= write_pos <= length * S:
+            raise BlockListTooShortError(f"request {req_id!r}: cursor {write_pos!r} outside its {length} blocks of {S}")
+        for i in range(write_pos // S, length):  # no live token at or after the new cursor (T2)
+            b = r.blocks[i] if i < at else new[i - at] if i < at + len(new) else r.blocks[i - len(new) + remove]
+            if b not in new and mask_of(b) >> max(0, write_pos - i * S):
+                raise DestinationError(f"request {req_id!r}: block {b} holds live tokens at or after cursor "
+                                       f"{write_pos}")
+        return new
 
     # ---- views ----------------------------------------------------------------------
     def num_live(self, req_id: object) -> int:
@@ -461,6 +531,29 @@ class TokenTable:
     def num_blocks_of(self, req_id: object) -> int:
         """Blocks in the request's block list (O(1); ``block_ids`` copies them)."""
         return len(self._get(req_id).blocks)
+
+    def block_at(self, req_id: object, index: int) -> int:
+        """Block ``index`` of the request's list (an IndexError outside it)."""
+        return self._get(req_id).blocks[index]
+
+    def position_of(self, req_id: object, token_id: int) -> int:
+        """The live token's position (index in the block list x S + offset): O(1) in a private block."""
+        r = self._get(req_id)
+        b, o = divmod(self._live_slot(req_id, r, token_id), self.block_size)
+        return self._index_in(r, b) * self.block_size + o
+
+    def token_at(self, req_id: object, pos: int) -> int | None:
+        """The live token at position ``pos`` when ``pos`` lies in the append run (appended since the last
+        layout change, at or after ``run_pos``); NO_SLOT if that token was evicted; None for an earlier
+        position (unknown without a scan)."""
+        r = self._get(req_id)
+        if not r.run_pos <= pos < r.write_pos:
+            return None
+        t = r.run_token + pos - r.run_pos
+        return t if r.slots[t] != NO_SLOT else NO_SLOT
+
+    def append_run_start(self, req_id: object) -> int:
+        return self._get(req_id).run_pos
 
     def live_tokens(self, req_id: object) -> LiveTokens:
         """The live logical ids, ascending, as a rank-indexed view (``live_index.LiveTokens``): O(1) to make,
@@ -501,6 +594,10 @@ class TokenTable:
         r = self._get(req_id)
         return r.slots[r.last_sync_start if since is None else since:].tolist()
 
+    def block_mask(self, req_id: object, block_id: int) -> int:
+        """The bitmask of this request's live offsets in one block of its list (0 for a block not in it)."""
+        return self._get(req_id).masks.get(block_id, 0)
+
     def block_masks(self, req_id: object) -> dict[int, int]:
         """A copy of the per-block bitmasks of this request's live offsets (what ``set_layout`` validates)."""
         return dict(self._get(req_id).masks)
@@ -535,6 +632,19 @@ class TokenTable:
         view = self.live_tokens(req_id)
         if len(view) != len(want) or list(view) != want:
             raise InvariantViolation("V1", f"{where}: the live index reads {view!r}, the slot array {want[:8]}...")
+        S = self.block_size
+        for i, b in enumerate(r.blocks):
+            if self._listed[b] == 1 and self._index_of[b] != i:
+                raise InvariantViolation("V1", f"{where}: block {b} is at index {i} of its list, the index "
+                                         f"records {self._index_of[b]}")
+        if not 0 <= r.run_pos <= r.write_pos or r.run_token + r.write_pos - r.run_pos != r.total_len:
+            raise InvariantViolation("V1", f"{where}: the append run from position {r.run_pos} (token "
+                                     f"{r.run_token}) does not end at the cursor {r.write_pos} and token {r.total_len}")
+        for p in range(r.run_pos, r.write_pos):
+            t = r.run_token + p - r.run_pos
+            if r.slots[t] not in (NO_SLOT, r.blocks[p // S] * S + p % S):
+                raise InvariantViolation("V1", f"{where}: the append run puts token {t} at position {p}, the "
+                                         f"table has it at slot {r.slots[t]}")
         for k in range(0, len(want), max(1, len(want) // 64)):
             if view[k] != want[k] or list(view[k:k + 3]) != want[k:k + 3]:
                 raise InvariantViolation("V1", f"{where}: live rank {k} reads token {view[k]}, the slot array "
@@ -559,6 +669,21 @@ class TokenTable:
             return self._requests[req_id]
         except (KeyError, TypeError):
             raise UnknownRequestError(f"unknown request {req_id!r}") from None
+
+    def _index_in(self, r: RequestTokens, b: int) -> int | None:
+        """Block ``b``'s index in ``r``'s list (None if it is not listed there): O(1) for a private block."""
+        if not is_known_key(r.masks, b):
+            return None
+        return self._index_of[b] if self._listed[b] == 1 else r.blocks.index(b)
+
+    def index_in_list(self, req_id: object, block_id: int) -> int | None:
+        return self._index_in(self._get(req_id), block_id)
+
+    def _reindex(self, b: int) -> None:
+        """Block ``b`` may just have become listed by one request: record its index in that request's list."""
+        if self._listed[b] == 1:
+            [holder] = self._holders_of(b)
+            self._index_of[b] = self._requests[holder].blocks.index(b)
 
     def _holders_of(self, b: int) -> list[object]:
         """The requests listing block ``b``: a scan of the requests (only for a block that is listed)."""

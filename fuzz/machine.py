@@ -147,6 +147,7 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
                                 reclaim, prof.read_path, seed=0)
         self.oracles = self.policy.oracles = Oracles(self.rt, self.engine).attach()
         self.mirror = ReadListMirror()  # V2: the step deltas, patched the way a worker would
+        self.rt.manager.verify_fast_paths = True  # V3: every fast plan against its reference planner
         self.S = block_size
         self.content: dict[int, list[int]] = {}  # every synced or to-be-synced token's tag
         self.shadow: dict[int, dict[int, int]] = {}  # live tokens: request -> token -> tag

@@ -250,11 +250,11 @@ class Oracles:
                                                  f"K {m.config.check_every}, burst_df {m.config.burst_df})")
             return got
 
-        def plan_request(req_id):
+        def plan_request(req_id, evicted_positions=None):
             before = self._planning_view(req_id)
             if self._round is not None and before is not None:
                 self._round.append((req_id, self._excess(req_id)))
-            out = cls.plan_request(m, req_id)
+            out = cls.plan_request(m, req_id, evicted_positions)
             if isinstance(out, PlanRecord):
                 stats.plans_made += 1
             else:

@@ -141,10 +141,10 @@ def _relocate_shared_block():
 def _two_plans_per_request():
     original = reclamation.ReclamationManager.plan_request
 
-    def plan_request(self, req_id):
+    def plan_request(self, req_id, evicted_positions=None):
         held = self.inflight.pop(req_id, None)  # no I4 check: a second plan replaces the first
         try:
-            return original(self, req_id)
+            return original(self, req_id, evicted_positions)
         finally:
             if held is not None and req_id not in self.inflight:
                 self.inflight[req_id] = held
@@ -438,6 +438,22 @@ def _take_changes(skip_moves: bool = False, drop_last_eviction: bool = False):
     return {(token_table.TokenTable, "take_changes"): take_changes}
 
 
+def _densify_tail_misses_a_hole():
+    def plan_densify_tail(tail):
+        plan = densify.plan_densify_tail(tail)
+        if not plan or not plan.moves:
+            return plan
+        last = plan.moves[-1]  # the last mover goes to the hole after its own, when there is one
+        holes = [p for p, _ in tail.holes]
+        if len(holes) < 2:
+            return plan
+        return Plan(plan.kind, plan.req_id, plan.version, plan.moves[:-1] + (
+            Move(last.token_id, last.src_block, last.src_offset, tail.holes[-2][1], holes[-2] % tail.block_size),),
+            plan.src_blocks, (), plan.dense_write_pos)
+
+    return {(reclamation, "plan_densify_tail"): plan_densify_tail}
+
+
 BUGS: dict[str, PlantedBug] = {
     b.name: b
     for b in [
@@ -506,6 +522,8 @@ BUGS: dict[str, PlantedBug] = {
                    "version)", lambda: _take_changes(skip_moves=True)),
         PlantedBug("delta_forgets_an_eviction", "a step delta leaves out the latest eviction",
                    lambda: _take_changes(drop_last_eviction=True)),
+        PlantedBug("densify_tail_misses_a_hole", "densify's fast path sends its last mover into the hole before "
+                   "its own (two moves share a destination, a hole stays)", _densify_tail_misses_a_hole),
         PlantedBug("compact_underfills_destinations", "compact leaves a slot of a destination empty and spills into "
                    "the last (planner quality)", _compact_underfills_destinations),
     ]

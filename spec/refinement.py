@@ -785,8 +785,8 @@ class RefinementDriver:
             with obs.unit(call, commit_paths(p.req_id, p.kind)):
                 return type(m)._commit(m, rec)
 
-        def plan_request(req_id):
-            out = type(m).plan_request(m, req_id)
+        def plan_request(req_id, evicted_positions=None):
+            out = type(m).plan_request(m, req_id, evicted_positions)
             if out:
                 self.check_plan(out.plan, f"plan_request({req_id!r})")
             return out

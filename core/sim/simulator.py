@@ -167,6 +167,7 @@ def build_runtime(cfg: SimConfig) -> tuple[VTokenRuntime, InMemoryCopyEngine]:
         )
     policy = make_policy(cfg.policy) if cfg.policy else None
     rt = VTokenRuntime(pool, engine, policy, cfg.budget, reclaim, ReadPath(cfg.read_path), cfg.seed)
+    rt.manager.verify_fast_paths = cfg.check_invariants  # V3: each fast plan against its reference planner
     return rt, engine
 
 
