@@ -22,6 +22,6 @@ all`` runs the targets in order.
 
 Every question compares the same systems (``systems.py``) under identical eviction decisions (same policy,
 same seed) and repeats each point over several seeds; ``stats.py`` holds the selections and summaries (median
-and min-max spread) every summary is built from, ``plots.py`` the shared plot forms, ``measure.py`` a measured
+and min-max spread) every summary is built from, ``render.py`` the tables and plots, ``measure.py`` a measured
 simulator run and the policy grid Q1 and Q2 share.
 """

@@ -184,7 +184,7 @@ def run_target(t: Target, a: argparse.Namespace) -> int:
     one line and exit 2 before any work or output folder. Then every question runs into ``a.out``."""
     from vtoken.core.cli import check_out_dir
 
-    from .plots import pyplot
+    from .render import pyplot
     try:
         settings = t.settings(a)
         questions = select_questions(a.questions, t.questions(), t.half)
@@ -210,7 +210,7 @@ def run_all(a: argparse.Namespace) -> int:
     one is refused before the first half starts; then it stops at the first half that fails."""
     from vtoken.core.cli import check_out_dir
 
-    from .plots import pyplot
+    from .render import pyplot
     if a.gpu and not cuda_available():
         print("vtoken bench all: --gpu: no CUDA device visible to torch (torch.cuda.is_available() is False)",
               file=sys.stderr)

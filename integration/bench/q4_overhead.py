@@ -31,9 +31,9 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .plots import grouped_bars, pyplot, save
+from .render import Panel, do, figure, fmt_spread, markdown
 from .runner import BenchContext
-from .stats import fmt_spread, nest, percentile, pick, summaries, summarize
+from .stats import nest, percentile, pick, summaries, summarize
 from .systems import system_config
 from .vllm_engine import EngineProcess, close_all, heldout_windows, one_core
 
@@ -180,54 +180,47 @@ def notes(s, pinning: dict | None) -> list[str]:
 # ---- output -------------------------------------------------------------------------------------
 def table(report: dict) -> list[str]:
     sm = report["summary"]
-    lines = ["| C | part | configuration | vs | throughput × | step p50 × | step p95 × |",
-             "|---|---|---|---|---|---|---|"]
-    for c, b in sm["by_concurrency"].items():
-        for r in b["ratios"]:
-            lines.append(f"| {c} | {r['part']} | {Q4_LABELS[r['system']]} | {SHORT[r['reference']]} "
-                         f"| {fmt_spread(r['throughput'])} | {fmt_spread(r['p50'])} | {fmt_spread(r['p95'])} |")
-    lines += ["", "| C | configuration | tok/s | step p50 (ms) | step p95 (ms) |", "|---|---|---|---|---|"]
-    for c, b in sm["by_concurrency"].items():
-        for x, m in b["systems"].items():
-            lines.append(f"| {c} | {Q4_LABELS[x]} | {fmt_spread(m['tok_s'], '{:,.0f}')} "
-                         f"| {fmt_spread(m['p50_ms'], '{:.2f}')} | {fmt_spread(m['p95_ms'], '{:.2f}')} |")
-    lines += ["", ("| configuration | engine start (s) | worker threads / cores | tokens evicted | relocations "
-                   "| verified / mismatches | vtoken ms per step (scheduler + worker) |"),
-              "|---|---|---|---|---|---|---|"]
+    by_c = sm["by_concurrency"].items()
+    ratios = [[c, r["part"], Q4_LABELS[r["system"]], SHORT[r["reference"]],
+               *(fmt_spread(r[m]) for m in ("throughput", "p50", "p95"))] for c, b in by_c for r in b["ratios"]]
+    medians = [[c, Q4_LABELS[x], fmt_spread(m["tok_s"], "{:,.0f}"), fmt_spread(m["p50_ms"], "{:.2f}"),
+                fmt_spread(m["p95_ms"], "{:.2f}")] for c, b in by_c for x, m in b["systems"].items()]
+    engines = []
     for x, e in sm["engines"].items():
         k = e["counters"]
-        extra = (f"{k['tokens_evicted']:,} | {k['relocations']:,} | {k['verified']:,} / {k['mismatches']} "
-                 f"| {1e3 * (k['scheduler_seconds'] + k['worker_seconds']) / max(1, k['vtoken_steps']):.3f}"
-                 if k else "– | – | – | –")
-        lines.append(f"| {Q4_LABELS[x]} | {e['start_s']:.1f} | {e['torch_threads']} / {e['cores']} | {extra} |")
+        work = ([f"{k['tokens_evicted']:,}", f"{k['relocations']:,}", f"{k['verified']:,} / {k['mismatches']}",
+                 f"{1e3 * (k['scheduler_seconds'] + k['worker_seconds']) / max(1, k['vtoken_steps']):.3f}"]
+                if k else ["–"] * 4)
+        engines.append([Q4_LABELS[x], f"{e['start_s']:.1f}", f"{e['torch_threads']} / {e['cores']}", *work])
     p = sm["pinning"]
-    lines.append(f"\nMedian (min–max) over {sm['rounds'] // len(sm['by_concurrency'])} seeds; ratios within a round. "
-                 f"Policy {sm['policy']} at budget {sm['budget']}. "
-                 + (f"Pinned to core {p['core']}. " if p else "Not pinned. ")
-                 + "Counters are over all timed rounds (every C). Force-sync vs async ordering: refused inside vLLM by "
-                   "design, measured at the device layer. Paper: indirection only within 1.0 % of native vLLM "
-                   "(throughput and p95) at C=16 and 48.")
-    return lines
+    return (markdown(("C", "part", "configuration", "vs", "throughput ×", "step p50 ×", "step p95 ×"), ratios) + [""]
+            + markdown(("C", "configuration", "tok/s", "step p50 (ms)", "step p95 (ms)"), medians) + [""]
+            + markdown(("configuration", "engine start (s)", "worker threads / cores", "tokens evicted", "relocations",
+                        "verified / mismatches", "vtoken ms per step (scheduler + worker)"), engines)
+            + [f"\nMedian (min–max) over {sm['rounds'] // len(sm['by_concurrency'])} seeds; ratios within a round. "
+               f"Policy {sm['policy']} at budget {sm['budget']}. "
+               + (f"Pinned to core {p['core']}. " if p else "Not pinned. ")
+               + "Counters are over all timed rounds (every C). Force-sync vs async ordering: refused inside vLLM by "
+                 "design, measured at the device layer. Paper: indirection only within 1.0 % of native vLLM "
+                 "(throughput and p95) at C=16 and 48."])
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     sm = report["summary"]
     shown = [x for x in SYSTEMS if x != "plain"]
     cs = list(sm["by_concurrency"])
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
-    for ax, metric, ylabel in ((axes[0], "throughput", "throughput / plain vLLM (same round)"),
-                               (axes[1], "p95", "decode step p95 / plain vLLM (same round)")):
+
+    def panel(metric: str, ylabel: str) -> Panel:
         series = {}
         for c in cs:
             by = {r["system"]: r for r in sm["by_concurrency"][c]["ratios"] if r["reference"] == "plain"}
             series[f"C={c}"] = [by[x][metric] for x in shown]
-        grouped_bars(ax, [SHORT[x] for x in shown], series,
-                     {f"C={c}": C_COLORS[i % len(C_COLORS)] for i, c in enumerate(cs)}, {}, ylabel)
-        ax.axhline(1.0, color="k", lw=1, ls="--")
-        ax.tick_params(axis="x", labelrotation=15)
-        ax.legend(fontsize=7)
+        return Panel(series, ylabel, [SHORT[x] for x in shown],
+                     colors={f"C={c}": C_COLORS[i % len(C_COLORS)] for i, c in enumerate(cs)},
+                     steps=[do("axhline", 1.0, color="k", lw=1, ls="--"),
+                            do("tick_params", axis="x", labelrotation=15), do("legend", fontsize=7)])
     p = sm["pinning"]
-    fig.suptitle(f"Q4 overhead on vLLM CPU, byte-llama ({sm['policy']} {sm['budget']}; median, min–max over seeds; "
-                 + (f"pinned to core {p['core']})" if p else "not pinned)"))
-    save(fig, path)
+    figure(path, [[panel("throughput", "throughput / plain vLLM (same round)"),
+                   panel("p95", "decode step p95 / plain vLLM (same round)")]],
+           f"Q4 overhead on vLLM CPU, byte-llama ({sm['policy']} {sm['budget']}; median, min–max over seeds; "
+           + (f"pinned to core {p['core']})" if p else "not pinned)"), figsize=(14, 4.5))

@@ -34,10 +34,10 @@ from pathlib import Path
 
 from vtoken.core.plan import NoPlanReason
 
-from .plots import grouped_bars, pyplot, save
 from .q6_quality import COUNTERS, EVICTING, Q6_LABELS, _text, compare, vtoken_config
+from .render import Panel, do, figure, fmt_spread, markdown
 from .runner import BenchContext
-from .stats import fmt_spread, pick, summaries, totals
+from .stats import pick, summaries, totals
 from .vllm_engine import heldout_windows, run_engine
 
 KEY = "q6_prefix"
@@ -56,6 +56,9 @@ HITS = ("cached_tokens", "prompt_tokens", "requests", "first_requests", "hit_req
 CACHING = ("on", "off")
 CACHING_COLORS = {"on": "#2ca02c", "off": "#7f7f7f"}
 CACHING_LABELS = {"on": "prefix caching on", "off": "prefix caching off"}
+HEADER = ("policy", "system", "prefix cache", "hit tokens / later request", "prompt tokens computed / seed",
+          "tokens evicted / seed", "relocations, all seeds (verified / mismatches / quarantined)", "hashes dropped",
+          "no plan: no candidates / shared", "same bytes as caching off")
 
 
 def shared_block_counters(llm) -> dict:
@@ -212,26 +215,21 @@ def _rows(sm: dict) -> list[tuple[str, str, dict]]:
 
 def table(report: dict) -> list[str]:
     sm = report["summary"]
-    lines = [("| policy | system | prefix cache | hit tokens / later request | prompt tokens computed / seed "
-              "| tokens evicted / seed | relocations, all seeds (verified / mismatches / quarantined) "
-              "| hashes dropped | no plan: no candidates / shared | same bytes as caching off |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for policy, system, m in _rows(sm):
         for c in CACHING:
             x = m[c]
             ps, off = x["per_seed"], x.get("vs_off")
-            same = f"{off['same_tokens']}/{off['pairs']} ({off['identical']} bit-identical)" if off else "–"
-            lines.append(
-                f"| {policy} | {Q6_LABELS[system]} | {c} | {fmt_spread(ps['hits_per_later_request'], '{:.1f}')} "
-                f"| {fmt_spread(ps['computed_prompt_tokens'], '{:.0f}')} "
-                f"| {fmt_spread(ps['tokens_evicted'], '{:.0f}')} "
-                f"| {x['relocations']:,} ({x['verified']:,} / {x['mismatches']} / {x['quarantined']}) "
-                f"| {x['uncached']} | {x['no_plan_no_candidates']} / {x['no_plan_shared_block']} | {same} |")
+            rows.append([policy, Q6_LABELS[system], c, fmt_spread(ps["hits_per_later_request"], "{:.1f}"),
+                         fmt_spread(ps["computed_prompt_tokens"], "{:.0f}"), fmt_spread(ps["tokens_evicted"], "{:.0f}"),
+                         f"{x['relocations']:,} ({x['verified']:,} / {x['mismatches']} / {x['quarantined']})",
+                         x["uncached"], f"{x['no_plan_no_candidates']} / {x['no_plan_shared_block']}",
+                         f"{off['same_tokens']}/{off['pairs']} ({off['identical']} bit-identical)" if off else "–"])
     i, d, v, on = sm["identity"], sm["densify_vs_naive"], sm["verify"], sm["hits"]["on"]
     firsts = on["first_requests"]
     on_off = ", ".join(f"{Q6_LABELS[x]} {c['same_tokens']}/{c['pairs']} ({c['identical']} bit-identical)"
                        for x, c in sm["on_vs_off"].items())
-    lines.append("\n" + " ".join([
+    return markdown(HEADER, rows) + ["\n" + " ".join([
         (f"Prefix-cache hits with caching on: {on['later_hit_requests']} of {on['requests'] - firsts} later requests, "
          f"{on['first_hit_requests']} of {firsts} first ones, {on['cached_tokens']:,} of {on['prompt_tokens']:,} "
          f"prompt tokens; caching off: {sm['hits']['off']['cached_tokens']} tokens."),
@@ -243,30 +241,29 @@ def table(report: dict) -> list[str]:
         (f"Strict verify over the evicting runs: {v['mismatches']} mismatches and {v['quarantined']} quarantined in "
          f"{v['relocations']:,} relocations ({v['verified']:,} verified); {v['write_slots_audited']:,} write slots "
          f"audited."),
-        "Paper: shared-prefix blocks never relocated, the same hit rate for vToken and Naive-Evict."]))
-    return lines
+        "Paper: shared-prefix blocks never relocated, the same hit rate for vToken and Naive-Evict."])]
+
+
+PANELS = (("hits_per_later_request", "prefix-cache hit tokens per later request", 1),
+          ("tokens_evicted", "tokens evicted per seed", 1),
+          ("relocations", "relocations per seed (strict verify: each verified)", 1),
+          ("same_share_as_off", "requests with the same bytes as caching off (%)", 100))
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     sm = report["summary"]
     rows = _rows(sm)
     groups = [Q6_LABELS[x] if p == "none" else f"{p}\n{Q6_LABELS[x].removeprefix('vtoken ')}" for p, x, _ in rows]
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
-    panels = (("hits_per_later_request", "prefix-cache hit tokens per later request", 1),
-              ("tokens_evicted", "tokens evicted per seed", 1),
-              ("relocations", "relocations per seed (strict verify: each verified)", 1),
-              ("same_share_as_off", "requests with the same bytes as caching off (%)", 100))
-    for ax, (metric, ylabel, scale) in zip(axes, panels):
+
+    def panel(metric: str, ylabel: str, scale: float, *steps: tuple) -> Panel:
         shown = ("on",) if metric == "same_share_as_off" else CACHING
-        series = {c: [m[c]["per_seed"][metric] for _, _, m in rows] for c in shown}
-        grouped_bars(ax, groups, series, CACHING_COLORS, CACHING_LABELS, ylabel, scale)
-        ax.tick_params(axis="x", labelsize=6)
-    axes[3].set_ylim(0, 105)
-    axes[0].set_ylim(0, axes[0].get_ylim()[1] * 1.25)
-    axes[0].legend(fontsize=7, loc="upper right")
+        return Panel({c: [m[c]["per_seed"][metric] for _, _, m in rows] for c in shown}, ylabel, groups, scale,
+                     CACHING_COLORS, CACHING_LABELS, [do("tick_params", axis="x", labelsize=6), *steps])
+    headroom = do(lambda ax: ax.set_ylim(0, ax.get_ylim()[1] * 1.25))  # for the legend
+    panels = [panel(*PANELS[0], headroom, do("legend", fontsize=7, loc="upper right")), panel(*PANELS[1]),
+              panel(*PANELS[2]), panel(*PANELS[3], do("set_ylim", 0, 105))]
     i, v = sm["identity"], sm["verify"]
-    fig.suptitle(f"Q6 prefix caching on vLLM CPU, byte-llama greedy (median, min–max over seeds); compact ≡ "
-                 f"Naive-Evict in {i['on']['identical']}/{i['on']['pairs']} pairs with caching on, "
-                 f"{v['mismatches']} verify mismatches in {v['verified']:,} relocations")
-    save(fig, path)
+    figure(path, [panels], f"Q6 prefix caching on vLLM CPU, byte-llama greedy (median, min–max over seeds); "
+                           f"compact ≡ Naive-Evict in {i['on']['identical']}/{i['on']['pairs']} pairs with caching "
+                           f"on, {v['mismatches']} verify mismatches in {v['verified']:,} relocations",
+           figsize=(22, 4.8))

@@ -34,11 +34,12 @@ Measured per (system, policy, budget, seed), over that seed's prompts (``runs``)
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
-from .plots import grouped_bars, pyplot, save
+from .render import Panel, do, figure, fmt_spread, markdown
 from .runner import BenchContext
-from .stats import fmt_spread, pick, summaries, totals
+from .stats import pick, summaries, totals
 from .systems import COLORS, LABELS, VLLM_EVICTING, vtoken_config
 from .vllm_engine import heldout_windows, run_engine
 
@@ -225,67 +226,56 @@ def summarize_runs(runs: list[dict], s) -> dict:
 # ---- output -------------------------------------------------------------------------------------
 def table(report: dict) -> list[str]:
     sm = report["summary"]
-    lines = ["| budget | policy | system | agreement before 1st divergence | agreement overall "
-             "| 1st divergence (byte) | ROUGE-L F1 vs full | mean logprob | verified / mismatches |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    f = sm["full"]
-    lines.append(f"| 1.0 | none | Full cache | 1.000 | 1.000 | {fmt_spread(f['first_divergence'], '{:.0f}')} "
-                 f"| 1.000 | {fmt_spread(f['mean_logprob'])} | – |")
-    for budget, b in sm["by_budget"].items():
-        for policy, x in b.items():
-            for system, m in x.items():
-                lines.append(
-                    f"| {budget} | {policy} | {Q6_LABELS[system]} | {fmt_spread(m['agreement_prefix'])} "
-                    f"| {fmt_spread(m['agreement_overall'])} | {fmt_spread(m['first_divergence'], '{:.0f}')} "
-                    f"| {fmt_spread(m['rouge_l_f1'])} | {fmt_spread(m['mean_logprob'])} "
-                    f"| {m['verified']:,} / {m['mismatches']} |")
+    rows = [["1.0", "none", "Full cache", "1.000", "1.000", fmt_spread(sm["full"]["first_divergence"], "{:.0f}"),
+             "1.000", fmt_spread(sm["full"]["mean_logprob"]), "–"]]
+    rows += [[budget, policy, Q6_LABELS[system], fmt_spread(m["agreement_prefix"]), fmt_spread(m["agreement_overall"]),
+              fmt_spread(m["first_divergence"], "{:.0f}"), fmt_spread(m["rouge_l_f1"]), fmt_spread(m["mean_logprob"]),
+              f"{m['verified']:,} / {m['mismatches']}"]
+             for budget, b in sm["by_budget"].items() for policy, x in b.items() for system, m in x.items()]
     i, d, v = sm["identity"], sm["densify_vs_naive"], sm["verify"]
-    lines.append(
+    return markdown(("budget", "policy", "system", "agreement before 1st divergence", "agreement overall",
+                     "1st divergence (byte)", "ROUGE-L F1 vs full", "mean logprob", "verified / mismatches"), rows) + [
         f"\nvtoken compact vs Naive-Evict: {i['identical']}/{i['pairs']} pairs bit-identical (token ids and "
         f"logprobs). vtoken densify vs Naive-Evict: {d['same_tokens']}/{d['pairs']} pairs with the same tokens "
         f"(max |Δlogprob| {d['max_abs_logprob_diff']:.1e} where equal). Strict verify: {v['verified']:,} of "
         f"{v['relocations']:,} relocations verified, {v['mismatches']} mismatches, {v['quarantined']} quarantined, "
         f"{v['write_slots_audited']:,} write slots audited. Full cache: text match with the held-out "
-        f"continuation {fmt_spread(sm['full']['text_match'])}. Paper: ROUGE-L F1 vToken − Naive-Evict −0.0016.")
-    return lines
+        f"continuation {fmt_spread(sm['full']['text_match'])}. Paper: ROUGE-L F1 vToken − Naive-Evict −0.0016."]
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     sm = report["summary"]
     budgets = list(sm["by_budget"])
     shown = "0.5" if "0.5" in budgets else budgets[0]
     b = sm["by_budget"][shown]
     policies = list(b)
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for ax, metric, ylabel in ((axes[0], "agreement_overall", "agreement with full cache (% of bytes)"),
-                               (axes[1], "agreement_prefix", "bytes before 1st divergence (% of output)")):
-        grouped_bars(ax, policies, {x: [b[p][x][metric] for p in policies] for x in EVICTING}, Q6_COLORS,
-                     Q6_LABELS, ylabel, 100)
-        ax.axhline(100, color=Q6_COLORS["full"], ls="--", lw=1, label="Full cache")
-        ax.set_ylim(0, 105)
-        ax.set_title(f"budget {shown}", fontsize=10)
-    axes[0].legend(fontsize=7, loc="lower right")
-    ax = axes[2]
+
+    def agreement(metric: str, ylabel: str) -> Panel:
+        return Panel({x: [b[p][x][metric] for p in policies] for x in EVICTING}, ylabel, policies, 100, Q6_COLORS,
+                     Q6_LABELS, [do("axhline", 100, color=Q6_COLORS["full"], ls="--", lw=1, label="Full cache"),
+                                 do("set_ylim", 0, 105), do("set_title", f"budget {shown}", fontsize=10)])
     xs = [float(x) for x in budgets]
+    divergence = []
     for k, policy in enumerate(policies):
         for j, (system, marker, ls) in enumerate((("vtoken_compact", "o", "-"), ("vtoken_densify", "s", "--"))):
             ss = [sm["by_budget"][x][policy][system]["first_divergence"] for x in budgets]
             off = (k * 2 + j - len(policies) + 0.5) * 0.004  # side by side, so equal points stay visible
-            ax.errorbar([x + off for x in xs], [v["median"] for v in ss],
-                        yerr=[[v["median"] - v["min"] for v in ss], [v["max"] - v["median"] for v in ss]],
-                        color=POLICY_COLORS.get(policy, "k"), marker=marker, ls=ls, ms=4, capsize=2,
-                        label=f"{policy} ({Q6_LABELS[system].split()[-1]})")
-    ax.set_xticks(xs)
-    ax.set_xlim(min(xs) - 0.1, max(xs) + 0.1)
-    ax.set_xlabel("budget (fraction of tokens kept)")
-    ax.set_ylabel("first divergence from full cache (byte, median)")
-    ax.axhline(sm["full"]["first_divergence"]["median"], color=Q6_COLORS["full"], ls=":", lw=1,
-               label="generated length (no divergence)")
-    ax.set_ylim(0, sm["full"]["first_divergence"]["median"] * 1.35)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, ncol=2, loc="upper left")
+            divergence.append(do("errorbar", [x + off for x in xs], [v["median"] for v in ss],
+                                 yerr=[[v["median"] - v["min"] for v in ss], [v["max"] - v["median"] for v in ss]],
+                                 color=POLICY_COLORS.get(policy, "k"), marker=marker, ls=ls, ms=4, capsize=2,
+                                 label=f"{policy} ({Q6_LABELS[system].split()[-1]})"))
+    full = sm["full"]["first_divergence"]["median"]
+    divergence += [do("set_xticks", xs), do("set_xlim", min(xs) - 0.1, max(xs) + 0.1),
+                   do("set_xlabel", "budget (fraction of tokens kept)"),
+                   do("set_ylabel", "first divergence from full cache (byte, median)"),
+                   do("axhline", full, color=Q6_COLORS["full"], ls=":", lw=1, label="generated length (no divergence)"),
+                   do("set_ylim", 0, full * 1.35), do("grid", alpha=0.3),
+                   do("legend", fontsize=6, ncol=2, loc="upper left")]
+    first = agreement("agreement_overall", "agreement with full cache (% of bytes)")
     i = sm["identity"]
-    fig.suptitle(f"Q6 quality on vLLM CPU, byte-llama greedy (median, min–max over seeds); compact ≡ Naive-Evict "
-                 f"in {i['identical']}/{i['pairs']} pairs, {sm['verify']['mismatches']} verify mismatches")
-    save(fig, path)
+    figure(path, [[replace(first, steps=(*first.steps, do("legend", fontsize=7, loc="lower right"))),
+                   agreement("agreement_prefix", "bytes before 1st divergence (% of output)"),
+                   Panel(steps=divergence)]],
+           f"Q6 quality on vLLM CPU, byte-llama greedy (median, min–max over seeds); compact ≡ Naive-Evict "
+           f"in {i['identical']}/{i['pairs']} pairs, {sm['verify']['mismatches']} verify mismatches",
+           figsize=(16, 4.5))

@@ -44,9 +44,9 @@ from vtoken.core.reclamation import Ordering, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 from vtoken.core.sim.simulator import SimConfig, attention_weights, content_tag
 
-from .plots import line_with_spread, pyplot, save, scaling_axes
+from .render import Panel, figure, fmt_spread, markdown, scaling
 from .runner import BenchContext
-from .stats import fit_exponent, fmt_spread, nest, summaries
+from .stats import fit_exponent, nest, summaries
 from .systems import COLORS, LABELS, SYSTEMS, configure
 
 KEY = "q7"
@@ -167,31 +167,23 @@ def run(ctx: BenchContext) -> dict:
 def table(report: dict) -> list[str]:
     sm = report["summary"]
     sizes = list(sm[SYSTEMS[0]]["by_requests"])
-    lines = ["| tracked requests | " + " | ".join(f"{LABELS[x]} µs/step (µs/request)" for x in SYSTEMS) + " |",
-             "|---" * (1 + len(SYSTEMS)) + "|"]
-    for n in sizes:
-        cells = [f"{fmt_spread(sm[x]['by_requests'][n]['us_per_step'], '{:,.0f}')} "
-                 f"({sm[x]['by_requests'][n]['us_per_request']['median']:.1f})" for x in SYSTEMS]
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    lines.append("| exponent b | " + " | ".join(fmt_spread(sm[x]["scaling_exponent"], "{:.2f}")
-                                                for x in SYSTEMS) + " |")
+    rows = [[n, *(f"{fmt_spread(sm[x]['by_requests'][n]['us_per_step'], '{:,.0f}')} "
+                  f"({sm[x]['by_requests'][n]['us_per_request']['median']:.1f})" for x in SYSTEMS)] for n in sizes]
+    rows.append(["exponent b", *(fmt_spread(sm[x]["scaling_exponent"], "{:.2f}") for x in SYSTEMS)])
     engine = ", ".join(f"{LABELS[x]} {sm[x]['by_requests'][sizes[-1]]['engine_us']['median']:,.0f}"
                        for x in SYSTEMS)
-    lines.append(f"\nExcluded, time inside the in-memory copy engine per step at N={sizes[-1]} (µs): {engine}.")
-    return lines
+    return (markdown(["tracked requests", *(f"{LABELS[x]} µs/step (µs/request)" for x in SYSTEMS)], rows)
+            + [f"\nExcluded, time inside the in-memory copy engine per step at N={sizes[-1]} (µs): {engine}."])
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     sm = report["summary"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for x in SYSTEMS:
-        by_n = sm[x]["by_requests"]
-        ns = [int(n) for n in by_n]
-        b = sm[x]["scaling_exponent"]["median"]
-        line_with_spread(ax1, ns, [by_n[n]["us_per_step"] for n in by_n], COLORS[x], f"{LABELS[x]} (b={b:.2f})")
-        line_with_spread(ax2, ns, [by_n[n]["us_per_request"] for n in by_n], COLORS[x], LABELS[x])
-    scaling_axes((ax1, ax2), "tracked requests N",
-                 ("µs per scheduling iteration", "µs per tracked request per iteration"))
-    fig.suptitle("Q7 CPU bookkeeping cost of the runtime per step (median, min–max over seeds)")
-    save(fig, path)
+    ns = [int(n) for n in sm[SYSTEMS[0]]["by_requests"]]
+    labels = {x: f"{LABELS[x]} (b={sm[x]['scaling_exponent']['median']:.2f})" for x in SYSTEMS}
+    series = {m: {x: [by[m] for by in sm[x]["by_requests"].values()] for x in SYSTEMS}
+              for m in ("us_per_step", "us_per_request")}
+    figure(path, [[Panel(series["us_per_step"], "µs per scheduling iteration", xs=ns, labels=labels,
+                         steps=scaling("tracked requests N", first=True)),
+                   Panel(series["us_per_request"], "µs per tracked request per iteration", xs=ns,
+                         steps=scaling("tracked requests N", first=False))]],
+           "Q7 CPU bookkeeping cost of the runtime per step (median, min–max over seeds)")

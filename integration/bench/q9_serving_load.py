@@ -31,12 +31,11 @@ import json
 import time
 from pathlib import Path
 
-from .plots import grouped_bars, pyplot, save
+from .render import Panel, do, figure, fmt_spread, markdown
 from .runner import BenchContext
 from .server import MODEL, ServerProcess
-from .stats import fmt_spread, percentile, pick, summaries, summarize
-from .systems import system_config
-from .systems import COLORS, LABELS
+from .stats import percentile, pick, summaries, summarize
+from .systems import COLORS, LABELS, system_config
 from .vllm_engine import heldout_windows
 
 KEY = "q9"
@@ -176,32 +175,28 @@ def notes(s) -> list[str]:
 
 
 # ---- output -------------------------------------------------------------------------------------
+HEADER = ("configuration", "output tokens/s", "vs vtoken off", "requests/s", "TTFT p50 (ms)", "TTFT p95 (ms)",
+          "ITL p50 (ms)", "ITL p95 (ms)", "TPOT p50 (ms)", "TPOT p95 (ms)", "evicted", "plans", "blocks released",
+          "preemptions")
+
+
 def table(report: dict) -> list[str]:
     sm = report["summary"]["systems"]
-    lines = ["| configuration | output tokens/s | vs vtoken off | requests/s | TTFT p50 (ms) | TTFT p95 (ms) "
-             "| ITL p50 (ms) | ITL p95 (ms) | TPOT p50 (ms) | TPOT p95 (ms) | evicted | plans | blocks released "
-             "| preemptions |", "|---" * 14 + "|"]
-    for x in SYSTEMS:
-        m, c = sm[x], sm[x]["counters"]
-        lines.append(f"| {Q9_LABELS[x]} | {fmt_spread(m['throughput_tok_s'], '{:.0f}')} "
-                     f"| {fmt_spread(m['throughput_vs_plain'], '{:.2f}')} | {fmt_spread(m['requests_s'], '{:.2f}')} "
-                     + " ".join(f"| {fmt_spread(m[k], '{:.1f}')}" for k in LATENCIES)
-                     + f" | {c['vtoken_tokens_evicted_total']:.0f} | {c['vtoken_plans_committed_total']:.0f} "
-                     f"| {c['vtoken_blocks_released_total']:.0f} | {c['num_preemptions_total']:.0f} |")
-    lines.append(f"\nMedian (min–max) over windows (seeds). Policy {report['summary']['policy']} at budget "
-                 f"{report['summary']['budget']}; counters over the whole server run (warm-up included).")
-    return lines
+    rows = [[Q9_LABELS[x], fmt_spread(m["throughput_tok_s"], "{:.0f}"), fmt_spread(m["throughput_vs_plain"], "{:.2f}"),
+             fmt_spread(m["requests_s"], "{:.2f}"), *(fmt_spread(m[k], "{:.1f}") for k in LATENCIES),
+             *(f"{m['counters'][k]:.0f}" for k in SERVER_COUNTERS if k != "vtoken_tokens_moved_total")]
+            for x in SYSTEMS for m in [sm[x]]]
+    return markdown(HEADER, rows) + [f"\nMedian (min–max) over windows (seeds). Policy {report['summary']['policy']} "
+                                     f"at budget {report['summary']['budget']}; counters over the whole server run "
+                                     f"(warm-up included)."]
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     sm = report["summary"]["systems"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1, 2]})
-    grouped_bars(ax1, ["output tokens/s"], {x: [sm[x]["throughput_tok_s"]] for x in SYSTEMS}, Q9_COLORS, Q9_LABELS,
-                 "tokens per second")
-    grouped_bars(ax2, ["TTFT p50", "TTFT p95", "ITL p50", "ITL p95", "TPOT p50", "TPOT p95"],
-                 {x: [sm[x][k] for k in LATENCIES] for x in SYSTEMS}, Q9_COLORS, Q9_LABELS, "milliseconds")
-    ax2.set_yscale("log")
-    ax2.legend(fontsize=8)
-    fig.suptitle("Q9 vtoken serve under load on vLLM CPU, byte-llama (median, min–max over windows)")
-    save(fig, path)
+    figure(path, [[Panel({x: [sm[x]["throughput_tok_s"]] for x in SYSTEMS}, "tokens per second", ["output tokens/s"],
+                         colors=Q9_COLORS, labels=Q9_LABELS),
+                   Panel({x: [sm[x][k] for k in LATENCIES] for x in SYSTEMS}, "milliseconds",
+                         ["TTFT p50", "TTFT p95", "ITL p50", "ITL p95", "TPOT p50", "TPOT p95"], colors=Q9_COLORS,
+                         labels=Q9_LABELS, steps=[do("set_yscale", "log"), do("legend", fontsize=8)])]],
+           "Q9 vtoken serve under load on vLLM CPU, byte-llama (median, min–max over windows)",
+           gridspec_kw={"width_ratios": [1, 2]})

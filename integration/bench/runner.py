@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, Protocol, TextIO
 
 from .measure import RunCache
-from .plots import pyplot
+from .render import pyplot
 
 REPORT_FIELDS = ("question", "title", "command", "settings", "paper", "notes", "machine", "duration_s", "runs",
                  "summary")
