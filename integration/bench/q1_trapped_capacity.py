@@ -1,17 +1,9 @@
 """Q1 (seed §4, question 1): does token-level eviction leave capacity trapped in partially-live blocks?
 
-Measured per workload (chat, long context) and policy (H2O, Scissorhands,
-StreamingLLM, Random), mean over decode steps, median and spread over seeds:
-
-    blocks_le_50pct  share of allocated blocks whose live slots are <= 50 % of the block
-    waste_ratio_F    1 - live slots / (allocated blocks x S)  (the paper's Eq. 1)
-    dead_blocks_share  share of retained blocks with no live token at all: part of the <= 50 % share
-                     that a Naive-Evict freeing wholly dead blocks would not have (the review's wording,
-                     "retains a block as long as it holds any live token", allows that reading)
-
-Naive-Evict is the paper's measurement (56-67 % of blocks <= 50 % utilised);
-Native shows the baseline waste of partly filled tail blocks; vtoken compact
-and densify show how much of the trapped capacity reclamation returns.
+Per workload and policy, mean over decode steps, median and spread over seeds: ``blocks_le_50pct`` (share of
+allocated blocks <= 50 % live), ``waste_ratio_F`` (1 - live slots / (allocated blocks x S), the paper's Eq. 1),
+``dead_blocks_share`` (retained blocks with no live token: what a Naive-Evict freeing dead blocks would not keep).
+Naive-Evict is the paper's measurement (56-67 %); Native the baseline; compact and densify what reclamation returns.
 """
 
 from __future__ import annotations
@@ -58,7 +50,8 @@ def table(report: dict) -> list[str]:
                      fmt_spread(nat["waste_ratio_F"]), "", ""])
         rows += [[wname, policy, pct(x["naive_evict"]["blocks_le_50pct"]), pct(x["naive_evict"]["dead_blocks_share"]),
                   *(pct(x[s]["blocks_le_50pct"]) for s in EVICTING[1:]),
-                  *(fmt_spread(x[s]["waste_ratio_F"]) for s in EVICTING)] for policy, x in w.items() if policy != "native"]
+                  *(fmt_spread(x[s]["waste_ratio_F"]) for s in EVICTING)]
+                 for policy, x in w.items() if policy != "native"]
     lo, hi = report["summary"]["naive_evict_blocks_le_50pct_median_range"]
     return markdown(HEADER, rows) + [f"\nNaive-Evict blocks ≤ 50 % (medians): {lo:.1%}–{hi:.1%}; paper: 56–67 %."]
 

@@ -1,17 +1,9 @@
 """Q2 (seed §4, question 2): does vtoken improve the paired eviction frontier under identical decisions?
 
-Per workload, policy and seed, vtoken (compact; densify) is paired with
-Naive-Evict on the same requests and the same eviction decisions:
-
-    utilisation                  1 - F, mean over steps
-    utilisation_gain_pp          vtoken - Naive-Evict, in percentage points
-    utilisation_gain_rel         vtoken / Naive-Evict - 1 (the paper's "+21.9 %" may be either; both are given)
-    retained_blocks_per_request  blocks in a running request's block list, mean over request-steps
-    retained_reduction           1 - vtoken / Naive-Evict (the paper: 27.2-72.3 %)
-
-Identical decisions are checked, not assumed: the ideal packed footprint
-ceil(live / S), which depends only on which tokens live, must be equal for
-Naive-Evict, compact and densify in every pair.
+Per workload, policy and seed, compact and densify are paired with Naive-Evict (same requests, same decisions):
+``utilisation`` (1 - F), ``utilisation_gain_pp`` / ``_rel`` (the paper's "+21.9 %" may be either),
+``retained_blocks_per_request`` and ``retained_reduction`` (1 - vtoken / Naive-Evict; paper: 27.2-72.3 %).
+Identical decisions are checked: the ideal packed footprint ceil(live / S) must be equal in every pair.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """Q3 (seed §4, question 3): under a fixed block budget, how many requests can stay resident at once?
 
-The paper's setup (``settings.Q3Setup``), scaled: C identical requests
-(prompt 4,032 / k, output 12,288 / k tokens, H2O keeping 50 %) arrive at step
-0 into a pool of round(5,427 / k) or round(11,519 / k) blocks; k is
-``length_divisor``. A concurrency C is *feasible* for a system when all C are
-resident at once and run to completion with no preemption. The largest
-feasible C is found by bisection between a feasible and an infeasible C (both
-run, not assumed), assuming feasibility is monotone in C; every tested point
-is kept.
-
-Per point (``runs``): budget_blocks, system, seed, concurrency, feasible, and
-the run's measurements, notably peak_allocated_blocks (the paper's Fig. 10
-"KV-block demand", here sampled after each step) and ideal_blocks_at_peak.
-Per system and budget (``summary``): the largest feasible C (median, spread),
-its fraction of the ideal C = floor(budget / ideal blocks per request), and at
-that C the footprint over the ideal packed one, peak_allocated_blocks /
-(C x ideal blocks per request); the ideal is the packed footprint after
-eviction at the request's last step (the paper's 512 blocks), for every
-system, so Native's 2.0 means "twice what eviction plus perfect packing
-would need".
-
-vtoken compact keeps ``compact_headroom`` blocks of the same budget free for
-evacuation (admission may not use them); the other systems need none. Request
-ids start at seed x 100,000: the synthetic attention's heavy hitters are a hash
-of the request id, so each repeat makes different H2O decisions.
+The paper's setup (``settings.Q3Setup``) divided by k: C identical requests (prompt 4,032 / k, output 12,288 / k
+tokens, H2O keeping 50 %) at step 0 into round(5,427 / k) or round(11,519 / k) blocks. C is feasible when all C
+are resident at once and finish without preemption; the largest feasible C is bisected between a feasible and an
+infeasible C (both run), every tested point kept in ``runs`` (budget_blocks, system, seed, concurrency, feasible,
+the run's measurements). ``summary`` per budget and system: the largest C, its fraction of the ideal
+C = floor(budget / ideal blocks per request), and the footprint at it over the ideal packed one after eviction.
+Compact keeps ``compact_headroom`` blocks free for evacuation. Request ids start at seed x 100,000 (the synthetic
+heavy hitters hash the id, so each repeat makes different H2O decisions).
 """
 
 from __future__ import annotations

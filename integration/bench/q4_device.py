@@ -1,22 +1,11 @@
 """Q4, device half: what a relocation costs on the device, what the async copy path buys over force-sync,
 and how the relocation stream fares next to unrelated GPU work (the review's open contention question).
 
-Three measurements, each side by side in one run:
-
-1. **Copy throughput** (``throughput``): relocating n scattered tokens (every layer, K and V: one gather
-   and one scatter per storage group) and digesting them (strict verify) vs a contiguous copy of the same
-   bytes. Targets from docs/device.md: relocation >= 70 %, digests >= 50 % of the plain copy on a GPU.
-2. **Serving ablation** (``serving``): the core simulator over real K/V tensors (``device_serving.py``),
-   Random eviction at 0.5, the same victims in every system; per repeat the systems run interleaved:
-   Naive-Evict, compact with POLL (async; a copy may stay pending across steps), EVENT (async, ordered
-   before the next forward on the device), FORCE_SYNC (the host waits for every copy: the paper's
-   ablation), EVENT with strict verify, and densify (dense read path) with EVENT and FORCE_SYNC.
-   Reported: step time and its ratio to Naive-Evict, host time blocked in ``wait`` per step.
-3. **Contention** (``contention``, CUDA only): the latency from submitting one relocation to its event
-   completing, on an idle GPU vs while another stream keeps the GPU busy with large matmuls, with the
-   relocation stream at default and at high priority.
-
-JSON ``runs``: one object per measurement with ``kind`` ("throughput" | "serving" | "contention").
+``runs``, one object per measurement by ``kind``: "throughput" (relocating n scattered tokens, every layer's K and
+V, and digesting them for strict verify, vs a contiguous copy of the same bytes; docs/device.md's targets),
+"serving" (``device_serving``: the simulator over real K/V, Random at 0.5, the same victims in every system, run
+interleaved per repeat: step time, its ratio to Naive-Evict, host time blocked in ``wait``), "contention" (CUDA
+only: submit-to-done latency of one relocation, idle vs beside a matmul stream, default vs high priority).
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
-"""Q4 (seed §4, question 4, overhead and overlap), vLLM half: what vtoken costs per step next to plain vLLM,
-measured side by side in one run.
+"""Q4 (seed §4, question 4, overhead and overlap), vLLM half: what vtoken costs per step next to plain vLLM.
 
-    (a) indirection only   vtoken on, nothing evicted (policy none) vs plain vLLM
-    (b) reclamation cost   Naive-Evict (gather, reclaim off) vs vtoken compact (gather) vs vtoken densify (dense,
-                           stock kernel), same policy and budget (``overhead_policy``, ``overhead_budget``), each vs
-                           plain vLLM and compact / densify vs Naive-Evict
-    (c) strict verify      compact and densify with ``strict_verify: strict`` vs the same with it off
+(a) indirection only: vtoken on, nothing evicted, vs plain vLLM; (b) reclamation: Naive-Evict, compact and densify
+at ``overhead_policy`` / ``overhead_budget``, vs plain and vs Naive-Evict; (c) strict verify on vs off. Every
+configuration's engine lives in a process of its own (``vllm_engine.EngineProcess``; vLLM's KV connector is
+process-global), all pinned to one core; a round (one seed, one C) runs each once on the same prompts, in an order
+rotated per round, and ratios are taken within a round.
 
-Model and prompts as Q6: the byte-llama, greedy fp32, ``ignore_eos``; per seed and concurrency C, C held-out
-windows of ``prompt_len`` bytes, ``q4_max_tokens`` generated. Plain vLLM cannot share a process with vtoken
-(vLLM keeps the KV connector in a process-global), so every configuration's engine runs in a process of its
-own (``vllm_engine.EngineProcess``: an in-process engine, driven over a pipe), plain included, all alive for
-the whole run and pinned with this process to one core (``run_interleaved``). Each round (one seed, one C)
-runs every configuration once, one after another, in an order rotated by one per round, so every
-configuration meets the machine's noise at every position; ratios are taken within a round and summarised
-over the seeds.
-
-Per run (``runs``): system, concurrency, seed, round, position (in the round's order), wall_s, tok_s
-(generated tokens / wall), decode_steps, p50_ms and p95_ms (the gaps between consecutive engine steps that
-returned output once every request decodes; ``statistics.quantiles``, inclusive), gaps_ms.
-``summary``: per C, per configuration the median and spread of tok_s, p50_ms, p95_ms, and per comparison
-(``COMPARISONS``) the within-round ratios throughput (system / reference: < 1 is slower) and p50, p95
-(system / reference: > 1 is slower); per configuration vtoken's counters over the timed runs (tokens evicted,
-relocations, verified, mismatches, scheduler and worker seconds, steps), engine start seconds, and the
-worker's torch threads and cores.
+Per run (``runs``): system, concurrency, seed, round, position, vtoken, wall_s, tok_s, decode_steps, p50_ms,
+p95_ms (gaps between output steps once every request decodes), gaps_ms. ``summary``: per C the configurations'
+medians and spreads and the within-round ratios of ``COMPARISONS``; per configuration vtoken's counters, engine
+start seconds, the worker's threads and cores; the pinning.
 """
 
 from __future__ import annotations
@@ -68,12 +54,10 @@ C_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
 # ---- the measurement (also tests/bench_vllm_overhead.py's) ---------------------------------------
 def run_interleaved(configs: dict[str, dict | None], rounds: list[list[list[int]]], max_tokens: int,
                     block_size: int, threads: int = 1, on_event=None, warmup_tokens: int = 8) -> dict:
-    """One engine process (``EngineProcess``) per configuration (``None``: plain vLLM), all alive together; round
-    i runs its prompts through every configuration, one after another, in the configurations' order rotated
-    by i. First a warm-up (``warmup_tokens``) runs the first round of each size on every engine. Returns, per
-    configuration, {"start_s", "torch_threads", "cores", "runs": [{"round", "position", "wall_s", "gaps_s"}],
-    "counters"} (vtoken's counters over the timed rounds; empty for plain vLLM). ``on_event(note)`` after
-    each engine start and each run."""
+    """An ``EngineProcess`` per configuration (None: plain vLLM), all alive; after a warm-up of each round size,
+    round i runs its prompts through every configuration in their order rotated by i. Per configuration:
+    {"start_s", "torch_threads", "cores", "runs": [{"round", "position", "wall_s", "gaps_s"}], "counters" (over the
+    timed rounds)}. ``on_event(note)`` after each start and run."""
     assert configs and rounds, "run_interleaved needs configurations and rounds"
     note = on_event or (lambda _: None)
     longest = max(len(p) for r in rounds for p in r) + max_tokens

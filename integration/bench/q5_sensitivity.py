@@ -1,16 +1,8 @@
 """Q5 (seed §4, question 5), simulator part: sensitivity to eviction ratio, theta_F and block size.
 
-One factor at a time around the default point (H2O, eviction ratio 0.5,
-theta_F 0.25, block size 16) on the chat workload:
-
-    eviction_ratio  0.3 ... 0.7 (fraction of tokens evicted; the budget keeps 1 - ratio)
-    theta_f         0.05 ... 0.90 (compact only: the others never read it; the review asks for the extremes)
-    block_size      16, 32, 64, 128 tokens
-
-Measured (median, spread over seeds): waste ratio F, retained blocks and
-retained slots (blocks x S, comparable across block sizes) per request,
-committed plans and committed token moves. Throughput and latency, the
-paper's other axes, need the vLLM half.
+One factor at a time around H2O, eviction ratio 0.5, theta_F 0.25, block size 16 on chat: ``eviction_ratio``
+0.3-0.7, ``theta_f`` 0.05-0.90 (compact only reads it), ``block_size`` 16-128. Per point, median and spread over
+seeds: F, retained blocks and slots (blocks x S) per request, committed plans and token moves.
 """
 
 from __future__ import annotations

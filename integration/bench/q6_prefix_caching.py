@@ -1,30 +1,15 @@
 """Q6 (seed §4, question 6, the prefix-caching half) on real vLLM: does vtoken stay correct with vLLM's prefix
 caching on, and how does it treat the blocks that requests share?
 
-Workload, per seed: ``q6_prefix_groups`` shared prefixes, windows of held-out stdlib source
-(``vllm_engine.heldout_windows``) whose lengths spread over ``q6_prefix_len`` (96-128 bytes), each followed by
-``q6_prefix_requests`` distinct ``q6_suffix_len``-byte suffixes. Two ``generate`` calls per seed: first every
-group's first request (nothing of it cached), then all the others, whose prefix is in vLLM's prefix cache (their
-first request finished, or a sibling scheduled in the same step computes it). The trained byte-level Llama,
-greedy, fp32, ``logprobs=0``, ``ignore_eos``, ``q6_prefix_max_tokens`` bytes each.
+Per seed ``q6_prefix_groups`` held-out prefixes (``q6_prefix_len``), each followed by ``q6_prefix_requests``
+private ``q6_suffix_len``-byte suffixes; each group's first request runs first, then the others (prefix-cache
+hits). The full cache and, per policy of ``q6_prefix_policies``, Naive-Evict, compact and densify (strict verify,
+quarantine), each with caching on and off on the same requests.
 
-Systems (``systems.vtoken_config``, every engine with vtoken on): the full cache (policy none), and per policy
-in ``q6_prefix_policies`` at ``q6_prefix_budget`` Naive-Evict (gather, reclaim off), vtoken compact (gather) and
-vtoken densify (dense); the evicting ones with ``strict_verify: strict`` and ``on_mismatch: quarantine``. Each
-system runs twice, vLLM's prefix caching on and off, with the same requests in the same order.
-
-Measured per (system, policy, caching, seed) (``runs``):
-
-    cached_tokens, hit_requests              prompt tokens served from the prefix cache (``num_cached_tokens``)
-    hits_per_later_request                   mean cached tokens of the requests after each group's first
-    prompt_tokens, computed_prompt_tokens    prompt tokens, and those the prefill computed (not hit)
-    identical_to_naive, same_tokens_as_naive compact, densify vs Naive-Evict with the same caching
-    same_tokens_as_off, identical_to_off     caching on vs off, same system and policy (ids; ids and logprobs)
-    max_abs_logprob_diff_vs_*                largest |logprob difference| where the token ids are equal
-    relocations, verified, mismatches, quarantined, tokens_evicted, ...   vtoken's counters (``q6_quality.COUNTERS``)
-    uncached, no_plan_<reason>               vtoken on shared blocks (``shared_block_counters``)
-
-``summary`` holds medians and min-max spreads over the seeds and the comparisons' totals.
+Per (system, policy, caching, seed) (``runs``): cached_tokens, hit_requests, hits_per_later_request,
+prompt_tokens, computed_prompt_tokens, identical_to_naive / same_tokens_as_naive, identical_to_off /
+same_tokens_as_off, max_abs_logprob_diff_vs_*, vtoken's counters (``q6_quality.COUNTERS``), uncached and
+no_plan_<reason> (``shared_block_counters``), prompts. ``summary``: medians and spreads, the comparisons' totals.
 """
 
 from __future__ import annotations
@@ -137,13 +122,9 @@ def run(ctx: BenchContext) -> dict:
                                              for o in one["outputs"]),
                **one["counters"]}
         if system in ("vtoken_compact", "vtoken_densify"):
-            naive = raw[("naive_evict", policy, caching, seed)]["outputs"]
-            (rec["same_tokens_as_naive"], rec["identical_to_naive"],
-             rec["max_abs_logprob_diff_vs_naive"]) = compare(one["outputs"], naive)
+            rec |= compare(one["outputs"], raw[("naive_evict", policy, caching, seed)]["outputs"], "naive")
         if caching == "on":
-            off = raw[(system, policy, "off", seed)]["outputs"]
-            rec["same_tokens_as_off"], rec["identical_to_off"], rec["max_abs_logprob_diff_vs_off"] = \
-                compare(one["outputs"], off)
+            rec |= compare(one["outputs"], raw[(system, policy, "off", seed)]["outputs"], "off")
             rec["same_share_as_off"] = rec["same_tokens_as_off"] / len(prompts)
         rec["prompts"] = [{"group": g, "member": i, "prompt_len": len(p), "cached_tokens": c, "output": _text(o[0])}
                           for (g, i), p, c, o in zip(order, prompts, one["cached"], one["outputs"])]

@@ -1,31 +1,11 @@
 """Q7 (the review's open question): the CPU cost of vtoken's per-iteration bookkeeping as tracked requests grow.
 
-The paper reports concurrencies up to C=48 and calls the token table's byte
-footprint negligible, but never the host-side compute per scheduling
-iteration. Here N requests (16 ... 1,024) of ``q7_prompt_len`` prompt tokens
-are admitted into one runtime and decoded together; for each decode step we
-time, with ``time.perf_counter_ns`` and the garbage collector paused (it
-runs, if at all, in the untimed fake model):
-
-    begin_step  settle copies, allocate, sync new tokens, build every request's write and read slots
-    end_step    select victims (H2O), evict, record attention, plan and launch reclamation
-
-i.e. everything the runtime does per iteration except the model itself (the
-fake model's writes and attention rows are computed outside the timed
-region). Time spent inside the copy engine is measured separately
-(``engine_us``) and subtracted: the in-memory engine stands in for the GPU's
-copy stream (it really moves tags, and orders copies by sorting its live
-handles, which a CUDA stream does not do on the host), so it is not
-bookkeeping. Reported per system: median microseconds of bookkeeping per step
-(``us_per_step``) over the timed steps, the same divided by N, and the scaling
-exponent b of a least-squares fit us_per_step ~ N^b on log-log axes (b = 1:
-linear in tracked requests). Timings share the machine with whatever else
-runs on it; the spread over seeds shows how much that mattered.
-
-Per point (``runs``): system, seed, requests, live_tokens_per_request (after
-prefill eviction), us_per_step, us_per_request, begin_us, end_us, engine_us
-(medians; begin/end include the engine), step_us (every timed step's
-bookkeeping), plans_committed.
+N requests (16 ... 1,024) of ``q7_prompt_len`` tokens decode together in one runtime; per decode step
+``begin_step`` and ``end_step`` are timed (``perf_counter_ns``, the collector paused), the fake model's work is
+not, and the time inside the in-memory copy engine (the GPU copy stream's stand-in) is subtracted and reported
+apart. Per point (``runs``): system, seed, requests, live_tokens_per_request, us_per_step, us_per_request, begin_us,
+end_us, engine_us (medians), step_us (every timed step), plans_committed. ``summary``: per system and N the median
+and spread, and the exponent b of us_per_step ~ N^b (log-log least squares per seed).
 """
 
 from __future__ import annotations

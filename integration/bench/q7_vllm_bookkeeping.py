@@ -1,28 +1,11 @@
-"""Q7 (the review's open question: CPU-side bookkeeping as tracked requests grow), vLLM half: vtoken's seconds per
-engine step inside real vLLM, scheduler side and worker side, as the number of running requests C grows.
+"""Q7, vLLM half: vtoken's seconds per engine step inside real vLLM, scheduler side (``TokenStats.seconds``) and
+worker side (``WorkerTokens.seconds``), as running requests C grow; configurations ``SYSTEMS`` at
+``overhead_policy`` / ``overhead_budget``, strict verify off, pinned to one core.
 
-The simulator half (``q7_bookkeeping_cost``) times the core runtime alone; here the same question is asked of the
-vLLM integration, where the scheduler side (``SchedulerTokens``: table sync, victim choice, planning and commit,
-timed into ``TokenStats.seconds``) and the worker side (``WorkerTokens``: copies, verification, slot mapping,
-read plans, timed into its ``seconds``) run inside vLLM's own step. Configurations (same policy and budget,
-``overhead_policy`` / ``overhead_budget``, strict verify off):
-
-    on              vtoken on, nothing evicted (policy none): the table sync alone
-    naive_evict     eviction, gather read path, reclaim off
-    vtoken_compact  eviction, gather read path, reclaim compact
-    vtoken_densify  eviction, dense read path (vLLM's stock kernel), reclaim densify
-
-Per (configuration, C) one in-process engine with ``max_num_seqs = C`` and a pool that holds every request at
-full length; an untimed warm-up ``generate`` of the first seed's prompts (the same batch shapes), then one timed
-``generate`` per seed of C held-out windows (``prompt_len`` bytes, ``q7_max_tokens`` generated). Every step of
-the call counts (prefill chunks included). Timings run pinned to one core with the settings' torch threads.
-
-Per run (``runs``): system, concurrency, seed, steps, wall_s, step_ms (wall / steps), scheduler_ms, worker_ms,
-vtoken_ms (their sum), share (vtoken_ms / step_ms), us_per_request (vtoken_ms / C, in µs), attention_ms (time
-inside the attention impls, for context: gather vs the stock kernel), tokens_evicted, tokens_moved, relocations.
-``summary``: per configuration, per C the median and spread over seeds, and the growth exponent b of
-metric ~ C^b for scheduler_ms, worker_ms, vtoken_ms and step_ms (``stats.loglog_slope`` per seed, as the
-simulator half fits it; median and spread).
+Per (configuration, C) one in-process engine (``max_num_seqs = C``), an untimed warm-up, one timed ``generate`` per
+seed. Per run (``runs``): system, concurrency, seed, steps, wall_s, step_ms, scheduler_ms, worker_ms, vtoken_ms,
+share (of the step), us_per_request, attention_ms, tokens_evicted, tokens_moved, relocations, mismatches.
+``summary``: per configuration and C the median and spread, and the exponent b of metric ~ C^b for ``FITTED``.
 """
 
 from __future__ import annotations

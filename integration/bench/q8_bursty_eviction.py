@@ -1,42 +1,17 @@
-"""Q8 (seed §4, question 8): bursty eviction. How far does reclamation lag a burst with a fixed theta_F,
-and how much faster does the adaptive trigger (``ReclaimConfig.burst_df``, core/reclamation.py) react?
+"""Q8 (seed §4, question 8): bursty eviction. How far does reclamation lag a burst with a fixed theta_F, and how
+much faster does the adaptive trigger (``ReclaimConfig.burst_df``) react?
 
-Workload. N requests with chat-like prompts (``CHAT_PROMPT``, seeded, clipped to [16, 1,024] tokens) are
-all admitted at step 0 and decode to the end of the timeline: a fixed population, sized so that no run
-preempts (the pool holds every request at full length). The eviction side is a budget schedule
-(``core/workloads.burst_schedule``): ``first_quiet`` steps at budget 1.0 (nothing is evicted), then
-``cycles`` times a burst of ``burst`` steps at budget ``low``, in which every request evicts 1 - ``low`` of
-its tokens at the burst's first step and keeps evicting as it grows, and ``quiet`` steps back at 1.0.
-Each burst starts a seeded 0-31 steps late, so bursts meet the K cadence at different phases across
-seeds. Policy H2O; vtoken compact on the gather path, copies complete at once.
+N chat-like requests at step 0 decode to the timeline's end (the pool holds them all); the budget schedule
+(``burst_schedule``) is 1.0, then ``cycles`` x (a burst of ``burst`` steps at ``low``, ``quiet`` steps at 1.0),
+each burst a seeded 0-31 steps late. H2O, compact, copies done at once. Systems (``configs``): naive_evict,
+fixed theta_F x K, adaptive theta_F x K (K > 1; adaptive K = 1 would decide as fixed K = 1).
 
-Systems, with identical eviction decisions within a seed:
-
-    naive_evict              no reclamation (the reference for blocks)
-    fixed    theta_F, K      today's trigger: a round on every K-th iteration while F > theta_F
-    adaptive theta_F, K      the same cadence plus ``burst_df``: F rising by burst_df within one iteration
-                             starts burst mode, a round on every iteration while F > theta_F
-                             (K = 1 is left out: every iteration is on the cadence, so it equals fixed K = 1)
-
-Measured per run; median and min-max over seeds:
-
-    lag_iterations          per burst: iterations from its first step until F <= theta_F, with F read where
-                            Stage 1 reads it (after the step's eviction, before its round; the harness wraps
-                            the runtime's reclaim call to read it there); 0 when the burst leaves F <= theta_F;
-                            a burst that never gets there within its window counts the window's length and
-                            is counted in ``censored``. A plan commits at the next step, so reacting at once
-                            gives 1. ``lag_mean``: over the bursts.
-    peak_allocated_blocks   most blocks allocated at any step of a burst window (destinations in flight
-                            included: reacting at once allocates them before the sources are released)
-    allocated_first_32      mean allocated blocks over a burst's first 32 steps (the longest K), mean over bursts
-    trapped_block_iterations  sum over burst-window steps of retained blocks - ideal packed blocks ceil(live/S)
-    rounds, rounds_quiet, rounds_burst   reclamation rounds run (plan_round calls), all / on steps outside
-                            the burst windows / inside them; ``fruitless_rounds``: rounds that made no plan
-    plans_made, plans_committed, moves_committed, bursts_detected, burst_rounds (rounds off the K cadence)
-    max_quiet_rise_F        the largest one-iteration rise of F (as read above) on any step but a burst's
-                            first: what burst_df must stay above not to mistake ordinary steps for bursts
-    trace                   F, allocated, retained and ideal blocks per step from 16 steps before the
-                            first burst to the end of its window (the plot's curves)
+Per run: lags (per burst, iterations until F <= theta_F, F read where Stage 1 reads it; a burst that never gets
+there counts its window and ``censored``), lag_mean, peak_allocated_blocks, allocated_first_32,
+trapped_block_iterations (retained - ideal blocks over burst steps), rounds / rounds_quiet / rounds_burst,
+fruitless_rounds, plans_made, plans_committed, moves_committed, bursts_detected, burst_rounds,
+max_quiet_rise_F (largest one-step rise of F off a burst's start: burst_df must exceed it), trace (per step around
+the first burst: F, allocated, retained, ideal).
 """
 
 from __future__ import annotations

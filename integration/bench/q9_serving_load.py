@@ -1,27 +1,13 @@
 """Q9 (issue #17): the OpenAI-compatible server under load, vtoken off and on, on 127.0.0.1.
 
-Per configuration one ``vtoken serve`` process (``server.ServerProcess``: the byte-level model, fp32, eager,
-32-token blocks, vLLM's default pool and prefix caching) and ``q9_clients`` closed-loop clients in this process
-(asyncio, httpx): each sends a streamed ``/v1/completions`` request (a held-out window of ``q9_prompt_len``
-bytes as token ids after bos, ``q9_max_tokens`` generated greedily, ``ignore_eos``), waits for its last chunk,
-and sends the next, until ``q9_seconds`` have passed; requests under way then finish. An untimed warm-up round
-(one request per client) comes first; then one timed window per seed (its own prompts).
+Per configuration one ``vtoken serve`` (``server.ServerProcess``) and ``q9_clients`` closed-loop streaming clients
+(httpx) sending held-out prompts until ``q9_seconds`` pass: an untimed warm-up round, then a timed window per seed.
+Configurations: plain (vtoken off), Naive-Evict, compact, densify at ``overhead_policy`` / ``overhead_budget``.
 
-    plain           vtoken off (no additional_config)
-    naive_evict     eviction, gather read path, reclaim off (dead blocks are released, nothing is moved)
-    vtoken_compact  eviction, gather read path, reclaim compact
-    vtoken_densify  eviction, dense read path (vLLM's stock kernel), reclaim densify
-
-Eviction is ``overhead_policy`` at ``overhead_budget``; strict verify off (a production setting).
-
-Per run (``runs``): system, seed, requests, tokens (completion tokens, from the usage chunk), wall_s (from the
-window's start to its last chunk), throughput_tok_s (tokens / wall_s), requests_s, ttft_p50_ms / ttft_p95_ms
-(send to first chunk), itl_p50_ms / itl_p95_ms (gaps between a request's chunks, as vLLM's serving benchmark
-counts them: a chunk carries every token generated since the last one the API server sent, so when it falls
-behind, gaps are fewer and longer), tpot_p50_ms / tpot_p95_ms (per request: first to last chunk over the
-tokens after the first, whatever the chunking; near 0 when a response's chunks all arrive together), errors (responses that were not 200 or ended early: the run fails on any). ``summary``: per
-configuration, each metric's median and spread over seeds, the throughput relative to ``plain``, and vtoken's
-counters from ``/metrics`` at the end (tokens evicted, plans committed, blocks released; vLLM's preemptions).
+Per run (``runs``): system, seed, requests, tokens, wall_s, throughput_tok_s, requests_s, ttft_p50_ms /
+ttft_p95_ms (send to first chunk), itl_p50_ms / itl_p95_ms (gaps between a request's chunks), tpot_p50_ms /
+tpot_p95_ms (first to last chunk over the tokens after the first); a failed request fails the run. ``summary``:
+per configuration the medians and spreads, throughput relative to plain, the server's ``SERVER_COUNTERS``.
 """
 
 from __future__ import annotations
