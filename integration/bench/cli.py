@@ -1,12 +1,7 @@
-"""``vtoken bench``: the evaluation harness, one subcommand per target, registered from the table ``TARGETS``.
+"""``vtoken bench``: a subcommand per target of ``TARGETS`` (sim, vllm, device), and ``all`` (each into <out>/<name>).
 
-    vtoken bench sim      the questions on the core simulator (Q1, Q2, Q3, Q5, Q7, Q8)
-    vtoken bench vllm     the questions that need a serving engine, on real vLLM (CPU): Q4, Q6, Q7, Q9
-    vtoken bench device   Q4's device half (--gpu: on CUDA)
-    vtoken bench all      sim, then vllm, then (with --gpu) device, into <out>/sim, <out>/vllm, <out>/device
-
-Registering imports neither torch, vLLM nor matplotlib: each target imports what it needs when it runs,
-and a missing one, a bad option or an unusable --out is refused in one line (exit 2) before any work.
+Registering imports neither torch, vLLM nor matplotlib; a missing one, a bad option or an unusable --out is refused
+in one line (exit 2) before any work.
 """
 
 from __future__ import annotations
@@ -184,7 +179,7 @@ def run_target(t: Target, a: argparse.Namespace) -> int:
     one line and exit 2 before any work or output folder. Then every question runs into ``a.out``."""
     from vtoken.core.cli import check_out_dir
 
-    from .plots import pyplot
+    from .render import pyplot
     try:
         settings = t.settings(a)
         questions = select_questions(a.questions, t.questions(), t.half)
@@ -210,7 +205,7 @@ def run_all(a: argparse.Namespace) -> int:
     one is refused before the first half starts; then it stops at the first half that fails."""
     from vtoken.core.cli import check_out_dir
 
-    from .plots import pyplot
+    from .render import pyplot
     if a.gpu and not cuda_available():
         print("vtoken bench all: --gpu: no CUDA device visible to torch (torch.cuda.is_available() is False)",
               file=sys.stderr)

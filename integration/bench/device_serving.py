@@ -1,18 +1,9 @@
 """The core simulator over real K/V tensors: the device half of Q4 (``q4_device``).
 
-``TensorSimulator`` is ``core.simulator.Simulator`` (same scheduler, same runtime, same eviction decisions)
-with the in-memory tag store replaced by a ``PagedKVCache`` on a torch device and the copy engine by
-``TorchCopyEngine`` (on CUDA: relocation on its own stream, event-ordered before the next forward). Its
-forward is what a decode step costs on the device:
-
-  * write every new token's K/V (all layers) at its write slot (one scatter per storage group);
-  * per layer, gather the K and V of every request's read slots (the live list, in logical order) into a
-    padded batch and attend with the newest query (masked softmax), as the gather read path does;
-  * sample: one small device-to-host read at the end, the synchronisation a real engine has every step.
-
-Host-side inputs go through pinned memory, so the host only waits at the sample (and, under force-sync,
-in ``wait``). Eviction decisions do not depend on the K/V values (StreamingLLM and Random need no
-scores), so every system sees exactly the same victims and only reclamation differs.
+``TensorSimulator`` is ``Simulator`` (same scheduler, runtime and eviction decisions) over a ``PagedKVCache`` with a
+``TorchCopyEngine``. Its forward is a decode step's device work: write new K/V, per layer gather every request's
+read slots and attend with the newest query (the gather read path), and one device-to-host read (the sampler's
+sync). StreamingLLM and Random need no scores, so every system sees the same victims.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
-"""One simulator run, measured: the paper's memory metrics per step, plus what the runs need to be compared.
-
-``measure_run`` drives ``Simulator.step`` itself (instead of ``Simulator.run``)
-so it can (a) count running requests per sampled step, which turns the
-simulator's pool-wide sums into per-request means, (b) track the peak number
-of allocated blocks, (c) count blocks in a block list that hold no live token
-at all (``dead_blocks_share``: Naive-Evict keeps them too; a Naive-Evict that
-freed wholly dead blocks would differ by exactly these), and (d) stop at the
-first preemption when only feasibility matters (Q3). Every metric is a mean over the steps that end with
-at least one running request, exactly the steps ``Simulator`` samples.
-
-``RunCache`` memoises runs by (config, workload): questions that share a
-point (Q1 and Q2 share all runs; Q5's default point is Q2's H2O chat point)
-simulate it once.
-
-``policy_grid`` is the runs Q1 and Q2 share: every workload x seed x (native, and each policy under each
-evicting system). Each request is admitted on arrival and the pool holds every request at full length at once
-(``pool_for``), so no run preempts: the systems see the same requests at the same steps and, with the same
-policy and seed, make the same eviction decisions. A run that preempted anyway fails loudly.
+"""One simulator run, measured (``RUN_FIELDS``): the paper's memory metrics as means over the steps with a running
+request, per-request means, the peak allocation, dead blocks in block lists, an optional stop at the first
+preemption (Q3). ``RunCache`` simulates a shared (config, workload) once (Q1 and Q2 share every run).
+``policy_grid``: Q1's and Q2's runs, every workload x seed x (native, each policy under each evicting system), in a
+pool that holds every request at full length, so no run preempts and all make the same eviction decisions.
 """
 
 from __future__ import annotations

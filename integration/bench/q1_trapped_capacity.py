@@ -1,34 +1,30 @@
 """Q1 (seed §4, question 1): does token-level eviction leave capacity trapped in partially-live blocks?
 
-Measured per workload (chat, long context) and policy (H2O, Scissorhands,
-StreamingLLM, Random), mean over decode steps, median and spread over seeds:
-
-    blocks_le_50pct  share of allocated blocks whose live slots are <= 50 % of the block
-    waste_ratio_F    1 - live slots / (allocated blocks x S)  (the paper's Eq. 1)
-    dead_blocks_share  share of retained blocks with no live token at all: part of the <= 50 % share
-                     that a Naive-Evict freeing wholly dead blocks would not have (the review's wording,
-                     "retains a block as long as it holds any live token", allows that reading)
-
-Naive-Evict is the paper's measurement (56-67 % of blocks <= 50 % utilised);
-Native shows the baseline waste of partly filled tail blocks; vtoken compact
-and densify show how much of the trapped capacity reclamation returns.
+Per workload and policy, mean over decode steps, median and spread over seeds: ``blocks_le_50pct`` (share of
+allocated blocks <= 50 % live), ``waste_ratio_F`` (1 - live slots / (allocated blocks x S), the paper's Eq. 1),
+``dead_blocks_share`` (retained blocks with no live token: what a Naive-Evict freeing dead blocks would not keep).
+Naive-Evict is the paper's measurement (56-67 %); Native the baseline; compact and densify what reclamation returns.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from .measure import policy_grid
-from .plots import policy_panels
+from .render import Panel, do, figure, fmt_spread, markdown, pct
 from .runner import BenchContext
-from .stats import fmt_spread, nest, pick, summaries
-from .systems import EVICTING
+from .stats import nest, pick, summaries
+from .systems import COLORS, EVICTING
 
 KEY = "q1"
 TITLE = "Trapped capacity: share of blocks <= 50 % utilised and waste ratio F, per policy and workload"
 PAPER = {"blocks_le_50pct_naive_evict": [0.56, 0.67],
          "source": "paper §5.2 / Fig. 1: 56-67 % of allocated blocks at <= 50 % utilisation after token eviction"}
 METRICS = ("blocks_le_50pct", "waste_ratio_F", "dead_blocks_share")
+HEADER = ("workload", "policy", "≤ 50 % Naive-Evict", "of which wholly dead", "≤ 50 % compact", "≤ 50 % densify",
+          "F Naive-Evict", "F compact", "F densify")
 
 
 def run(ctx: BenchContext) -> dict:
@@ -47,23 +43,36 @@ def run(ctx: BenchContext) -> dict:
 
 
 def table(report: dict) -> list[str]:
-    lines = ["| workload | policy | ≤ 50 % Naive-Evict | of which wholly dead | ≤ 50 % compact | ≤ 50 % densify "
-             "| F Naive-Evict | F compact | F densify |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for wname, w in report["summary"]["by_workload"].items():
         nat = w["native"]
-        lines.append(f"| {wname} | (native, no eviction) | {fmt_spread(nat['blocks_le_50pct'], '{:.1f}', 100)} % "
-                     f"| | | | {fmt_spread(nat['waste_ratio_F'])} | | |")
-        for policy, systems in w.items():
-            if policy == "native":
-                continue
-            share = " | ".join(f"{fmt_spread(systems[x]['blocks_le_50pct'], '{:.1f}', 100)} %" for x in EVICTING)
-            dead = f"{fmt_spread(systems['naive_evict']['dead_blocks_share'], '{:.1f}', 100)} %"
-            share = share.replace(" | ", f" | {dead} | ", 1)
-            f = " | ".join(fmt_spread(systems[x]["waste_ratio_F"]) for x in EVICTING)
-            lines.append(f"| {wname} | {policy} | {share} | {f} |")
+        rows.append([wname, "(native, no eviction)", pct(nat["blocks_le_50pct"]), "", "", "",
+                     fmt_spread(nat["waste_ratio_F"]), "", ""])
+        rows += [[wname, policy, pct(x["naive_evict"]["blocks_le_50pct"]), pct(x["naive_evict"]["dead_blocks_share"]),
+                  *(pct(x[s]["blocks_le_50pct"]) for s in EVICTING[1:]),
+                  *(fmt_spread(x[s]["waste_ratio_F"]) for s in EVICTING)]
+                 for policy, x in w.items() if policy != "native"]
     lo, hi = report["summary"]["naive_evict_blocks_le_50pct_median_range"]
-    lines.append(f"\nNaive-Evict blocks ≤ 50 % (medians): {lo:.1%}–{hi:.1%}; paper: 56–67 %.")
-    return lines
+    return markdown(HEADER, rows) + [f"\nNaive-Evict blocks ≤ 50 % (medians): {lo:.1%}–{hi:.1%}; paper: 56–67 %."]
+
+
+def policy_panels(report: dict, path: Path, rows: Sequence[tuple[str, str, float]], title: str,
+                  band: tuple[float, float, str] | None = None) -> None:
+    """Q1 and Q2: a column per workload, a row per (metric, y label, scale): bars per policy and evicting system,
+    Native's median dashed; ``band`` (lo, hi, label) shades the paper's range in the top row."""
+    by_w = report["summary"]["by_workload"]
+
+    def panel(w: dict, wname: str, metric: str, ylabel: str, scale: float, top: bool) -> Panel:
+        policies = [p for p in w if p != "native"]
+        steps = [do("axhline", w["native"][metric]["median"] * scale, color=COLORS["native"], ls="--", lw=1,
+                    label="Native (no eviction)")]
+        if band and top:
+            steps.append(do("axhspan", band[0], band[1], color="k", alpha=0.08, label=band[2]))
+        return Panel({x: [w[p][x][metric] for p in policies] for x in EVICTING}, ylabel, policies, scale=scale,
+                     steps=steps + [do("set_title", wname, fontsize=10)])
+    panels = [[panel(w, wname, *r, top=i == 0) for wname, w in by_w.items()] for i, r in enumerate(rows)]
+    panels[0][0] = replace(panels[0][0], steps=(*panels[0][0].steps, do("legend", fontsize=7)))
+    figure(path, panels, title, figsize=(5.5 * len(by_w), 7))
 
 
 def plot(report: dict, path: Path) -> None:

@@ -1,17 +1,9 @@
 """Q2 (seed §4, question 2): does vtoken improve the paired eviction frontier under identical decisions?
 
-Per workload, policy and seed, vtoken (compact; densify) is paired with
-Naive-Evict on the same requests and the same eviction decisions:
-
-    utilisation                  1 - F, mean over steps
-    utilisation_gain_pp          vtoken - Naive-Evict, in percentage points
-    utilisation_gain_rel         vtoken / Naive-Evict - 1 (the paper's "+21.9 %" may be either; both are given)
-    retained_blocks_per_request  blocks in a running request's block list, mean over request-steps
-    retained_reduction           1 - vtoken / Naive-Evict (the paper: 27.2-72.3 %)
-
-Identical decisions are checked, not assumed: the ideal packed footprint
-ceil(live / S), which depends only on which tokens live, must be equal for
-Naive-Evict, compact and densify in every pair.
+Per workload, policy and seed, compact and densify are paired with Naive-Evict (same requests, same decisions):
+``utilisation`` (1 - F), ``utilisation_gain_pp`` / ``_rel`` (the paper's "+21.9 %" may be either),
+``retained_blocks_per_request`` and ``retained_reduction`` (1 - vtoken / Naive-Evict; paper: 27.2-72.3 %).
+Identical decisions are checked: the ideal packed footprint ceil(live / S) must be equal in every pair.
 """
 
 from __future__ import annotations
@@ -19,9 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from .measure import policy_grid
-from .plots import policy_panels
+from .q1_trapped_capacity import policy_panels
+from .render import fmt_spread, markdown, pct
 from .runner import BenchContext
-from .stats import fmt_spread, nest, pick, summaries
+from .stats import nest, pick, summaries
 
 KEY = "q2"
 TITLE = "Paired frontier: utilisation and retained blocks per request, vtoken vs Naive-Evict (same decisions)"
@@ -32,6 +25,8 @@ PAPER = {"utilisation_gain": {"llama-3.1-8b": 0.2188, "mistral-7b": 0.2167},
 VTOKEN = ("vtoken_compact", "vtoken_densify")
 ABSOLUTE = ("utilisation", "retained_blocks_per_request")
 GAINS = ("utilisation_gain_pp", "utilisation_gain_rel", "retained_reduction")
+HEADER = ("workload", "policy", "util. Naive-Evict", "util. compact", "util. densify", "Δutil compact (pp)",
+          "retained/req Naive-Evict", "compact", "densify", "reduction compact", "reduction densify")
 
 
 def _pairs(runs: list[dict], workload: str, policy: str) -> list[dict]:
@@ -80,35 +75,21 @@ def run(ctx: BenchContext) -> dict:
 
 
 def table(report: dict) -> list[str]:
-    lines = ["| workload | policy | util. Naive-Evict | util. compact | util. densify | Δutil compact (pp) "
-             "| retained/req Naive-Evict | compact | densify | reduction compact | reduction densify |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for wname, w in report["summary"]["by_workload"].items():
-        for policy, x in w.items():
-            if policy == "native":
-                continue
-            n, c, d = x["naive_evict"], x["vtoken_compact"], x["vtoken_densify"]
-            lines.append(
-                f"| {wname} | {policy} | {fmt_spread(n['utilisation'], '{:.1f}', 100)} % "
-                f"| {fmt_spread(c['utilisation'], '{:.1f}', 100)} % | {fmt_spread(d['utilisation'], '{:.1f}', 100)} % "
-                f"| {fmt_spread(c['utilisation_gain_pp'], '{:+.1f}')} "
-                f"| {fmt_spread(n['retained_blocks_per_request'], '{:.1f}')} "
-                f"| {fmt_spread(c['retained_blocks_per_request'], '{:.1f}')} "
-                f"| {fmt_spread(d['retained_blocks_per_request'], '{:.1f}')} "
-                f"| {fmt_spread(c['retained_reduction'], '{:.1f}', 100)} % "
-                f"| {fmt_spread(d['retained_reduction'], '{:.1f}', 100)} % |")
+    rows = [[wname, policy, *(pct(x[s]["utilisation"]) for s in ("naive_evict", *VTOKEN)),
+             fmt_spread(x["vtoken_compact"]["utilisation_gain_pp"], "{:+.1f}"),
+             *(fmt_spread(x[s]["retained_blocks_per_request"], "{:.1f}") for s in ("naive_evict", *VTOKEN)),
+             *(pct(x[s]["retained_reduction"]) for s in VTOKEN)]
+            for wname, w in report["summary"]["by_workload"].items() for policy, x in w.items() if policy != "native"]
     r = report["summary"]["median_ranges"]
-    lines.append(
+    c, d = ({m: r[f"{x}.{m}"] for m in GAINS} for x in VTOKEN)
+    return markdown(HEADER, rows) + [
         f"\nMedians across workloads and policies — compact: utilisation "
-        f"{r['vtoken_compact.utilisation_gain_pp'][0]:+.1f} to {r['vtoken_compact.utilisation_gain_pp'][1]:+.1f} pp "
-        f"({r['vtoken_compact.utilisation_gain_rel'][0]:+.1%} to {r['vtoken_compact.utilisation_gain_rel'][1]:+.1%}), "
-        f"retained −{r['vtoken_compact.retained_reduction'][0]:.1%} to "
-        f"−{r['vtoken_compact.retained_reduction'][1]:.1%}; "
-        f"densify: utilisation {r['vtoken_densify.utilisation_gain_pp'][0]:+.1f} to "
-        f"{r['vtoken_densify.utilisation_gain_pp'][1]:+.1f} pp, retained "
-        f"−{r['vtoken_densify.retained_reduction'][0]:.1%} to −{r['vtoken_densify.retained_reduction'][1]:.1%}. "
-        f"Paper: +21.9 % utilisation, −27.2 % to −72.3 % retained blocks.")
-    return lines
+        f"{c['utilisation_gain_pp'][0]:+.1f} to {c['utilisation_gain_pp'][1]:+.1f} pp "
+        f"({c['utilisation_gain_rel'][0]:+.1%} to {c['utilisation_gain_rel'][1]:+.1%}), "
+        f"retained −{c['retained_reduction'][0]:.1%} to −{c['retained_reduction'][1]:.1%}; "
+        f"densify: utilisation {d['utilisation_gain_pp'][0]:+.1f} to {d['utilisation_gain_pp'][1]:+.1f} pp, retained "
+        f"−{d['retained_reduction'][0]:.1%} to −{d['retained_reduction'][1]:.1%}. "
+        f"Paper: +21.9 % utilisation, −27.2 % to −72.3 % retained blocks."]
 
 
 def plot(report: dict, path: Path) -> None:

@@ -1,29 +1,13 @@
 """Q3 (seed §4, question 3): under a fixed block budget, how many requests can stay resident at once?
 
-The paper's setup (``settings.Q3Setup``), scaled: C identical requests
-(prompt 4,032 / k, output 12,288 / k tokens, H2O keeping 50 %) arrive at step
-0 into a pool of round(5,427 / k) or round(11,519 / k) blocks; k is
-``length_divisor``. A concurrency C is *feasible* for a system when all C are
-resident at once and run to completion with no preemption. The largest
-feasible C is found by bisection between a feasible and an infeasible C (both
-run, not assumed), assuming feasibility is monotone in C; every tested point
-is kept.
-
-Per point (``runs``): budget_blocks, system, seed, concurrency, feasible, and
-the run's measurements, notably peak_allocated_blocks (the paper's Fig. 10
-"KV-block demand", here sampled after each step) and ideal_blocks_at_peak.
-Per system and budget (``summary``): the largest feasible C (median, spread),
-its fraction of the ideal C = floor(budget / ideal blocks per request), and at
-that C the footprint over the ideal packed one, peak_allocated_blocks /
-(C x ideal blocks per request); the ideal is the packed footprint after
-eviction at the request's last step (the paper's 512 blocks), for every
-system, so Native's 2.0 means "twice what eviction plus perfect packing
-would need".
-
-vtoken compact keeps ``compact_headroom`` blocks of the same budget free for
-evacuation (admission may not use them); the other systems need none. Request
-ids start at seed x 100,000: the synthetic attention's heavy hitters are a hash
-of the request id, so each repeat makes different H2O decisions.
+The paper's setup (``settings.Q3Setup``) divided by k: C identical requests (prompt 4,032 / k, output 12,288 / k
+tokens, H2O keeping 50 %) at step 0 into round(5,427 / k) or round(11,519 / k) blocks. C is feasible when all C
+are resident at once and finish without preemption; the largest feasible C is bisected between a feasible and an
+infeasible C (both run), every tested point kept in ``runs`` (budget_blocks, system, seed, concurrency, feasible,
+the run's measurements). ``summary`` per budget and system: the largest C, its fraction of the ideal
+C = floor(budget / ideal blocks per request), and the footprint at it over the ideal packed one after eviction.
+Compact keeps ``compact_headroom`` blocks free for evacuation. Request ids start at seed x 100,000 (the synthetic
+heavy hitters hash the id, so each repeat makes different H2O decisions).
 """
 
 from __future__ import annotations
@@ -35,15 +19,16 @@ from vtoken.core.block_pool import blocks_needed
 from vtoken.core.sim.simulator import SimConfig
 from vtoken.core.sim.workloads import fixed_workload
 
-from .plots import grouped_bars, pyplot, save
+from .render import Panel, do, figure, fmt_spread, markdown
 from .runner import BenchContext
 from .settings import Q3Setup
-from .stats import fmt_spread, summarize
+from .stats import summarize
 from .systems import COLORS, LABELS, SYSTEMS, configure
 
 KEY = "q3"
 TITLE = "Capacity frontier: largest feasible concurrency at a fixed block budget"
 POLICY = "h2o"
+NAMES = [LABELS[x] for x in SYSTEMS]
 PAPER = {"usable_blocks": [5427, 11519], "blocks_per_full_request": 1020, "ideal_blocks_after_h2o": 512,
          "native_c": [5, 11], "naive_evict_c": [5, 11], "vtoken_c": [8, 22],
          "source": "paper §5.4 / Figs. 9-10: Llama-3.1-8B, LongBench, H2O, 12K-token outputs; native and "
@@ -133,55 +118,45 @@ def run(ctx: BenchContext) -> dict:
 
 
 def table(report: dict) -> list[str]:
-    sm = report["summary"]
-    lines = [f"Requests of {sm['prompt_len']} + {sm['output_len']} tokens (paper ÷ {sm['length_divisor']}): "
+    sm, paper = report["summary"], report["paper"]
+    frontier = [[f"{budget} ({b['paper_budget_blocks']:,})", b["ideal_c"],
+                 *(fmt_spread(b[x]["max_feasible_c"], "{:.0f}") for x in SYSTEMS),
+                 f"{paper['native_c'][i]} → {paper['vtoken_c'][i]}"]
+                for i, (budget, b) in enumerate(sm["by_budget"].items())]
+    footprint = [[budget, *(fmt_spread(b[x]["footprint_over_ideal_at_frontier"], "{:.2f}")
+                            if b[x]["footprint_over_ideal_at_frontier"] else "–" for x in SYSTEMS)]
+                 for budget, b in sm["by_budget"].items()]
+    return ([f"Requests of {sm['prompt_len']} + {sm['output_len']} tokens (paper ÷ {sm['length_divisor']}): "
              f"{sm['blocks_per_full_request']} blocks fully retained, {sm['ideal_blocks_per_request']} ideal after "
-             f"H2O at 50 % (paper: 1,020 and 512).", "",
-             "| budget (paper) | ideal C | Native | Naive-Evict | vtoken compact | vtoken densify "
-             "| paper native → vtoken |",
-             "|---|---|---|---|---|---|---|"]
-    paper = report["paper"]
-    for i, (budget, b) in enumerate(sm["by_budget"].items()):
-        cells = " | ".join(fmt_spread(b[x]["max_feasible_c"], "{:.0f}") for x in SYSTEMS)
-        lines.append(f"| {budget} ({b['paper_budget_blocks']:,}) | {b['ideal_c']} | {cells} "
-                     f"| {paper['native_c'][i]} → {paper['vtoken_c'][i]} |")
-    lines += ["", "Footprint at each system's frontier: peak allocated blocks / (C × ideal packed blocks after "
-              "eviction):", "",
-              "| budget | Native | Naive-Evict | vtoken compact | vtoken densify |", "|---|---|---|---|---|"]
-    for budget, b in sm["by_budget"].items():
-        cells = " | ".join(fmt_spread(b[x]["footprint_over_ideal_at_frontier"], "{:.2f}")
-                           if b[x]["footprint_over_ideal_at_frontier"] else "–" for x in SYSTEMS)
-        lines.append(f"| {budget} | {cells} |")
-    return lines
+             f"H2O at 50 % (paper: 1,020 and 512).", ""]
+            + markdown(["budget (paper)", "ideal C", *NAMES, "paper native → vtoken"], frontier)
+            + ["", "Footprint at each system's frontier: peak allocated blocks / (C × ideal packed blocks after "
+               "eviction):", ""] + markdown(["budget", *NAMES], footprint))
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
-    sm = report["summary"]
+    sm, paper = report["summary"], report["paper"]
     budgets = list(sm["by_budget"])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    grouped_bars(ax1, [f"{b} blocks\n(paper {sm['by_budget'][b]['paper_budget_blocks']:,})" for b in budgets],
-                 {x: [sm["by_budget"][b][x]["max_feasible_c"] for b in budgets] for x in SYSTEMS}, COLORS, LABELS,
-                 "largest feasible concurrency C")
-    for i, b in enumerate(budgets):
-        ax1.plot([i - 0.4, i + 0.4], [sm["by_budget"][b]["ideal_c"]] * 2, "k:", lw=1,
-                 label="ideal packed" if i == 0 else None)
-        ax1.plot([i], [report["paper"]["vtoken_c"][i]], "k*", ms=10, label="paper vtoken" if i == 0 else None)
-        ax1.plot([i], [report["paper"]["native_c"][i]], "kx", ms=8, label="paper native" if i == 0 else None)
-    ax1.legend(fontsize=7)
-    ax1.set_title("Q3 capacity frontier (median, min–max over seeds)", fontsize=10)
+    frontier = [step for i, b in enumerate(budgets) for step in (
+        do("plot", [i - 0.4, i + 0.4], [sm["by_budget"][b]["ideal_c"]] * 2, "k:", lw=1,
+           label="ideal packed" if i == 0 else None),
+        do("plot", [i], [paper["vtoken_c"][i]], "k*", ms=10, label="paper vtoken" if i == 0 else None),
+        do("plot", [i], [paper["native_c"][i]], "kx", ms=8, label="paper native" if i == 0 else None))]
     markers = {b: m for b, m in zip(budgets, "os^v")}
-    for p in report["runs"]:
-        if p["feasible"]:
-            ax2.scatter(p["concurrency"], p["peak_allocated_blocks"] / p["concurrency"], color=COLORS[p["system"]],
-                        marker=markers[str(p["budget_blocks"])], s=16)
-    ax2.axhline(sm["blocks_per_full_request"], color="k", ls="--", lw=1, label="fully retained request")
-    ax2.axhline(sm["ideal_blocks_per_request"], color="k", ls=":", lw=1, label="ideal packed after eviction")
-    for x in SYSTEMS:
-        ax2.scatter([], [], color=COLORS[x], label=LABELS[x], s=16)
-    ax2.set_xlabel("concurrency C (feasible points; marker: budget)")
-    ax2.set_ylabel("peak allocated blocks / C")
-    ax2.set_ylim(bottom=0)
-    ax2.set_title("KV-block demand per request (cf. paper Fig. 10)", fontsize=10)
-    ax2.legend(fontsize=7)
-    save(fig, path)
+    demand = [do("scatter", p["concurrency"], p["peak_allocated_blocks"] / p["concurrency"],
+                 color=COLORS[p["system"]], marker=markers[str(p["budget_blocks"])], s=16)
+              for p in report["runs"] if p["feasible"]]
+    demand += [do("axhline", sm["blocks_per_full_request"], color="k", ls="--", lw=1, label="fully retained request"),
+               do("axhline", sm["ideal_blocks_per_request"], color="k", ls=":", lw=1,
+                  label="ideal packed after eviction")]
+    demand += [do("scatter", [], [], color=COLORS[x], label=LABELS[x], s=16) for x in SYSTEMS]
+    figure(path, [[
+        Panel({x: [sm["by_budget"][b][x]["max_feasible_c"] for b in budgets] for x in SYSTEMS},
+              "largest feasible concurrency C",
+              [f"{b} blocks\n(paper {sm['by_budget'][b]['paper_budget_blocks']:,})" for b in budgets],
+              steps=frontier + [do("legend", fontsize=7),
+                                do("set_title", "Q3 capacity frontier (median, min–max over seeds)", fontsize=10)]),
+        Panel(steps=demand + [do("set_xlabel", "concurrency C (feasible points; marker: budget)"),
+                              do("set_ylabel", "peak allocated blocks / C"), do("set_ylim", bottom=0),
+                              do("set_title", "KV-block demand per request (cf. paper Fig. 10)", fontsize=10),
+                              do("legend", fontsize=7)])]])

@@ -1,22 +1,11 @@
 """Q4, device half: what a relocation costs on the device, what the async copy path buys over force-sync,
 and how the relocation stream fares next to unrelated GPU work (the review's open contention question).
 
-Three measurements, each side by side in one run:
-
-1. **Copy throughput** (``throughput``): relocating n scattered tokens (every layer, K and V: one gather
-   and one scatter per storage group) and digesting them (strict verify) vs a contiguous copy of the same
-   bytes. Targets from docs/device.md: relocation >= 70 %, digests >= 50 % of the plain copy on a GPU.
-2. **Serving ablation** (``serving``): the core simulator over real K/V tensors (``device_serving.py``),
-   Random eviction at 0.5, the same victims in every system; per repeat the systems run interleaved:
-   Naive-Evict, compact with POLL (async; a copy may stay pending across steps), EVENT (async, ordered
-   before the next forward on the device), FORCE_SYNC (the host waits for every copy: the paper's
-   ablation), EVENT with strict verify, and densify (dense read path) with EVENT and FORCE_SYNC.
-   Reported: step time and its ratio to Naive-Evict, host time blocked in ``wait`` per step.
-3. **Contention** (``contention``, CUDA only): the latency from submitting one relocation to its event
-   completing, on an idle GPU vs while another stream keeps the GPU busy with large matmuls, with the
-   relocation stream at default and at high priority.
-
-JSON ``runs``: one object per measurement with ``kind`` ("throughput" | "serving" | "contention").
+``runs``, one object per measurement by ``kind``: "throughput" (relocating n scattered tokens, every layer's K and
+V, and digesting them for strict verify, vs a contiguous copy of the same bytes; docs/device.md's targets),
+"serving" (``device_serving``: the simulator over real K/V, Random at 0.5, the same victims in every system, run
+interleaved per repeat: step time, its ratio to Naive-Evict, host time blocked in ``wait``), "contention" (CUDA
+only: submit-to-done latency of one relocation, idle vs beside a matmul stream, default vs high priority).
 """
 
 from __future__ import annotations
@@ -32,8 +21,8 @@ from vtoken.core.token_table import Move
 from ..device.copy_engine import TorchCopyEngine
 from ..device.verify import Verifier, VerifyConfig
 from .device_serving import ModelShape, build_cache, run_timed
-from .plots import grouped_bars, pyplot, save
-from .stats import fmt_spread, summarize
+from .render import Panel, do, figure, fmt_spread, markdown, pct
+from .stats import summarize
 
 KEY = "q4_device"
 TITLE = "Overhead on the device: relocation throughput, async vs force-sync, contention"
@@ -208,42 +197,34 @@ def summarize_runs(runs: list[dict]) -> dict:
 
 def table(report: dict) -> list[str]:
     sm = report["summary"]
-    lines = [f"Device: {report['device']} (torch {report['torch']})", "",
-             "| system | step ms | vs Naive-Evict | host blocked ms/step | retained blocks | moves | verified |",
-             "|---|---|---|---|---|---|---|"]
-    for key, v in sm["serving"].items():
-        lines.append(f"| {SYSTEMS[key][0]} | {fmt_spread(v['step_ms'], '{:.2f}')} | "
-                     f"{fmt_spread(v['vs_naive'], '{:.3f}')} | {fmt_spread(v['blocked_ms_per_step'], '{:.3f}')} | "
-                     f"{fmt_spread(v['retained_blocks'], '{:.0f}')} | {fmt_spread(v['moves'], '{:.0f}')} | "
-                     f"{v['verified']} ({v['mismatches']} mismatches) |")
+    rows = [[SYSTEMS[key][0], fmt_spread(v["step_ms"], "{:.2f}"), fmt_spread(v["vs_naive"], "{:.3f}"),
+             fmt_spread(v["blocked_ms_per_step"], "{:.3f}"), fmt_spread(v["retained_blocks"], "{:.0f}"),
+             fmt_spread(v["moves"], "{:.0f}"), f"{v['verified']} ({v['mismatches']} mismatches)"]
+            for key, v in sm["serving"].items()]
+    lines = [f"Device: {report['device']} (torch {report['torch']})", ""] + markdown(
+        ("system", "step ms", "vs Naive-Evict", "host blocked ms/step", "retained blocks", "moves", "verified"), rows)
     if sm["throughput"]:
         t = sm["throughput"]
-        lines += ["", (f"Relocation throughput vs a plain copy of the same bytes: "
-                      f"{fmt_spread(t['relocate_vs_plain'], '{:.1f}', 100)} %; strict-verify digests: "
-                      f"{fmt_spread(t['digest_vs_plain'], '{:.1f}', 100)} %.")]
+        lines += ["", f"Relocation throughput vs a plain copy of the same bytes: {pct(t['relocate_vs_plain'])}; "
+                      f"strict-verify digests: {pct(t['digest_vs_plain'])}."]
     if sm["contention"]:
-        lines += ["", "| relocation stream | GPU | submit-to-done ms |", "|---|---|---|"]
-        for r in sm["contention"]:
-            lines.append(f"| {r['priority']} priority | {'busy (matmul stream)' if r['loaded'] else 'idle'} | "
-                         f"{fmt_spread(r['latency_s'], '{:.3f}', 1e3)} |")
+        lines += [""] + markdown(("relocation stream", "GPU", "submit-to-done ms"), [
+            [f"{r['priority']} priority", "busy (matmul stream)" if r["loaded"] else "idle",
+             fmt_spread(r["latency_s"], "{:.3f}", 1e3)] for r in sm["contention"]])
     return lines
 
 
 def plot(report: dict, path) -> None:
-    plt = pyplot()
     sm = report["summary"]
-    panels = 2 if sm["contention"] else 1
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
     keys = list(sm["serving"])
-    grouped_bars(axes[0][0], [k.replace("_", "\n") for k in keys],
-                 {"ratio": [sm["serving"][k]["vs_naive"] for k in keys]}, {"ratio": "tab:blue"},
-                 {"ratio": "step time / Naive-Evict"}, "step time / Naive-Evict")
-    axes[0][0].axhline(1.0, color="k", lw=0.8)
-    axes[0][0].set_title(f"Serving steps on {report['device']}", fontsize=9)
-    if panels == 2:
-        c = sm["contention"]
-        groups = [f"{r['priority']}\n{'busy' if r['loaded'] else 'idle'}" for r in c]
-        grouped_bars(axes[0][1], groups, {"lat": [r["latency_s"] for r in c]}, {"lat": "tab:orange"},
-                     {"lat": "ms"}, "submit-to-done ms", scale=1e3)
-        axes[0][1].set_title("One relocation beside a matmul stream", fontsize=9)
-    save(fig, path)
+    panels = [Panel({"ratio": [sm["serving"][k]["vs_naive"] for k in keys]}, "step time / Naive-Evict",
+                    [k.replace("_", "\n") for k in keys], colors={"ratio": "tab:blue"},
+                    labels={"ratio": "step time / Naive-Evict"},
+                    steps=[do("axhline", 1.0, color="k", lw=0.8),
+                           do("set_title", f"Serving steps on {report['device']}", fontsize=9)])]
+    if c := sm["contention"]:
+        panels.append(Panel({"lat": [r["latency_s"] for r in c]}, "submit-to-done ms",
+                            [f"{r['priority']}\n{'busy' if r['loaded'] else 'idle'}" for r in c], scale=1e3,
+                            colors={"lat": "tab:orange"}, labels={"lat": "ms"},
+                            steps=[do("set_title", "One relocation beside a matmul stream", fontsize=9)]))
+    figure(path, [panels], figsize=(6 * len(panels), 4))

@@ -1,29 +1,15 @@
-"""Q4 (seed §4, question 4, overhead and overlap), vLLM half: what vtoken costs per step next to plain vLLM,
-measured side by side in one run.
+"""Q4 (seed §4, question 4, overhead and overlap), vLLM half: what vtoken costs per step next to plain vLLM.
 
-    (a) indirection only   vtoken on, nothing evicted (policy none) vs plain vLLM
-    (b) reclamation cost   Naive-Evict (gather, reclaim off) vs vtoken compact (gather) vs vtoken densify (dense,
-                           stock kernel), same policy and budget (``overhead_policy``, ``overhead_budget``), each vs
-                           plain vLLM and compact / densify vs Naive-Evict
-    (c) strict verify      compact and densify with ``strict_verify: strict`` vs the same with it off
+(a) indirection only: vtoken on, nothing evicted, vs plain vLLM; (b) reclamation: Naive-Evict, compact and densify
+at ``overhead_policy`` / ``overhead_budget``, vs plain and vs Naive-Evict; (c) strict verify on vs off. Every
+configuration's engine lives in a process of its own (``vllm_engine.EngineProcess``; vLLM's KV connector is
+process-global), all pinned to one core; a round (one seed, one C) runs each once on the same prompts, in an order
+rotated per round, and ratios are taken within a round.
 
-Model and prompts as Q6: the byte-llama, greedy fp32, ``ignore_eos``; per seed and concurrency C, C held-out
-windows of ``prompt_len`` bytes, ``q4_max_tokens`` generated. Plain vLLM cannot share a process with vtoken
-(vLLM keeps the KV connector in a process-global), so every configuration's engine runs in a process of its
-own (``vllm_engine.EngineProcess``: an in-process engine, driven over a pipe), plain included, all alive for
-the whole run and pinned with this process to one core (``run_interleaved``). Each round (one seed, one C)
-runs every configuration once, one after another, in an order rotated by one per round, so every
-configuration meets the machine's noise at every position; ratios are taken within a round and summarised
-over the seeds.
-
-Per run (``runs``): system, concurrency, seed, round, position (in the round's order), wall_s, tok_s
-(generated tokens / wall), decode_steps, p50_ms and p95_ms (the gaps between consecutive engine steps that
-returned output once every request decodes; ``statistics.quantiles``, inclusive), gaps_ms.
-``summary``: per C, per configuration the median and spread of tok_s, p50_ms, p95_ms, and per comparison
-(``COMPARISONS``) the within-round ratios throughput (system / reference: < 1 is slower) and p50, p95
-(system / reference: > 1 is slower); per configuration vtoken's counters over the timed runs (tokens evicted,
-relocations, verified, mismatches, scheduler and worker seconds, steps), engine start seconds, and the
-worker's torch threads and cores.
+Per run (``runs``): system, concurrency, seed, round, position, vtoken, wall_s, tok_s, decode_steps, p50_ms,
+p95_ms (gaps between output steps once every request decodes), gaps_ms. ``summary``: per C the configurations'
+medians and spreads and the within-round ratios of ``COMPARISONS``; per configuration vtoken's counters, engine
+start seconds, the worker's threads and cores; the pinning.
 """
 
 from __future__ import annotations
@@ -31,9 +17,9 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .plots import grouped_bars, pyplot, save
+from .render import Panel, do, figure, fmt_spread, markdown
 from .runner import BenchContext
-from .stats import fmt_spread, nest, percentile, pick, summaries, summarize
+from .stats import nest, percentile, pick, summaries, summarize
 from .systems import system_config
 from .vllm_engine import EngineProcess, close_all, heldout_windows, one_core
 
@@ -68,12 +54,10 @@ C_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
 # ---- the measurement (also tests/bench_vllm_overhead.py's) ---------------------------------------
 def run_interleaved(configs: dict[str, dict | None], rounds: list[list[list[int]]], max_tokens: int,
                     block_size: int, threads: int = 1, on_event=None, warmup_tokens: int = 8) -> dict:
-    """One engine process (``EngineProcess``) per configuration (``None``: plain vLLM), all alive together; round
-    i runs its prompts through every configuration, one after another, in the configurations' order rotated
-    by i. First a warm-up (``warmup_tokens``) runs the first round of each size on every engine. Returns, per
-    configuration, {"start_s", "torch_threads", "cores", "runs": [{"round", "position", "wall_s", "gaps_s"}],
-    "counters"} (vtoken's counters over the timed rounds; empty for plain vLLM). ``on_event(note)`` after
-    each engine start and each run."""
+    """An ``EngineProcess`` per configuration (None: plain vLLM), all alive; after a warm-up of each round size,
+    round i runs its prompts through every configuration in their order rotated by i. Per configuration:
+    {"start_s", "torch_threads", "cores", "runs": [{"round", "position", "wall_s", "gaps_s"}], "counters" (over the
+    timed rounds)}. ``on_event(note)`` after each start and run."""
     assert configs and rounds, "run_interleaved needs configurations and rounds"
     note = on_event or (lambda _: None)
     longest = max(len(p) for r in rounds for p in r) + max_tokens
@@ -180,54 +164,47 @@ def notes(s, pinning: dict | None) -> list[str]:
 # ---- output -------------------------------------------------------------------------------------
 def table(report: dict) -> list[str]:
     sm = report["summary"]
-    lines = ["| C | part | configuration | vs | throughput × | step p50 × | step p95 × |",
-             "|---|---|---|---|---|---|---|"]
-    for c, b in sm["by_concurrency"].items():
-        for r in b["ratios"]:
-            lines.append(f"| {c} | {r['part']} | {Q4_LABELS[r['system']]} | {SHORT[r['reference']]} "
-                         f"| {fmt_spread(r['throughput'])} | {fmt_spread(r['p50'])} | {fmt_spread(r['p95'])} |")
-    lines += ["", "| C | configuration | tok/s | step p50 (ms) | step p95 (ms) |", "|---|---|---|---|---|"]
-    for c, b in sm["by_concurrency"].items():
-        for x, m in b["systems"].items():
-            lines.append(f"| {c} | {Q4_LABELS[x]} | {fmt_spread(m['tok_s'], '{:,.0f}')} "
-                         f"| {fmt_spread(m['p50_ms'], '{:.2f}')} | {fmt_spread(m['p95_ms'], '{:.2f}')} |")
-    lines += ["", ("| configuration | engine start (s) | worker threads / cores | tokens evicted | relocations "
-                   "| verified / mismatches | vtoken ms per step (scheduler + worker) |"),
-              "|---|---|---|---|---|---|---|"]
+    by_c = sm["by_concurrency"].items()
+    ratios = [[c, r["part"], Q4_LABELS[r["system"]], SHORT[r["reference"]],
+               *(fmt_spread(r[m]) for m in ("throughput", "p50", "p95"))] for c, b in by_c for r in b["ratios"]]
+    medians = [[c, Q4_LABELS[x], fmt_spread(m["tok_s"], "{:,.0f}"), fmt_spread(m["p50_ms"], "{:.2f}"),
+                fmt_spread(m["p95_ms"], "{:.2f}")] for c, b in by_c for x, m in b["systems"].items()]
+    engines = []
     for x, e in sm["engines"].items():
         k = e["counters"]
-        extra = (f"{k['tokens_evicted']:,} | {k['relocations']:,} | {k['verified']:,} / {k['mismatches']} "
-                 f"| {1e3 * (k['scheduler_seconds'] + k['worker_seconds']) / max(1, k['vtoken_steps']):.3f}"
-                 if k else "– | – | – | –")
-        lines.append(f"| {Q4_LABELS[x]} | {e['start_s']:.1f} | {e['torch_threads']} / {e['cores']} | {extra} |")
+        work = ([f"{k['tokens_evicted']:,}", f"{k['relocations']:,}", f"{k['verified']:,} / {k['mismatches']}",
+                 f"{1e3 * (k['scheduler_seconds'] + k['worker_seconds']) / max(1, k['vtoken_steps']):.3f}"]
+                if k else ["–"] * 4)
+        engines.append([Q4_LABELS[x], f"{e['start_s']:.1f}", f"{e['torch_threads']} / {e['cores']}", *work])
     p = sm["pinning"]
-    lines.append(f"\nMedian (min–max) over {sm['rounds'] // len(sm['by_concurrency'])} seeds; ratios within a round. "
-                 f"Policy {sm['policy']} at budget {sm['budget']}. "
-                 + (f"Pinned to core {p['core']}. " if p else "Not pinned. ")
-                 + "Counters are over all timed rounds (every C). Force-sync vs async ordering: refused inside vLLM by "
-                   "design, measured at the device layer. Paper: indirection only within 1.0 % of native vLLM "
-                   "(throughput and p95) at C=16 and 48.")
-    return lines
+    return (markdown(("C", "part", "configuration", "vs", "throughput ×", "step p50 ×", "step p95 ×"), ratios) + [""]
+            + markdown(("C", "configuration", "tok/s", "step p50 (ms)", "step p95 (ms)"), medians) + [""]
+            + markdown(("configuration", "engine start (s)", "worker threads / cores", "tokens evicted", "relocations",
+                        "verified / mismatches", "vtoken ms per step (scheduler + worker)"), engines)
+            + [f"\nMedian (min–max) over {sm['rounds'] // len(sm['by_concurrency'])} seeds; ratios within a round. "
+               f"Policy {sm['policy']} at budget {sm['budget']}. "
+               + (f"Pinned to core {p['core']}. " if p else "Not pinned. ")
+               + "Counters are over all timed rounds (every C). Force-sync vs async ordering: refused inside vLLM by "
+                 "design, measured at the device layer. Paper: indirection only within 1.0 % of native vLLM "
+                 "(throughput and p95) at C=16 and 48."])
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     sm = report["summary"]
     shown = [x for x in SYSTEMS if x != "plain"]
     cs = list(sm["by_concurrency"])
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
-    for ax, metric, ylabel in ((axes[0], "throughput", "throughput / plain vLLM (same round)"),
-                               (axes[1], "p95", "decode step p95 / plain vLLM (same round)")):
+
+    def panel(metric: str, ylabel: str) -> Panel:
         series = {}
         for c in cs:
             by = {r["system"]: r for r in sm["by_concurrency"][c]["ratios"] if r["reference"] == "plain"}
             series[f"C={c}"] = [by[x][metric] for x in shown]
-        grouped_bars(ax, [SHORT[x] for x in shown], series,
-                     {f"C={c}": C_COLORS[i % len(C_COLORS)] for i, c in enumerate(cs)}, {}, ylabel)
-        ax.axhline(1.0, color="k", lw=1, ls="--")
-        ax.tick_params(axis="x", labelrotation=15)
-        ax.legend(fontsize=7)
+        return Panel(series, ylabel, [SHORT[x] for x in shown],
+                     colors={f"C={c}": C_COLORS[i % len(C_COLORS)] for i, c in enumerate(cs)},
+                     steps=[do("axhline", 1.0, color="k", lw=1, ls="--"),
+                            do("tick_params", axis="x", labelrotation=15), do("legend", fontsize=7)])
     p = sm["pinning"]
-    fig.suptitle(f"Q4 overhead on vLLM CPU, byte-llama ({sm['policy']} {sm['budget']}; median, min–max over seeds; "
-                 + (f"pinned to core {p['core']})" if p else "not pinned)"))
-    save(fig, path)
+    figure(path, [[panel("throughput", "throughput / plain vLLM (same round)"),
+                   panel("p95", "decode step p95 / plain vLLM (same round)")]],
+           f"Q4 overhead on vLLM CPU, byte-llama ({sm['policy']} {sm['budget']}; median, min–max over seeds; "
+           + (f"pinned to core {p['core']})" if p else "not pinned)"), figsize=(14, 4.5))

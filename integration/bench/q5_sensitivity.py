@@ -1,27 +1,20 @@
 """Q5 (seed §4, question 5), simulator part: sensitivity to eviction ratio, theta_F and block size.
 
-One factor at a time around the default point (H2O, eviction ratio 0.5,
-theta_F 0.25, block size 16) on the chat workload:
-
-    eviction_ratio  0.3 ... 0.7 (fraction of tokens evicted; the budget keeps 1 - ratio)
-    theta_f         0.05 ... 0.90 (compact only: the others never read it; the review asks for the extremes)
-    block_size      16, 32, 64, 128 tokens
-
-Measured (median, spread over seeds): waste ratio F, retained blocks and
-retained slots (blocks x S, comparable across block sizes) per request,
-committed plans and committed token moves. Throughput and latency, the
-paper's other axes, need the vLLM half.
+One factor at a time around H2O, eviction ratio 0.5, theta_F 0.25, block size 16 on chat: ``eviction_ratio``
+0.3-0.7, ``theta_f`` 0.05-0.90 (compact only reads it), ``block_size`` 16-128. Per point, median and spread over
+seeds: F, retained blocks and slots (blocks x S) per request, committed plans and token moves.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from .measure import run_point
-from .plots import line_with_spread, pyplot, save
+from .render import Panel, do, figure, fmt_spread, markdown
 from .runner import BenchContext
-from .stats import fmt_spread, nest, pick, summaries
-from .systems import COLORS, EVICTING, LABELS, SYSTEMS
+from .stats import nest, pick, summaries
+from .systems import EVICTING, LABELS, SYSTEMS
 
 KEY = "q5"
 TITLE = "Sensitivity: eviction ratio, theta_F and block size vs F, retained blocks, plans and moves"
@@ -69,47 +62,34 @@ def table(report: dict) -> list[str]:
     lines = []
     for sweep, label in (("eviction_ratio", "eviction ratio"), ("theta_f", "θ_F"), ("block_size", "block size")):
         systems = [x for x in SYSTEMS if x in sm[sweep]]
-        head = " | ".join(f"F {LABELS[x]}" for x in systems) + " | " + " | ".join(
-            f"slots/req {LABELS[x]}" for x in systems) + " | " + " | ".join(
-            f"plans / moves {LABELS[x]}" for x in systems if x.startswith("vtoken"))
-        lines += [f"{label}:", "", f"| {label} | {head} |", "|---" * (1 + 2 * len(systems)
-                                                                      + sum(x.startswith('vtoken') for x in systems))
-                  + "|"]
-        for value in sm[sweep][systems[0]]:
-            cells = [fmt_spread(sm[sweep][x][value]["waste_ratio_F"]) for x in systems]
-            cells += [fmt_spread(sm[sweep][x][value]["retained_slots_per_request"], "{:.0f}") for x in systems]
-            cells += [f"{fmt_spread(sm[sweep][x][value]['plans_committed'], '{:.0f}')} / "
-                      f"{fmt_spread(sm[sweep][x][value]['moves_committed'], '{:.0f}')}"
-                      for x in systems if x.startswith("vtoken")]
-            lines.append(f"| {value} | " + " | ".join(cells) + " |")
-        lines.append("")
+        vtoken = [x for x in systems if x.startswith("vtoken")]
+        header = [label, *(f"F {LABELS[x]}" for x in systems), *(f"slots/req {LABELS[x]}" for x in systems),
+                  *(f"plans / moves {LABELS[x]}" for x in vtoken)]
+        rows = [[value, *(fmt_spread(sm[sweep][x][value]["waste_ratio_F"]) for x in systems),
+                 *(fmt_spread(sm[sweep][x][value]["retained_slots_per_request"], "{:.0f}") for x in systems),
+                 *(f"{fmt_spread(sm[sweep][x][value]['plans_committed'], '{:.0f}')} / "
+                   f"{fmt_spread(sm[sweep][x][value]['moves_committed'], '{:.0f}')}" for x in vtoken)]
+                for value in sm[sweep][systems[0]]]
+        lines += [f"{label}:", ""] + markdown(header, rows) + [""]
     return lines
 
 
+ROWS = (("waste_ratio_F", "waste ratio F", False), ("retained_slots_per_request", "retained slots / request", False),
+        ("plans_committed", "plans committed", True), ("moves_committed", "token moves committed", True))
+COLUMNS = (("eviction_ratio", "eviction ratio"), ("theta_f", "θ_F (compact)"), ("block_size", "block size"))
+
+
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     sm = report["summary"]
-    rows = (("waste_ratio_F", "waste ratio F", False),
-            ("retained_slots_per_request", "retained slots / request", False),
-            ("plans_committed", "plans committed", True), ("moves_committed", "token moves committed", True))
-    cols = (("eviction_ratio", "eviction ratio"), ("theta_f", "θ_F (compact)"), ("block_size", "block size"))
-    fig, axes = plt.subplots(len(rows), len(cols), figsize=(14, 12), squeeze=False)
-    for c, (sweep, xlabel) in enumerate(cols):
-        for r, (metric, ylabel, log) in enumerate(rows):
-            ax = axes[r][c]
-            for system, by_value in sm[sweep].items():
-                xs = [float(v) for v in by_value]
-                summaries = [by_value[v][metric] for v in by_value]
-                if log and all(x["median"] == 0 for x in summaries):
-                    continue
-                line_with_spread(ax, xs, summaries, COLORS[system], LABELS[system])
-            if log:
-                ax.set_yscale("symlog")
-            if sweep == "block_size":
-                ax.set_xscale("log", base=2)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel(ylabel)
-            ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("Q5 sensitivity, H2O on chat (median, min–max over seeds)")
-    save(fig, path)
+
+    def panel(sweep: str, xlabel: str, metric: str, ylabel: str, log: bool) -> Panel:
+        series = {x: [by_value[v][metric] for v in by_value] for x, by_value in sm[sweep].items()}
+        if log:  # nothing to show on a log axis
+            series = {x: ss for x, ss in series.items() if not all(s["median"] == 0 for s in ss)}
+        steps = [do("set_yscale", "symlog")] if log else []
+        steps += [do("set_xscale", "log", base=2)] if sweep == "block_size" else []
+        return Panel(series, ylabel, xs=[float(v) for v in next(iter(sm[sweep].values()))],
+                     steps=steps + [do("set_xlabel", xlabel), do("grid", alpha=0.3)])
+    panels = [[panel(*c, *r) for c in COLUMNS] for r in ROWS]
+    panels[0][0] = replace(panels[0][0], steps=(*panels[0][0].steps, do("legend", fontsize=7)))
+    figure(path, panels, "Q5 sensitivity, H2O on chat (median, min–max over seeds)", figsize=(14, 12))

@@ -1,30 +1,15 @@
 """Q6 (seed §4, question 6, the prefix-caching half) on real vLLM: does vtoken stay correct with vLLM's prefix
 caching on, and how does it treat the blocks that requests share?
 
-Workload, per seed: ``q6_prefix_groups`` shared prefixes, windows of held-out stdlib source
-(``vllm_engine.heldout_windows``) whose lengths spread over ``q6_prefix_len`` (96-128 bytes), each followed by
-``q6_prefix_requests`` distinct ``q6_suffix_len``-byte suffixes. Two ``generate`` calls per seed: first every
-group's first request (nothing of it cached), then all the others, whose prefix is in vLLM's prefix cache (their
-first request finished, or a sibling scheduled in the same step computes it). The trained byte-level Llama,
-greedy, fp32, ``logprobs=0``, ``ignore_eos``, ``q6_prefix_max_tokens`` bytes each.
+Per seed ``q6_prefix_groups`` held-out prefixes (``q6_prefix_len``), each followed by ``q6_prefix_requests``
+private ``q6_suffix_len``-byte suffixes; each group's first request runs first, then the others (prefix-cache
+hits). The full cache and, per policy of ``q6_prefix_policies``, Naive-Evict, compact and densify (strict verify,
+quarantine), each with caching on and off on the same requests.
 
-Systems (``systems.vtoken_config``, every engine with vtoken on): the full cache (policy none), and per policy
-in ``q6_prefix_policies`` at ``q6_prefix_budget`` Naive-Evict (gather, reclaim off), vtoken compact (gather) and
-vtoken densify (dense); the evicting ones with ``strict_verify: strict`` and ``on_mismatch: quarantine``. Each
-system runs twice, vLLM's prefix caching on and off, with the same requests in the same order.
-
-Measured per (system, policy, caching, seed) (``runs``):
-
-    cached_tokens, hit_requests              prompt tokens served from the prefix cache (``num_cached_tokens``)
-    hits_per_later_request                   mean cached tokens of the requests after each group's first
-    prompt_tokens, computed_prompt_tokens    prompt tokens, and those the prefill computed (not hit)
-    identical_to_naive, same_tokens_as_naive compact, densify vs Naive-Evict with the same caching
-    same_tokens_as_off, identical_to_off     caching on vs off, same system and policy (ids; ids and logprobs)
-    max_abs_logprob_diff_vs_*                largest |logprob difference| where the token ids are equal
-    relocations, verified, mismatches, quarantined, tokens_evicted, ...   vtoken's counters (``q6_quality.COUNTERS``)
-    uncached, no_plan_<reason>               vtoken on shared blocks (``shared_block_counters``)
-
-``summary`` holds medians and min-max spreads over the seeds and the comparisons' totals.
+Per (system, policy, caching, seed) (``runs``): cached_tokens, hit_requests, hits_per_later_request,
+prompt_tokens, computed_prompt_tokens, identical_to_naive / same_tokens_as_naive, identical_to_off /
+same_tokens_as_off, max_abs_logprob_diff_vs_*, vtoken's counters (``q6_quality.COUNTERS``), uncached and
+no_plan_<reason> (``shared_block_counters``), prompts. ``summary``: medians and spreads, the comparisons' totals.
 """
 
 from __future__ import annotations
@@ -34,10 +19,10 @@ from pathlib import Path
 
 from vtoken.core.plan import NoPlanReason
 
-from .plots import grouped_bars, pyplot, save
 from .q6_quality import COUNTERS, EVICTING, Q6_LABELS, _text, compare, vtoken_config
+from .render import Panel, do, figure, fmt_spread, markdown
 from .runner import BenchContext
-from .stats import fmt_spread, pick, summaries, totals
+from .stats import pick, summaries, totals
 from .vllm_engine import heldout_windows, run_engine
 
 KEY = "q6_prefix"
@@ -56,6 +41,9 @@ HITS = ("cached_tokens", "prompt_tokens", "requests", "first_requests", "hit_req
 CACHING = ("on", "off")
 CACHING_COLORS = {"on": "#2ca02c", "off": "#7f7f7f"}
 CACHING_LABELS = {"on": "prefix caching on", "off": "prefix caching off"}
+HEADER = ("policy", "system", "prefix cache", "hit tokens / later request", "prompt tokens computed / seed",
+          "tokens evicted / seed", "relocations, all seeds (verified / mismatches / quarantined)", "hashes dropped",
+          "no plan: no candidates / shared", "same bytes as caching off")
 
 
 def shared_block_counters(llm) -> dict:
@@ -134,13 +122,9 @@ def run(ctx: BenchContext) -> dict:
                                              for o in one["outputs"]),
                **one["counters"]}
         if system in ("vtoken_compact", "vtoken_densify"):
-            naive = raw[("naive_evict", policy, caching, seed)]["outputs"]
-            (rec["same_tokens_as_naive"], rec["identical_to_naive"],
-             rec["max_abs_logprob_diff_vs_naive"]) = compare(one["outputs"], naive)
+            rec |= compare(one["outputs"], raw[("naive_evict", policy, caching, seed)]["outputs"], "naive")
         if caching == "on":
-            off = raw[(system, policy, "off", seed)]["outputs"]
-            rec["same_tokens_as_off"], rec["identical_to_off"], rec["max_abs_logprob_diff_vs_off"] = \
-                compare(one["outputs"], off)
+            rec |= compare(one["outputs"], raw[(system, policy, "off", seed)]["outputs"], "off")
             rec["same_share_as_off"] = rec["same_tokens_as_off"] / len(prompts)
         rec["prompts"] = [{"group": g, "member": i, "prompt_len": len(p), "cached_tokens": c, "output": _text(o[0])}
                           for (g, i), p, c, o in zip(order, prompts, one["cached"], one["outputs"])]
@@ -212,26 +196,21 @@ def _rows(sm: dict) -> list[tuple[str, str, dict]]:
 
 def table(report: dict) -> list[str]:
     sm = report["summary"]
-    lines = [("| policy | system | prefix cache | hit tokens / later request | prompt tokens computed / seed "
-              "| tokens evicted / seed | relocations, all seeds (verified / mismatches / quarantined) "
-              "| hashes dropped | no plan: no candidates / shared | same bytes as caching off |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for policy, system, m in _rows(sm):
         for c in CACHING:
             x = m[c]
             ps, off = x["per_seed"], x.get("vs_off")
-            same = f"{off['same_tokens']}/{off['pairs']} ({off['identical']} bit-identical)" if off else "–"
-            lines.append(
-                f"| {policy} | {Q6_LABELS[system]} | {c} | {fmt_spread(ps['hits_per_later_request'], '{:.1f}')} "
-                f"| {fmt_spread(ps['computed_prompt_tokens'], '{:.0f}')} "
-                f"| {fmt_spread(ps['tokens_evicted'], '{:.0f}')} "
-                f"| {x['relocations']:,} ({x['verified']:,} / {x['mismatches']} / {x['quarantined']}) "
-                f"| {x['uncached']} | {x['no_plan_no_candidates']} / {x['no_plan_shared_block']} | {same} |")
+            rows.append([policy, Q6_LABELS[system], c, fmt_spread(ps["hits_per_later_request"], "{:.1f}"),
+                         fmt_spread(ps["computed_prompt_tokens"], "{:.0f}"), fmt_spread(ps["tokens_evicted"], "{:.0f}"),
+                         f"{x['relocations']:,} ({x['verified']:,} / {x['mismatches']} / {x['quarantined']})",
+                         x["uncached"], f"{x['no_plan_no_candidates']} / {x['no_plan_shared_block']}",
+                         f"{off['same_tokens']}/{off['pairs']} ({off['identical']} bit-identical)" if off else "–"])
     i, d, v, on = sm["identity"], sm["densify_vs_naive"], sm["verify"], sm["hits"]["on"]
     firsts = on["first_requests"]
     on_off = ", ".join(f"{Q6_LABELS[x]} {c['same_tokens']}/{c['pairs']} ({c['identical']} bit-identical)"
                        for x, c in sm["on_vs_off"].items())
-    lines.append("\n" + " ".join([
+    return markdown(HEADER, rows) + ["\n" + " ".join([
         (f"Prefix-cache hits with caching on: {on['later_hit_requests']} of {on['requests'] - firsts} later requests, "
          f"{on['first_hit_requests']} of {firsts} first ones, {on['cached_tokens']:,} of {on['prompt_tokens']:,} "
          f"prompt tokens; caching off: {sm['hits']['off']['cached_tokens']} tokens."),
@@ -243,30 +222,29 @@ def table(report: dict) -> list[str]:
         (f"Strict verify over the evicting runs: {v['mismatches']} mismatches and {v['quarantined']} quarantined in "
          f"{v['relocations']:,} relocations ({v['verified']:,} verified); {v['write_slots_audited']:,} write slots "
          f"audited."),
-        "Paper: shared-prefix blocks never relocated, the same hit rate for vToken and Naive-Evict."]))
-    return lines
+        "Paper: shared-prefix blocks never relocated, the same hit rate for vToken and Naive-Evict."])]
+
+
+PANELS = (("hits_per_later_request", "prefix-cache hit tokens per later request", 1),
+          ("tokens_evicted", "tokens evicted per seed", 1),
+          ("relocations", "relocations per seed (strict verify: each verified)", 1),
+          ("same_share_as_off", "requests with the same bytes as caching off (%)", 100))
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     sm = report["summary"]
     rows = _rows(sm)
     groups = [Q6_LABELS[x] if p == "none" else f"{p}\n{Q6_LABELS[x].removeprefix('vtoken ')}" for p, x, _ in rows]
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
-    panels = (("hits_per_later_request", "prefix-cache hit tokens per later request", 1),
-              ("tokens_evicted", "tokens evicted per seed", 1),
-              ("relocations", "relocations per seed (strict verify: each verified)", 1),
-              ("same_share_as_off", "requests with the same bytes as caching off (%)", 100))
-    for ax, (metric, ylabel, scale) in zip(axes, panels):
+
+    def panel(metric: str, ylabel: str, scale: float, *steps: tuple) -> Panel:
         shown = ("on",) if metric == "same_share_as_off" else CACHING
-        series = {c: [m[c]["per_seed"][metric] for _, _, m in rows] for c in shown}
-        grouped_bars(ax, groups, series, CACHING_COLORS, CACHING_LABELS, ylabel, scale)
-        ax.tick_params(axis="x", labelsize=6)
-    axes[3].set_ylim(0, 105)
-    axes[0].set_ylim(0, axes[0].get_ylim()[1] * 1.25)
-    axes[0].legend(fontsize=7, loc="upper right")
+        return Panel({c: [m[c]["per_seed"][metric] for _, _, m in rows] for c in shown}, ylabel, groups, scale,
+                     CACHING_COLORS, CACHING_LABELS, [do("tick_params", axis="x", labelsize=6), *steps])
+    headroom = do(lambda ax: ax.set_ylim(0, ax.get_ylim()[1] * 1.25))  # for the legend
+    panels = [panel(*PANELS[0], headroom, do("legend", fontsize=7, loc="upper right")), panel(*PANELS[1]),
+              panel(*PANELS[2]), panel(*PANELS[3], do("set_ylim", 0, 105))]
     i, v = sm["identity"], sm["verify"]
-    fig.suptitle(f"Q6 prefix caching on vLLM CPU, byte-llama greedy (median, min–max over seeds); compact ≡ "
-                 f"Naive-Evict in {i['on']['identical']}/{i['on']['pairs']} pairs with caching on, "
-                 f"{v['mismatches']} verify mismatches in {v['verified']:,} relocations")
-    save(fig, path)
+    figure(path, [panels], f"Q6 prefix caching on vLLM CPU, byte-llama greedy (median, min–max over seeds); "
+                           f"compact ≡ Naive-Evict in {i['on']['identical']}/{i['on']['pairs']} pairs with caching "
+                           f"on, {v['mismatches']} verify mismatches in {v['verified']:,} relocations",
+           figsize=(22, 4.8))

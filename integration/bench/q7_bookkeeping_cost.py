@@ -1,31 +1,11 @@
 """Q7 (the review's open question): the CPU cost of vtoken's per-iteration bookkeeping as tracked requests grow.
 
-The paper reports concurrencies up to C=48 and calls the token table's byte
-footprint negligible, but never the host-side compute per scheduling
-iteration. Here N requests (16 ... 1,024) of ``q7_prompt_len`` prompt tokens
-are admitted into one runtime and decoded together; for each decode step we
-time, with ``time.perf_counter_ns`` and the garbage collector paused (it
-runs, if at all, in the untimed fake model):
-
-    begin_step  settle copies, allocate, sync new tokens, build every request's write and read slots
-    end_step    select victims (H2O), evict, record attention, plan and launch reclamation
-
-i.e. everything the runtime does per iteration except the model itself (the
-fake model's writes and attention rows are computed outside the timed
-region). Time spent inside the copy engine is measured separately
-(``engine_us``) and subtracted: the in-memory engine stands in for the GPU's
-copy stream (it really moves tags, and orders copies by sorting its live
-handles, which a CUDA stream does not do on the host), so it is not
-bookkeeping. Reported per system: median microseconds of bookkeeping per step
-(``us_per_step``) over the timed steps, the same divided by N, and the scaling
-exponent b of a least-squares fit us_per_step ~ N^b on log-log axes (b = 1:
-linear in tracked requests). Timings share the machine with whatever else
-runs on it; the spread over seeds shows how much that mattered.
-
-Per point (``runs``): system, seed, requests, live_tokens_per_request (after
-prefill eviction), us_per_step, us_per_request, begin_us, end_us, engine_us
-(medians; begin/end include the engine), step_us (every timed step's
-bookkeeping), plans_committed.
+N requests (16 ... 1,024) of ``q7_prompt_len`` tokens decode together in one runtime; per decode step
+``begin_step`` and ``end_step`` are timed (``perf_counter_ns``, the collector paused), the fake model's work is
+not, and the time inside the in-memory copy engine (the GPU copy stream's stand-in) is subtracted and reported
+apart. Per point (``runs``): system, seed, requests, live_tokens_per_request, us_per_step, us_per_request, begin_us,
+end_us, engine_us (medians), step_us (every timed step), plans_committed. ``summary``: per system and N the median
+and spread, and the exponent b of us_per_step ~ N^b (log-log least squares per seed).
 """
 
 from __future__ import annotations
@@ -44,9 +24,9 @@ from vtoken.core.reclamation import Ordering, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 from vtoken.core.sim.simulator import SimConfig, attention_weights, content_tag
 
-from .plots import line_with_spread, pyplot, save, scaling_axes
+from .render import Panel, figure, fmt_spread, markdown, scaling
 from .runner import BenchContext
-from .stats import fit_exponent, fmt_spread, nest, summaries
+from .stats import fit_exponent, nest, summaries
 from .systems import COLORS, LABELS, SYSTEMS, configure
 
 KEY = "q7"
@@ -167,31 +147,23 @@ def run(ctx: BenchContext) -> dict:
 def table(report: dict) -> list[str]:
     sm = report["summary"]
     sizes = list(sm[SYSTEMS[0]]["by_requests"])
-    lines = ["| tracked requests | " + " | ".join(f"{LABELS[x]} µs/step (µs/request)" for x in SYSTEMS) + " |",
-             "|---" * (1 + len(SYSTEMS)) + "|"]
-    for n in sizes:
-        cells = [f"{fmt_spread(sm[x]['by_requests'][n]['us_per_step'], '{:,.0f}')} "
-                 f"({sm[x]['by_requests'][n]['us_per_request']['median']:.1f})" for x in SYSTEMS]
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    lines.append("| exponent b | " + " | ".join(fmt_spread(sm[x]["scaling_exponent"], "{:.2f}")
-                                                for x in SYSTEMS) + " |")
+    rows = [[n, *(f"{fmt_spread(sm[x]['by_requests'][n]['us_per_step'], '{:,.0f}')} "
+                  f"({sm[x]['by_requests'][n]['us_per_request']['median']:.1f})" for x in SYSTEMS)] for n in sizes]
+    rows.append(["exponent b", *(fmt_spread(sm[x]["scaling_exponent"], "{:.2f}") for x in SYSTEMS)])
     engine = ", ".join(f"{LABELS[x]} {sm[x]['by_requests'][sizes[-1]]['engine_us']['median']:,.0f}"
                        for x in SYSTEMS)
-    lines.append(f"\nExcluded, time inside the in-memory copy engine per step at N={sizes[-1]} (µs): {engine}.")
-    return lines
+    return (markdown(["tracked requests", *(f"{LABELS[x]} µs/step (µs/request)" for x in SYSTEMS)], rows)
+            + [f"\nExcluded, time inside the in-memory copy engine per step at N={sizes[-1]} (µs): {engine}."])
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     sm = report["summary"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for x in SYSTEMS:
-        by_n = sm[x]["by_requests"]
-        ns = [int(n) for n in by_n]
-        b = sm[x]["scaling_exponent"]["median"]
-        line_with_spread(ax1, ns, [by_n[n]["us_per_step"] for n in by_n], COLORS[x], f"{LABELS[x]} (b={b:.2f})")
-        line_with_spread(ax2, ns, [by_n[n]["us_per_request"] for n in by_n], COLORS[x], LABELS[x])
-    scaling_axes((ax1, ax2), "tracked requests N",
-                 ("µs per scheduling iteration", "µs per tracked request per iteration"))
-    fig.suptitle("Q7 CPU bookkeeping cost of the runtime per step (median, min–max over seeds)")
-    save(fig, path)
+    ns = [int(n) for n in sm[SYSTEMS[0]]["by_requests"]]
+    labels = {x: f"{LABELS[x]} (b={sm[x]['scaling_exponent']['median']:.2f})" for x in SYSTEMS}
+    series = {m: {x: [by[m] for by in sm[x]["by_requests"].values()] for x in SYSTEMS}
+              for m in ("us_per_step", "us_per_request")}
+    figure(path, [[Panel(series["us_per_step"], "µs per scheduling iteration", xs=ns, labels=labels,
+                         steps=scaling("tracked requests N", first=True)),
+                   Panel(series["us_per_request"], "µs per tracked request per iteration", xs=ns,
+                         steps=scaling("tracked requests N", first=False))]],
+           "Q7 CPU bookkeeping cost of the runtime per step (median, min–max over seeds)")

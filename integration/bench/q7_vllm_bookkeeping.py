@@ -1,40 +1,22 @@
-"""Q7 (the review's open question: CPU-side bookkeeping as tracked requests grow), vLLM half: vtoken's seconds per
-engine step inside real vLLM, scheduler side and worker side, as the number of running requests C grows.
+"""Q7, vLLM half: vtoken's seconds per engine step inside real vLLM, scheduler side (``TokenStats.seconds``) and
+worker side (``WorkerTokens.seconds``), as running requests C grow; configurations ``SYSTEMS`` at
+``overhead_policy`` / ``overhead_budget``, strict verify off, pinned to one core.
 
-The simulator half (``q7_bookkeeping_cost``) times the core runtime alone; here the same question is asked of the
-vLLM integration, where the scheduler side (``SchedulerTokens``: table sync, victim choice, planning and commit,
-timed into ``TokenStats.seconds``) and the worker side (``WorkerTokens``: copies, verification, slot mapping,
-read plans, timed into its ``seconds``) run inside vLLM's own step. Configurations (same policy and budget,
-``overhead_policy`` / ``overhead_budget``, strict verify off):
-
-    on              vtoken on, nothing evicted (policy none): the table sync alone
-    naive_evict     eviction, gather read path, reclaim off
-    vtoken_compact  eviction, gather read path, reclaim compact
-    vtoken_densify  eviction, dense read path (vLLM's stock kernel), reclaim densify
-
-Per (configuration, C) one in-process engine with ``max_num_seqs = C`` and a pool that holds every request at
-full length; an untimed warm-up ``generate`` of the first seed's prompts (the same batch shapes), then one timed
-``generate`` per seed of C held-out windows (``prompt_len`` bytes, ``q7_max_tokens`` generated). Every step of
-the call counts (prefill chunks included). Timings run pinned to one core with the settings' torch threads.
-
-Per run (``runs``): system, concurrency, seed, steps, wall_s, step_ms (wall / steps), scheduler_ms, worker_ms,
-vtoken_ms (their sum), share (vtoken_ms / step_ms), us_per_request (vtoken_ms / C, in µs), attention_ms (time
-inside the attention impls, for context: gather vs the stock kernel), tokens_evicted, tokens_moved, relocations.
-``summary``: per configuration, per C the median and spread over seeds, and the growth exponent b of
-metric ~ C^b for scheduler_ms, worker_ms, vtoken_ms and step_ms (``stats.loglog_slope`` per seed, as the
-simulator half fits it; median and spread).
+Per (configuration, C) one in-process engine (``max_num_seqs = C``), an untimed warm-up, one timed ``generate`` per
+seed. Per run (``runs``): system, concurrency, seed, steps, wall_s, step_ms, scheduler_ms, worker_ms, vtoken_ms,
+share (of the step), us_per_request, attention_ms, tokens_evicted, tokens_moved, relocations, mismatches.
+``summary``: per configuration and C the median and spread, and the exponent b of metric ~ C^b for ``FITTED``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .plots import line_with_spread, pyplot, save, scaling_axes
 from .q7_bookkeeping_cost import PAPER
+from .render import Panel, figure, fmt_spread, markdown, pct, scaling
 from .runner import BenchContext
-from .stats import fit_exponent, fmt_spread, nest, pick, summaries, totals
-from .systems import system_config
-from .systems import COLORS, LABELS
+from .stats import fit_exponent, nest, pick, summaries, totals
+from .systems import COLORS, LABELS, system_config
 from .vllm_engine import heldout_windows, one_core, run_engine
 
 KEY = "q7"
@@ -112,43 +94,33 @@ def notes(s, pinning: dict | None) -> list[str]:
 # ---- output -------------------------------------------------------------------------------------
 def table(report: dict) -> list[str]:
     sm = report["summary"]["systems"]
-    lines = [("| C | configuration | step (ms) | vtoken scheduler (ms) | vtoken worker (ms) | share of step "
-              "| µs per request | attention (ms) |"), "|---|---|---|---|---|---|---|---|"]
-    sizes = list(sm[SYSTEMS[0]]["by_concurrency"])
-    for c in sizes:
-        for x in SYSTEMS:
-            m = sm[x]["by_concurrency"][c]
-            lines.append(f"| {c} | {Q7_LABELS[x]} | {fmt_spread(m['step_ms'], '{:.2f}')} "
-                         f"| {fmt_spread(m['scheduler_ms'], '{:.3f}')} | {fmt_spread(m['worker_ms'], '{:.3f}')} "
-                         f"| {fmt_spread(m['share'], '{:.1f}', 100)} % | {m['us_per_request']['median']:.1f} "
-                         f"| {m['attention_ms']['median']:.2f} |")
-    lines += ["", "| growth exponent b (metric ~ C^b) | " + " | ".join(FITTED) + " |", "|---" * (1 + len(FITTED)) + "|"]
-    for x in SYSTEMS:
-        e = sm[x]["exponent"]
-        lines.append(f"| {Q7_LABELS[x]} | " + " | ".join(fmt_spread(e[m], "{:.2f}") if e[m] else "–" for m in FITTED)
-                     + " |")
+    per_step = [[c, Q7_LABELS[x], fmt_spread(m["step_ms"], "{:.2f}"), fmt_spread(m["scheduler_ms"], "{:.3f}"),
+                 fmt_spread(m["worker_ms"], "{:.3f}"), pct(m["share"]), f"{m['us_per_request']['median']:.1f}",
+                 f"{m['attention_ms']['median']:.2f}"]
+                for c in sm[SYSTEMS[0]]["by_concurrency"] for x in SYSTEMS for m in [sm[x]["by_concurrency"][c]]]
+    exponents = [[Q7_LABELS[x], *(fmt_spread(e[m], "{:.2f}") if e[m] else "–" for m in FITTED)]
+                 for x in SYSTEMS for e in [sm[x]["exponent"]]]
     p = report["summary"]["pinning"]
-    lines.append(f"\nMedian (min–max) over seeds, one engine per (configuration, C). Policy "
-                 f"{report['summary']['policy']} at budget {report['summary']['budget']}; "
-                 + (f"pinned to core {p['core']}." if p else "not pinned.")
-                 + " Paper: no host-side compute cost reported; its overhead runs stop at C=48.")
-    return lines
+    return (markdown(("C", "configuration", "step (ms)", "vtoken scheduler (ms)", "vtoken worker (ms)",
+                      "share of step", "µs per request", "attention (ms)"), per_step) + [""]
+            + markdown(("growth exponent b (metric ~ C^b)", *FITTED), exponents)
+            + [f"\nMedian (min–max) over seeds, one engine per (configuration, C). Policy "
+               f"{report['summary']['policy']} at budget {report['summary']['budget']}; "
+               + (f"pinned to core {p['core']}." if p else "not pinned.")
+               + " Paper: no host-side compute cost reported; its overhead runs stop at C=48."])
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     sm = report["summary"]["systems"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for x in SYSTEMS:
-        by_c = sm[x]["by_concurrency"]
-        cs = [int(c) for c in by_c]
-        b = sm[x]["exponent"]["vtoken_ms"]
-        label = f"{Q7_LABELS[x]} (b={b['median']:.2f})" if b else Q7_LABELS[x]
-        line_with_spread(ax1, cs, [by_c[c]["vtoken_ms"] for c in by_c], Q7_COLORS[x], label)
-        line_with_spread(ax2, cs, [by_c[c]["share"] for c in by_c], Q7_COLORS[x], Q7_LABELS[x], 100)
-    scaling_axes((ax1, ax2), "running requests C",
-                 ("vtoken ms per engine step (scheduler + worker)", "vtoken share of the step (%)"))
+    cs = [int(c) for c in sm[SYSTEMS[0]]["by_concurrency"]]
+    exponents = {x: sm[x]["exponent"]["vtoken_ms"] for x in SYSTEMS}
+    labels = {x: f"{Q7_LABELS[x]} (b={b['median']:.2f})" if b else Q7_LABELS[x] for x, b in exponents.items()}
+    series = {m: {x: [by[m] for by in sm[x]["by_concurrency"].values()] for x in SYSTEMS}
+              for m in ("vtoken_ms", "share")}
     p = report["summary"]["pinning"]
-    fig.suptitle("Q7 vtoken bookkeeping per step on vLLM CPU, byte-llama (median, min–max over seeds; "
-                 + (f"pinned to core {p['core']})" if p else "not pinned)"))
-    save(fig, path)
+    figure(path, [[Panel(series["vtoken_ms"], "vtoken ms per engine step (scheduler + worker)", xs=cs,
+                         colors=Q7_COLORS, labels=labels, steps=scaling("running requests C", first=True)),
+                   Panel(series["share"], "vtoken share of the step (%)", xs=cs, scale=100, colors=Q7_COLORS,
+                         labels=Q7_LABELS, steps=scaling("running requests C", first=False))]],
+           "Q7 vtoken bookkeeping per step on vLLM CPU, byte-llama (median, min–max over seeds; "
+           + (f"pinned to core {p['core']})" if p else "not pinned)"))

@@ -1,42 +1,17 @@
-"""Q8 (seed §4, question 8): bursty eviction. How far does reclamation lag a burst with a fixed theta_F,
-and how much faster does the adaptive trigger (``ReclaimConfig.burst_df``, core/reclamation.py) react?
+"""Q8 (seed §4, question 8): bursty eviction. How far does reclamation lag a burst with a fixed theta_F, and how
+much faster does the adaptive trigger (``ReclaimConfig.burst_df``) react?
 
-Workload. N requests with chat-like prompts (``CHAT_PROMPT``, seeded, clipped to [16, 1,024] tokens) are
-all admitted at step 0 and decode to the end of the timeline: a fixed population, sized so that no run
-preempts (the pool holds every request at full length). The eviction side is a budget schedule
-(``core/workloads.burst_schedule``): ``first_quiet`` steps at budget 1.0 (nothing is evicted), then
-``cycles`` times a burst of ``burst`` steps at budget ``low``, in which every request evicts 1 - ``low`` of
-its tokens at the burst's first step and keeps evicting as it grows, and ``quiet`` steps back at 1.0.
-Each burst starts a seeded 0-31 steps late, so bursts meet the K cadence at different phases across
-seeds. Policy H2O; vtoken compact on the gather path, copies complete at once.
+N chat-like requests at step 0 decode to the timeline's end (the pool holds them all); the budget schedule
+(``burst_schedule``) is 1.0, then ``cycles`` x (a burst of ``burst`` steps at ``low``, ``quiet`` steps at 1.0),
+each burst a seeded 0-31 steps late. H2O, compact, copies done at once. Systems (``configs``): naive_evict,
+fixed theta_F x K, adaptive theta_F x K (K > 1; adaptive K = 1 would decide as fixed K = 1).
 
-Systems, with identical eviction decisions within a seed:
-
-    naive_evict              no reclamation (the reference for blocks)
-    fixed    theta_F, K      today's trigger: a round on every K-th iteration while F > theta_F
-    adaptive theta_F, K      the same cadence plus ``burst_df``: F rising by burst_df within one iteration
-                             starts burst mode, a round on every iteration while F > theta_F
-                             (K = 1 is left out: every iteration is on the cadence, so it equals fixed K = 1)
-
-Measured per run; median and min-max over seeds:
-
-    lag_iterations          per burst: iterations from its first step until F <= theta_F, with F read where
-                            Stage 1 reads it (after the step's eviction, before its round; the harness wraps
-                            the runtime's reclaim call to read it there); 0 when the burst leaves F <= theta_F;
-                            a burst that never gets there within its window counts the window's length and
-                            is counted in ``censored``. A plan commits at the next step, so reacting at once
-                            gives 1. ``lag_mean``: over the bursts.
-    peak_allocated_blocks   most blocks allocated at any step of a burst window (destinations in flight
-                            included: reacting at once allocates them before the sources are released)
-    allocated_first_32      mean allocated blocks over a burst's first 32 steps (the longest K), mean over bursts
-    trapped_block_iterations  sum over burst-window steps of retained blocks - ideal packed blocks ceil(live/S)
-    rounds, rounds_quiet, rounds_burst   reclamation rounds run (plan_round calls), all / on steps outside
-                            the burst windows / inside them; ``fruitless_rounds``: rounds that made no plan
-    plans_made, plans_committed, moves_committed, bursts_detected, burst_rounds (rounds off the K cadence)
-    max_quiet_rise_F        the largest one-iteration rise of F (as read above) on any step but a burst's
-                            first: what burst_df must stay above not to mistake ordinary steps for bursts
-    trace                   F, allocated, retained and ideal blocks per step from 16 steps before the
-                            first burst to the end of its window (the plot's curves)
+Per run: lags (per burst, iterations until F <= theta_F, F read where Stage 1 reads it; a burst that never gets
+there counts its window and ``censored``), lag_mean, peak_allocated_blocks, allocated_first_32,
+trapped_block_iterations (retained - ideal blocks over burst steps), rounds / rounds_quiet / rounds_burst,
+fruitless_rounds, plans_made, plans_committed, moves_committed, bursts_detected, burst_rounds,
+max_quiet_rise_F (largest one-step rise of F off a burst's start: burst_df must exceed it), trace (per step around
+the first burst: F, allocated, retained, ideal).
 """
 
 from __future__ import annotations
@@ -51,9 +26,9 @@ from vtoken.core.sim.simulator import RequestSpec, SimConfig, Simulator
 from vtoken.core.sim.workloads import CHAT_PROMPT, burst_schedule, burst_windows
 
 from .measure import pool_for
-from .plots import pyplot, save
+from .render import Panel, do, figure, fmt_spread, markdown
 from .runner import BenchContext
-from .stats import fmt_spread, pick, summaries
+from .stats import pick, summaries
 
 KEY = "q8"
 TITLE = "Bursty eviction: reclamation lag, peak blocks and rounds, fixed theta_F x K vs the adaptive trigger"
@@ -190,9 +165,9 @@ def measure(ctx: BenchContext, setup: Q8Setup, config: dict, seed: int) -> dict:
     }
 
 
-METRICS = ("lag_mean", "censored", "peak_allocated_blocks", "allocated_first_32", "trapped_block_iterations", "rounds", "rounds_quiet",
-           "rounds_burst", "fruitless_rounds", "plans_made", "moves_committed", "bursts_detected", "burst_rounds",
-           "max_quiet_rise_F")
+METRICS = ("lag_mean", "censored", "peak_allocated_blocks", "allocated_first_32", "trapped_block_iterations",
+           "rounds", "rounds_quiet", "rounds_burst", "fruitless_rounds", "plans_made", "moves_committed",
+           "bursts_detected", "burst_rounds", "max_quiet_rise_F")
 
 
 def run(ctx: BenchContext) -> dict:
@@ -224,80 +199,77 @@ def run(ctx: BenchContext) -> dict:
     return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs, "summary": summary, "notes": notes}
 
 
-def _label(x: dict) -> tuple[str, str, str]:
-    if x["trigger"] == "none":
-        return "Naive-Evict", "–", "–"
-    return x["trigger"], f"{x['theta_f']}", f"{x['check_every']}"
+HEADER = ("trigger", "θ_F", "K", "lag (iterations)", "censored bursts", "peak allocated", "allocated, first 32",
+          "trapped block·it", "rounds quiet / burst", "fruitless rounds", "plans made")
 
 
 def table(report: dict) -> list[str]:
     sm = report["summary"]
-    lines = [("| trigger | θ_F | K | lag (iterations) | censored bursts | peak allocated | allocated, first 32 "
-              "| trapped block·it | rounds quiet / burst | fruitless rounds | plans made |"), "|---" * 11 + "|"]
-    for x in sm["by_system"].values():
-        trig, theta, k = _label(x)
-        lag = "never" if x["trigger"] == "none" else fmt_spread(x["lag_mean"], "{:.1f}")
-        lines.append(
-            f"| {trig} | {theta} | {k} | {lag} | {fmt_spread(x['censored'], '{:.0f}')} "
-            f"| {fmt_spread(x['peak_allocated_blocks'], '{:.0f}')} | {fmt_spread(x['allocated_first_32'], '{:.0f}')} "
-            f"| {fmt_spread(x['trapped_block_iterations'], '{:,.0f}')} "
-            f"| {fmt_spread(x['rounds_quiet'], '{:.0f}')} / {fmt_spread(x['rounds_burst'], '{:.0f}')} "
-            f"| {fmt_spread(x['fruitless_rounds'], '{:.0f}')} | {fmt_spread(x['plans_made'], '{:.0f}')} |")
-    lines.append(f"\nLargest one-iteration rise of F outside a burst's first step, any run: "
-                 f"{sm['max_quiet_rise_F']:.3f} (adaptive burst_df: {sm['setup']['burst_df']}).")
-    return lines
+
+    def n(x: dict, metric: str, fmt: str = "{:.0f}") -> str:
+        return fmt_spread(x[metric], fmt)
+    rows = [[*(("Naive-Evict", "–", "–", "never") if x["trigger"] == "none" else
+               (x["trigger"], x["theta_f"], x["check_every"], n(x, "lag_mean", "{:.1f}"))),
+             n(x, "censored"), n(x, "peak_allocated_blocks"), n(x, "allocated_first_32"),
+             n(x, "trapped_block_iterations", "{:,.0f}"), f"{n(x, 'rounds_quiet')} / {n(x, 'rounds_burst')}",
+             n(x, "fruitless_rounds"), n(x, "plans_made")] for x in sm["by_system"].values()]
+    return markdown(HEADER, rows) + [f"\nLargest one-iteration rise of F outside a burst's first step, any run: "
+                                     f"{sm['max_quiet_rise_F']:.3f} (adaptive burst_df: {sm['setup']['burst_df']})."]
+
+
+def trace_steps(runs: list[dict], series: str, label: str, color: str, ls: str) -> list[tuple]:
+    """One system's first-burst trace of ``series`` (F, or retained / ideal blocks): the median over seeds, and
+    the min-max band."""
+    runs = sorted(runs, key=lambda r: r["seed"])
+    n = min(len(r["trace"]["F"]) for r in runs)
+    xs = list(range(runs[0]["trace"]["first_step"], runs[0]["trace"]["first_step"] + n))
+    if series == "F":
+        ys = [[r["trace"]["F"][i] for r in runs] for i in range(n)]
+    else:
+        ys = [[r["trace"]["retained"][i] / max(1, r["trace"]["ideal"][i]) for r in runs] for i in range(n)]
+    return [do("plot", xs, [sorted(v)[len(v) // 2] for v in ys], color=color, ls=ls, label=label, lw=1.4),
+            do("fill_between", xs, [min(v) for v in ys], [max(v) for v in ys], color=color, alpha=0.12, lw=0)]
+
+
+def bar_steps(sm: dict, names: list[str], metric: str, ylabel: str) -> list[tuple]:
+    """Bars of ``metric`` per trigger (adaptive red), median and min-max; the rounds' bars name their plans."""
+    med = [sm[n][metric]["median"] for n in names]
+    err = [[m - sm[n][metric]["min"] for m, n in zip(med, names)],
+           [sm[n][metric]["max"] - m for m, n in zip(med, names)]]
+    steps = [do("bar", range(len(names)), med, yerr=err, capsize=2,
+                color=["#d62728" if sm[n]["trigger"] == "adaptive" else "#7f7f7f" for n in names])]
+    if metric == "rounds":
+        steps += [do("annotate", f"{sm[n]['plans_made']['median']:.0f} plans", (i, 0), xytext=(0, 3),
+                     textcoords="offset points", ha="center", fontsize=6, rotation=90, color="white")
+                  for i, n in enumerate(names)]
+    labels = [f"{sm[n]['trigger'][:5]} θ{sm[n]['theta_f']} K{sm[n]['check_every']}" for n in names]
+    return steps + [do("set_xticks", range(len(names))),
+                    do("set_xticklabels", labels, rotation=45, ha="right", fontsize=7),
+                    do("set_ylabel", ylabel), do("grid", axis="y", alpha=0.3)]
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     sm = report["summary"]["by_system"]
     setup = report["summary"]["setup"]
     theta = setup["theta_fs"][0]
     kmax = max(setup["adaptive_check_everys"])
-    shown = {"naive_evict": ("Naive-Evict", "#1f77b4", "-")}
     colors = {1: "#2ca02c", 8: "#9467bd", 32: "#8c564b"}
-    for k in setup["check_everys"]:
-        shown[f"fixed/{theta}/{k}"] = (f"fixed K={k}", colors.get(k, "#7f7f7f"), "--")
-    shown[f"adaptive/{theta}/{kmax}"] = (f"adaptive K={kmax}", "#d62728", "-")
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    for ax, series, ylabel in ((axes[0][0], "F", "waste ratio F"),
-                               (axes[0][1], "retained", "retained blocks / ideal ⌈live/S⌉")):
-        for name, (label, color, ls) in shown.items():
-            runs = sorted((r for r in report["runs"] if r["system"] == name), key=lambda r: r["seed"])
-            n = min(len(r["trace"]["F"]) for r in runs)
-            xs = list(range(runs[0]["trace"]["first_step"], runs[0]["trace"]["first_step"] + n))
-            if series == "F":
-                ys = [[r["trace"]["F"][i] for r in runs] for i in range(n)]
-            else:
-                ys = [[r["trace"]["retained"][i] / max(1, r["trace"]["ideal"][i]) for r in runs] for i in range(n)]
-            med = [sorted(v)[len(v) // 2] for v in ys]
-            ax.plot(xs, med, color=color, ls=ls, label=label, lw=1.4)
-            ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], color=color, alpha=0.12, lw=0)
-        if series == "F":
-            ax.axhline(theta, color="k", lw=0.8, ls=":", label=f"θ_F = {theta}")
-        ax.axvline(0, color="k", lw=0.8)
-        ax.set_xlabel("iterations since the first burst began")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7, loc="center right")
-    axes[0][0].set_title(f"first burst, θ_F = {theta} (median, min–max over seeds)", fontsize=9)
+    shown = {"naive_evict": ("Naive-Evict", "#1f77b4", "-"),
+             **{f"fixed/{theta}/{k}": (f"fixed K={k}", colors.get(k, "#7f7f7f"), "--")
+                for k in setup["check_everys"]},
+             f"adaptive/{theta}/{kmax}": (f"adaptive K={kmax}", "#d62728", "-")}
+
+    def traces(series: str, ylabel: str, *extra: tuple) -> Panel:
+        steps = [s for name, style in shown.items()
+                 for s in trace_steps([r for r in report["runs"] if r["system"] == name], series, *style)]
+        return Panel(steps=steps + [*extra, do("axvline", 0, color="k", lw=0.8),
+                                    do("set_xlabel", "iterations since the first burst began"),
+                                    do("set_ylabel", ylabel), do("grid", alpha=0.3)])
     names = [n for n, x in sm.items() if x["trigger"] != "none"]
-    labels = [f"{sm[n]['trigger'][:5]} θ{sm[n]['theta_f']} K{sm[n]['check_every']}" for n in names]
-    for ax, metric, ylabel in ((axes[1][0], "lag_mean", "lag: iterations until F ≤ θ_F (mean over bursts)"),
-                               (axes[1][1], "rounds", "reclamation rounds (whole run)")):
-        med = [sm[n][metric]["median"] for n in names]
-        err = [[m - sm[n][metric]["min"] for m, n in zip(med, names)],
-               [sm[n][metric]["max"] - m for m, n in zip(med, names)]]
-        bars = ax.bar(range(len(names)), med, yerr=err, capsize=2,
-                      color=["#d62728" if sm[n]["trigger"] == "adaptive" else "#7f7f7f" for n in names])
-        if metric == "rounds":  # and the plans those rounds made
-            for bar, n in zip(bars, names):
-                ax.annotate(f"{sm[n]['plans_made']['median']:.0f} plans", (bar.get_x() + bar.get_width() / 2, 0),
-                            xytext=(0, 3), textcoords="offset points", ha="center", fontsize=6, rotation=90,
-                            color="white")
-        ax.set_xticks(range(len(names)))
-        ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=7)
-        ax.set_ylabel(ylabel)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("Q8 bursty eviction: fixed θ_F × K vs the adaptive trigger (H2O, vtoken compact)")
-    save(fig, path)
+    f = traces("F", "waste ratio F", do("axhline", theta, color="k", lw=0.8, ls=":", label=f"θ_F = {theta}"))
+    f = Panel(steps=(*f.steps, do("legend", fontsize=7, loc="center right"),
+                     do("set_title", f"first burst, θ_F = {theta} (median, min–max over seeds)", fontsize=9)))
+    figure(path, [[f, traces("retained", "retained blocks / ideal ⌈live/S⌉")],
+                  [Panel(steps=bar_steps(sm, names, "lag_mean", "lag: iterations until F ≤ θ_F (mean over bursts)")),
+                   Panel(steps=bar_steps(sm, names, "rounds", "reclamation rounds (whole run)"))]],
+           "Q8 bursty eviction: fixed θ_F × K vs the adaptive trigger (H2O, vtoken compact)", figsize=(13, 9))

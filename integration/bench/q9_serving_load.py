@@ -1,27 +1,13 @@
 """Q9 (issue #17): the OpenAI-compatible server under load, vtoken off and on, on 127.0.0.1.
 
-Per configuration one ``vtoken serve`` process (``server.ServerProcess``: the byte-level model, fp32, eager,
-32-token blocks, vLLM's default pool and prefix caching) and ``q9_clients`` closed-loop clients in this process
-(asyncio, httpx): each sends a streamed ``/v1/completions`` request (a held-out window of ``q9_prompt_len``
-bytes as token ids after bos, ``q9_max_tokens`` generated greedily, ``ignore_eos``), waits for its last chunk,
-and sends the next, until ``q9_seconds`` have passed; requests under way then finish. An untimed warm-up round
-(one request per client) comes first; then one timed window per seed (its own prompts).
+Per configuration one ``vtoken serve`` (``server.ServerProcess``) and ``q9_clients`` closed-loop streaming clients
+(httpx) sending held-out prompts until ``q9_seconds`` pass: an untimed warm-up round, then a timed window per seed.
+Configurations: plain (vtoken off), Naive-Evict, compact, densify at ``overhead_policy`` / ``overhead_budget``.
 
-    plain           vtoken off (no additional_config)
-    naive_evict     eviction, gather read path, reclaim off (dead blocks are released, nothing is moved)
-    vtoken_compact  eviction, gather read path, reclaim compact
-    vtoken_densify  eviction, dense read path (vLLM's stock kernel), reclaim densify
-
-Eviction is ``overhead_policy`` at ``overhead_budget``; strict verify off (a production setting).
-
-Per run (``runs``): system, seed, requests, tokens (completion tokens, from the usage chunk), wall_s (from the
-window's start to its last chunk), throughput_tok_s (tokens / wall_s), requests_s, ttft_p50_ms / ttft_p95_ms
-(send to first chunk), itl_p50_ms / itl_p95_ms (gaps between a request's chunks, as vLLM's serving benchmark
-counts them: a chunk carries every token generated since the last one the API server sent, so when it falls
-behind, gaps are fewer and longer), tpot_p50_ms / tpot_p95_ms (per request: first to last chunk over the
-tokens after the first, whatever the chunking; near 0 when a response's chunks all arrive together), errors (responses that were not 200 or ended early: the run fails on any). ``summary``: per
-configuration, each metric's median and spread over seeds, the throughput relative to ``plain``, and vtoken's
-counters from ``/metrics`` at the end (tokens evicted, plans committed, blocks released; vLLM's preemptions).
+Per run (``runs``): system, seed, requests, tokens, wall_s, throughput_tok_s, requests_s, ttft_p50_ms /
+ttft_p95_ms (send to first chunk), itl_p50_ms / itl_p95_ms (gaps between a request's chunks), tpot_p50_ms /
+tpot_p95_ms (first to last chunk over the tokens after the first); a failed request fails the run. ``summary``:
+per configuration the medians and spreads, throughput relative to plain, the server's ``SERVER_COUNTERS``.
 """
 
 from __future__ import annotations
@@ -31,12 +17,11 @@ import json
 import time
 from pathlib import Path
 
-from .plots import grouped_bars, pyplot, save
+from .render import Panel, do, figure, fmt_spread, markdown
 from .runner import BenchContext
 from .server import MODEL, ServerProcess
-from .stats import fmt_spread, percentile, pick, summaries, summarize
-from .systems import system_config
-from .systems import COLORS, LABELS
+from .stats import percentile, pick, summaries, summarize
+from .systems import COLORS, LABELS, system_config
 from .vllm_engine import heldout_windows
 
 KEY = "q9"
@@ -176,32 +161,28 @@ def notes(s) -> list[str]:
 
 
 # ---- output -------------------------------------------------------------------------------------
+HEADER = ("configuration", "output tokens/s", "vs vtoken off", "requests/s", "TTFT p50 (ms)", "TTFT p95 (ms)",
+          "ITL p50 (ms)", "ITL p95 (ms)", "TPOT p50 (ms)", "TPOT p95 (ms)", "evicted", "plans", "blocks released",
+          "preemptions")
+
+
 def table(report: dict) -> list[str]:
     sm = report["summary"]["systems"]
-    lines = ["| configuration | output tokens/s | vs vtoken off | requests/s | TTFT p50 (ms) | TTFT p95 (ms) "
-             "| ITL p50 (ms) | ITL p95 (ms) | TPOT p50 (ms) | TPOT p95 (ms) | evicted | plans | blocks released "
-             "| preemptions |", "|---" * 14 + "|"]
-    for x in SYSTEMS:
-        m, c = sm[x], sm[x]["counters"]
-        lines.append(f"| {Q9_LABELS[x]} | {fmt_spread(m['throughput_tok_s'], '{:.0f}')} "
-                     f"| {fmt_spread(m['throughput_vs_plain'], '{:.2f}')} | {fmt_spread(m['requests_s'], '{:.2f}')} "
-                     + " ".join(f"| {fmt_spread(m[k], '{:.1f}')}" for k in LATENCIES)
-                     + f" | {c['vtoken_tokens_evicted_total']:.0f} | {c['vtoken_plans_committed_total']:.0f} "
-                     f"| {c['vtoken_blocks_released_total']:.0f} | {c['num_preemptions_total']:.0f} |")
-    lines.append(f"\nMedian (min–max) over windows (seeds). Policy {report['summary']['policy']} at budget "
-                 f"{report['summary']['budget']}; counters over the whole server run (warm-up included).")
-    return lines
+    rows = [[Q9_LABELS[x], fmt_spread(m["throughput_tok_s"], "{:.0f}"), fmt_spread(m["throughput_vs_plain"], "{:.2f}"),
+             fmt_spread(m["requests_s"], "{:.2f}"), *(fmt_spread(m[k], "{:.1f}") for k in LATENCIES),
+             *(f"{m['counters'][k]:.0f}" for k in SERVER_COUNTERS if k != "vtoken_tokens_moved_total")]
+            for x in SYSTEMS for m in [sm[x]]]
+    return markdown(HEADER, rows) + [f"\nMedian (min–max) over windows (seeds). Policy {report['summary']['policy']} "
+                                     f"at budget {report['summary']['budget']}; counters over the whole server run "
+                                     f"(warm-up included)."]
 
 
 def plot(report: dict, path: Path) -> None:
-    plt = pyplot()
     sm = report["summary"]["systems"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1, 2]})
-    grouped_bars(ax1, ["output tokens/s"], {x: [sm[x]["throughput_tok_s"]] for x in SYSTEMS}, Q9_COLORS, Q9_LABELS,
-                 "tokens per second")
-    grouped_bars(ax2, ["TTFT p50", "TTFT p95", "ITL p50", "ITL p95", "TPOT p50", "TPOT p95"],
-                 {x: [sm[x][k] for k in LATENCIES] for x in SYSTEMS}, Q9_COLORS, Q9_LABELS, "milliseconds")
-    ax2.set_yscale("log")
-    ax2.legend(fontsize=8)
-    fig.suptitle("Q9 vtoken serve under load on vLLM CPU, byte-llama (median, min–max over windows)")
-    save(fig, path)
+    figure(path, [[Panel({x: [sm[x]["throughput_tok_s"]] for x in SYSTEMS}, "tokens per second", ["output tokens/s"],
+                         colors=Q9_COLORS, labels=Q9_LABELS),
+                   Panel({x: [sm[x][k] for k in LATENCIES] for x in SYSTEMS}, "milliseconds",
+                         ["TTFT p50", "TTFT p95", "ITL p50", "ITL p95", "TPOT p50", "TPOT p95"], colors=Q9_COLORS,
+                         labels=Q9_LABELS, steps=[do("set_yscale", "log"), do("legend", fontsize=8)])]],
+           "Q9 vtoken serve under load on vLLM CPU, byte-llama (median, min–max over windows)",
+           gridspec_kw={"width_ratios": [1, 2]})

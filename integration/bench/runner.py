@@ -1,22 +1,10 @@
 """The one runner: any question, on any target, writes ``<question>.json`` and ``<question>.png`` the same way.
 
-A question is a module with the names of ``Question`` (KEY, TITLE, PAPER, run, table, plot): ``run(ctx)`` measures
-and summarises, returning the report's question, title, paper, runs, summary and notes; the runner adds what every
-report records and writes it; ``table`` and ``plot`` read only the report, so a JSON can be re-tabulated.
-
-``<question>.json`` (one per question, in ``--out``):
-
-    question    "q1" ... the question's key
-    title       one line
-    command     the command line that produced it
-    settings    every parameter of the run (``settings.py``)
-    paper       the paper's numbers this question is compared with
-    notes       what differs from the paper's setup, and why
-    machine     cpus, platform, python
-    duration_s  wall time of this question
-    runs        raw measurements, one object per run (identifying fields + measurements, ``measure.RUN_FIELDS``
-                for simulator runs; the other questions list theirs in their module docstrings)
-    summary     medians and spreads (min-max) over repeats, as tabulated
+``run(ctx)`` returns the report's question, title, paper, runs, summary and notes; the runner adds the rest.
+``<question>.json``: question (key), title, command (that reproduces it), settings (``settings.py``), paper (the
+numbers compared with), notes (what differs from the paper, and why), machine, duration_s, runs (one object per
+measurement: ``measure.RUN_FIELDS`` on the simulator, the question's docstring otherwise), summary (medians and
+min-max spreads over repeats, as tabulated).
 """
 
 from __future__ import annotations
@@ -32,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Protocol, TextIO
 
 from .measure import RunCache
-from .plots import pyplot
+from .render import pyplot
 
 REPORT_FIELDS = ("question", "title", "command", "settings", "paper", "notes", "machine", "duration_s", "runs",
                  "summary")

@@ -1,27 +1,13 @@
-"""What each ``vtoken bench`` target runs: its settings, the full and ``--quick`` scales, and the checks that
-refuse a bad value in one line naming it.
+"""What each ``vtoken bench`` target runs: a frozen dataclass of fields (recorded in every JSON as ``settings``)
+with a table ``CHECKS`` (field -> check raising ``ConfigError`` naming it), its full and ``--quick`` scales, and
+``settings_for`` applying the command line. Repeat i uses seed ``seed + i``; ``--quick`` keeps every question,
+system and >= 5 repeats at a smaller scale.
 
-One mechanism for every target: a frozen dataclass of fields (recorded in every JSON as ``settings``, in field
-order) and a table ``CHECKS`` of field -> check. A target's scales are instances of its class; ``settings_for``
-applies the command line's ``--repeats`` / ``--seed`` (and the target's own options) to one. Repeat i uses seed
-``seed + i``.
-
-sim (``SimSettings``): scales for a pure-Python simulator on 2 cores; ``--quick`` keeps every question, every
-system and >= 5 repeats, with fewer and shorter requests (docs/results.md gives the full run's duration).
-
-vllm (``VllmSettings``): vLLM's CPU build on 2 cores with the shipped byte-level model
-(``integration/vllm/models/byte-llama``): an engine starts in ~2 s and a decode step of a few requests takes a few
-ms, so the cost is engine starts (one per system and budget; one per seed for Random, whose victims depend on the
-seed). ``--quick`` keeps every system, every policy and >= 5 repeats at budget 0.5 only, with fewer and shorter
-generations. The timing questions (Q4, Q7) evict with ``overhead_policy`` at ``overhead_budget`` pinned to one core
-(``pin``): Q4 keeps one engine process per configuration alive and serves ``q4_concurrency`` requests per round, Q7
-starts one engine per (configuration, concurrency). Q6's prefix-caching half serves ``q6_prefix_groups`` groups of
-``q6_prefix_requests`` requests sharing a held-out prefix (``q6_prefix_len``: shortest and longest, bytes) plus a
-private ``q6_suffix_len``-byte suffix, evicting with each of ``q6_prefix_policies`` at ``q6_prefix_budget``.
-
-device (``DeviceSettings``): on CUDA (``--gpu``) Llama-3.1-8B's KV geometry (32 layers, 8 KV heads of 128, fp16,
-128 KiB per token), 16-token blocks, 32 requests under Random eviction at 0.5 (the paper's stress setting); on
-CPU a tiny geometry with every system and >= 5 repeats: it checks the harness, not a GPU's overlap.
+sim: a pure-Python simulator on 2 cores. vllm: vLLM's CPU build with the shipped byte-level model; engine starts
+dominate (one per system and budget; one per seed for Random); Q4, Q7 evict with ``overhead_policy`` at
+``overhead_budget`` pinned to one core (``pin``); Q6's prefix half serves ``q6_prefix_groups`` x
+``q6_prefix_requests`` requests sharing held-out prefixes. device: on CUDA (``--gpu``) Llama-3.1-8B's KV geometry,
+32 requests under Random at 0.5; on CPU a tiny geometry that checks the harness.
 """
 
 from __future__ import annotations
@@ -150,13 +136,9 @@ class WorkloadSpec:
 
 @dataclass(frozen=True)
 class Q3Setup:
-    """The paper's capacity-frontier setup (seed §4.3), request length divided by ``length_divisor``.
-
-    Paper: Llama-3.1-8B, LongBench, H2O keeping 50 %, 12K-token outputs; a fully retained request
-    needs 1,020 blocks of 16 tokens (16,320 tokens, so a 4,032-token prompt), the ideal packed
-    footprint after eviction is 512 blocks; 5,427 and 11,519 usable blocks. Dividing the request
-    length and the block budgets by the same factor keeps budget / blocks-per-request (5.3 and 11.3).
-    """
+    """The paper's capacity-frontier setup (seed §4.3: 1,020 blocks of 16 per fully retained request, 512 ideal
+    after H2O at 50 %, 5,427 and 11,519 usable blocks), request length and budgets divided by ``length_divisor``
+    (which keeps budget / blocks per request at 5.3 and 11.3)."""
 
     length_divisor: int
     paper_prompt: int = 4032

@@ -67,9 +67,3 @@ def fit_exponent(runs: list[dict], metric: str, sizes: list[int], seeds: list[in
         exps.append(loglog_slope(sizes, ys))
     return summarize(exps)
 
-
-def fmt_spread(s: dict, fmt: str = "{:.3f}", scale: float = 1.0) -> str:
-    """'median (min-max)' for tables."""
-    m, lo, hi = (fmt.format(s[k] * scale) for k in ("median", "min", "max"))
-    return m if lo == hi else f"{m} ({lo}–{hi})"
-

@@ -1,22 +1,14 @@
-"""The systems every question compares: as simulator configurations (``configure``) and, on vLLM, as vtoken's
-``additional_config`` (``vtoken_config``, ``system_config``), with their labels and colours.
+"""The systems every question compares, as simulator configurations (``configure``) and as vtoken's
+``additional_config`` on vLLM (``vtoken_config``, ``system_config``), with their labels and colours.
 
-The seed's three variants (§4, Setup), with vtoken in both read paths:
-
-    native          no eviction, full retention (policy None)
-    naive_evict     the same token-level eviction, reclamation off: a block stays allocated while any
-                    token in it lives
-    vtoken_compact  eviction + lazy, theta_F-gated ``compact``, gather read path (attention reads live slots)
+    native          no eviction (policy None)
+    naive_evict     the same eviction, reclamation off: a block stays while any token in it lives
+    vtoken_compact  eviction + lazy theta_F-gated ``compact``, gather read path
     vtoken_densify  eviction + ``densify`` after every eviction, dense read path (stock kernels)
 
-Eviction decisions depend only on the policy, the budget, the seed and the
-request's live tokens, never on the physical layout, so naive_evict and both
-vtoken systems evict exactly the same tokens (Q2 checks this: their ideal
-packed footprints are equal).
-
-On vLLM every engine has vtoken on: the full cache is policy none (``full``), and Q4 adds ``plain`` (vtoken off,
-no additional_config), ``on`` (vtoken on, nothing evicted) and the evicting systems with strict verify
-(``*_strict``).
+Eviction depends only on policy, budget, seed and live tokens, never on the layout, so the evicting systems evict
+the same tokens. On vLLM the full cache is ``full`` (policy none); Q4 adds ``plain`` (vtoken off), ``on``
+(nothing evicted) and ``*_strict`` (strict verify).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""Real vLLM (CPU build) for ``vtoken bench vllm``: the trained byte-level model, held-out prompts, and one
-engine's generations with vtoken's counters.
+"""Real vLLM (CPU build) for ``vtoken bench vllm``: the byte-level model, held-out prompts, engines.
 
-``run_engine``'s engines run in this process with vtoken on (the full cache is ``policy: none``): vLLM keeps
-the KV connector in a process-global, so one process must not mix plain vLLM with vtoken, and in-process
-engines let the bench read the scheduler's token statistics directly. Engines are created and dropped
-one at a time (``del``; vLLM's shutdown collects garbage) and never kept alive by an exception's frames.
-To measure plain vLLM beside vtoken (Q4), ``EngineProcess`` runs such an in-process engine in a process of
-its own, so a plain engine and vtoken engines can be alive together. Timing questions pin themselves
-(and their engine processes) to one core (``one_core``).
-
-Model: ``integration/vllm/models/byte-llama`` (vocab = the 256 byte values, bos 2, eos 3), trained on
-the Python standard library's sources; its training script holds out every 20th file, and the prompts
-are windows of that held-out stream (``train_byte_llama.load_stream("val")``), drawn with a seeded
-generator: the first ``prompt_len`` bytes are the prompt, the next ``max_tokens`` the true continuation.
+``run_engine``: an in-process engine with vtoken on (vLLM's KV connector is process-global, so one process never
+mixes plain vLLM with vtoken), created and dropped one at a time. ``EngineProcess``: such an engine in a process
+of its own, so plain vLLM and vtoken engines can live together (Q4). ``one_core`` pins the timing questions.
+Prompts are seeded windows of the model's held-out stdlib stream (``train_byte_llama.load_stream("val")``): the
+first ``prompt_len`` bytes the prompt, the next ``max_tokens`` the true continuation.
 """
 
 from __future__ import annotations
@@ -82,10 +74,9 @@ def engine_environment(threads: int):
 
 @contextmanager
 def one_core(enabled: bool = True):
-    """Pin this thread, and every thread and process it starts meanwhile (engine cores, workers), to one
-    core: the highest of its current affinity set. On a shared 2-core machine a parallel op whose second
-    thread is descheduled waits a whole time slice, which swamps per-step timings. Yields
-    {"core", "affinity_before"} (None when ``enabled`` is false or the platform cannot pin); restored after."""
+    """Pin this thread and what it starts meanwhile to the highest core of its affinity (on a shared 2-core box a
+    parallel op whose second thread is descheduled waits a time slice, swamping per-step timings). Yields
+    {"core", "affinity_before"}, or None when not pinning; restored after."""
     if not enabled or not hasattr(os, "sched_setaffinity"):
         yield None
         return
@@ -176,15 +167,11 @@ def _counters(llm) -> dict:
 def run_engine(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: int, block_size: int,
                threads: int = 1, on_done=None, warmup_tokens: int = 0, timed_attention: bool = False,
                prefix_caching: bool | None = None, counters=None) -> dict:
-    """One in-process engine with ``additional_config={"vtoken": vtoken}``; one ``generate`` per prompt set.
-    Returns {"start_s", "threads", "sets": [{"outputs": [(token ids, logprobs, finish reason)], "counters",
-    "wall_s"}]}; counters are this set's deltas (``scheduler_seconds``, ``worker_seconds`` and
-    ``vtoken_steps`` included). ``warmup_tokens`` > 0: first an untimed ``generate`` of the first set with
-    that many tokens (the same batch shapes); ``timed_attention``: then time the attention impls
-    (``attention_seconds``). ``on_done(i)`` after each set (progress). ``prefix_caching`` True or False:
-    vLLM's prefix cache on or off, and each set also has "cached_tokens" (per request, vLLM's
-    ``RequestOutput.num_cached_tokens``); None: off, as before. ``counters(llm)``: more counters (ints) of
-    the engine, added to ``_counters``' and reported as deltas the same way."""
+    """One in-process engine with ``additional_config={"vtoken": vtoken}``, one ``generate`` per prompt set:
+    {"start_s", "threads", "sets": [{"outputs": [(ids, logprobs, finish reason)], "counters" (this set's deltas,
+    with ``counters(llm)``'s), "wall_s"}]}. ``warmup_tokens``: first an untimed ``generate`` of the first set;
+    ``timed_attention``: time the attention impls; ``prefix_caching`` not None: vLLM's prefix cache on or off, and
+    each set's "cached_tokens" per request. ``on_done(i)`` after each set."""
     with engine_environment(threads):
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
@@ -290,11 +277,9 @@ def _serve_engine(conn, env: dict, cores: list[int], threads: int, kwargs: dict)
 
 
 class EngineProcess:
-    """One in-process engine (``engine_args``) in a process of its own, driven over a pipe: vLLM keeps the KV
-    connector in a process-global, so plain vLLM and vtoken engines can only be alive together this way.
-    Processes fork from a ``forkserver`` that has imported vLLM once (a start costs the engine's, not the
-    imports'), and pin themselves to ``cores`` (default: this thread's affinity) with ``threads`` torch
-    threads. ``info``: start_s, torch_threads, cores (as measured in the engine's worker)."""
+    """An in-process engine (``engine_args``) in a process of its own, driven over a pipe, so plain vLLM and vtoken
+    engines can be alive together. Forked from a ``forkserver`` that imported vLLM once, pinned to ``cores``
+    (default: this thread's affinity). ``info``: start_s, torch_threads, cores (as the worker saw them)."""
 
     TIMEOUT_S = 600.0
 
