@@ -424,6 +424,17 @@ def _live_index_misses_an_eviction():
     return {(live_index.LiveIndex, "remove"): remove}
 
 
+def _index_misses_a_rewrite():
+    real = token_table.TokenTable.set_layout
+
+    def set_layout(self, req_id, blocks, write_pos):
+        saved = self._index_of.tobytes()
+        real(self, req_id, blocks, write_pos)
+        self._index_of = type(self._index_of)("i", saved)  # the block indices stay as they were
+
+    return {(token_table.TokenTable, "set_layout"): set_layout}
+
+
 def _take_changes(skip_moves: bool = False, drop_last_eviction: bool = False):
     real = token_table.TokenTable.take_changes
 
@@ -522,6 +533,8 @@ BUGS: dict[str, PlantedBug] = {
                    "version)", lambda: _take_changes(skip_moves=True)),
         PlantedBug("delta_forgets_an_eviction", "a step delta leaves out the latest eviction",
                    lambda: _take_changes(drop_last_eviction=True)),
+        PlantedBug("index_misses_a_rewrite", "a block-list rewrite leaves the pool-wide block indices as they were "
+                   "(a maintained view misses a layout change)", _index_misses_a_rewrite),
         PlantedBug("densify_tail_misses_a_hole", "densify's fast path sends its last mover into the hole before "
                    "its own (two moves share a destination, a hole stays)", _densify_tail_misses_a_hole),
         PlantedBug("compact_underfills_destinations", "compact leaves a slot of a destination empty and spills into "

@@ -167,7 +167,7 @@ def tiny_reports(tmp_path_factory):
 
 def test_every_question_writes_json_with_the_documented_fields_and_a_png(tiny_reports):
     out, reports, _ = tiny_reports
-    assert list(reports) == ["q1", "q2", "q3", "q5", "q7", "q8"] == list(QUESTIONS)
+    assert list(reports) == ["q1", "q2", "q3", "q5", "q7", "q8", "q10"] == list(QUESTIONS)
     for key in reports:
         data = json.loads((out / f"{key}.json").read_text())
         assert set(REPORT_FIELDS) <= set(data), key
@@ -269,3 +269,16 @@ def test_cli_out_must_be_a_directory(tmp_path, capsys):
     f.write_text("")
     assert vtoken_main(["bench", "sim", "--quick", "--out", str(f)]) == 2
     assert "exists and is not a directory" in capsys.readouterr().err
+
+
+def test_q10_measures_both_axes_for_every_policy_on_both_planners(tiny_reports):
+    _, reports, tables = tiny_reports
+    q10 = reports["q10"]["summary"]
+    systems = {f"{p}/{planner}" for p in TINY.policies for planner in ("compact", "densify")}
+    assert set(q10) == {"context", "requests"} and set(q10["context"]) == systems == set(q10["requests"])
+    assert list(q10["context"]["h2o/compact"]["by_size"]) == [str(x) for x in TINY.q10_contexts]
+    assert all(v["growth"] > 0 for axis in q10.values() for v in axis.values())
+    h2o = q10["context"]["h2o/densify"]["by_size"][str(TINY.q10_contexts[-1])]
+    random = q10["context"]["random/densify"]["by_size"][str(TINY.q10_contexts[-1])]
+    assert h2o["record_ns_per_live_token"]["median"] > 0 == random["record_ns_per_live_token"]["median"]
+    assert "recording excluded, by live tokens per request" in tables

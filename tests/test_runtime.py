@@ -549,3 +549,28 @@ def test_a_committed_relocation_makes_the_next_delta_a_full_list_at_a_new_versio
     assert (req.rebuilt, req.evicted, req.version) == (True, (), 3)
     assert rt.block_ids("a") == [2, 1]  # block 0's tokens now live in block 2, each at its own offset
     assert req.read_tokens == list(range(7)) and req.read_slots == [8, 9, 10, 11, 4, 5, 6]
+
+
+def test_densify_plans_a_steady_step_from_its_evictions_alone(monkeypatch):
+    # the dense path's fast planner (plan_densify_tail): the reference planner is never needed, and every
+    # step still reads a dense prefix holding the right K/V
+    from vtoken.core import reclamation
+
+    def reference(snap):
+        raise AssertionError("plan_densify ran: the step's evictions should have been enough")
+
+    rt, engine = make(num_blocks=16, block_size=4, policy=StreamingLLM(sinks=1), budget=6, reclaim=DENSIFY_EVENT,
+                      read_path=ReadPath.DENSE)
+    monkeypatch.setattr(reclamation, "plan_densify", reference)
+    rt.admit("a")
+    appends = {"a": 12}
+    for _ in range(6):
+        inputs = rt.begin_step(appends)
+        forward(rt, engine, inputs)
+        rt.end_step()
+        check_all(rt, tag, dense=True)
+        appends = {"a": 1}
+    rt.settle()  # the last step's plan commits
+    assert rt.reclaim_stats.plans_committed == 6 and rt.num_live("a") == rt.write_pos("a") == 6
+    assert rt.live_token_ids("a") == [0, 12, 13, 14, 15, 16]  # the sink and the newest five
+    assert rt.block_ids("a") == [0, 1]

@@ -219,6 +219,8 @@ OUT_OF_SCOPE = {
                            "(ReadListMirror) and the fuzzer catch it",
     "delta_forgets_an_eviction": "step deltas are what a consumer is told, not table state: V2's oracle "
                                  "(ReadListMirror) and the fuzzer catch it",
+    "index_misses_a_rewrite": "the pool-wide block index is a view of the block lists, which the abstraction "
+                              "reads; V1's oracle (check_views) and the fuzzer catch it",
     "densify_tail_misses_a_hole": "the fast path is checked against plan_densify (V3, the fuzzer's "
                                   "verify_fast_paths); the launch's executed check refuses two moves into one slot (I4)",
     "relocate_ignores_appends": "appends reach only the cursor's block, and a relocate of that block has no model "

@@ -814,3 +814,20 @@ def test_take_changes_lists_evictions_since_the_last_take_and_says_rebuilt_after
     assert t.take_changes("A") == (0, False, (2,), 6)
     t.apply_moves("A", [Move(0, 0, 0, 0, 2)])
     assert t.take_changes("A") == (1, True, (), 7)
+
+
+def test_a_splice_that_would_drop_a_live_token_is_refused_and_changes_nothing():
+    t = TokenTable(num_blocks=4, block_size=4)
+    t.add_request("A")
+    t.sync_new_tokens("A", [0, 1], 6)
+    before = t.state()
+    with pytest.raises(BlockNotOwnedError, match="block 1 still holds 2 live token"):
+        t.splice("A", 1, 1, (), 4)
+    with pytest.raises(DestinationError, match="block 1 holds live tokens at or after cursor 5"):
+        t.splice("A", 2, 0, (), 5)
+    assert t.state() == before
+    for tok in (4, 5):
+        t.evict_token("A", tok)
+    t.splice("A", 1, 1, (), 4)
+    assert t.block_ids("A") == [0] and t.write_pos("A") == 4 and t.layout_version("A") == 1
+    t.check_views("A")

@@ -20,7 +20,7 @@ from typing import Callable
 from vtoken.core.errors import ConfigError
 
 from . import (q1_trapped_capacity, q2_paired_frontier, q3_capacity_frontier, q4_overhead, q5_sensitivity,
-               q6_prefix_caching, q6_quality, q7_bookkeeping_cost, q7_vllm_bookkeeping, q8_bursty_eviction,
+               q6_prefix_caching, q6_quality, q7_bookkeeping_cost, q7_vllm_bookkeeping, q8_bursty_eviction, q10_context_cost,
                q9_serving_load)
 from .runner import run_questions
 from .settings import DEVICE, MIN_REPEATS, SIM, VLLM, settings_for
@@ -31,7 +31,7 @@ def registry(*modules: ModuleType) -> dict[str, ModuleType]:
 
 
 QUESTIONS = registry(q1_trapped_capacity, q2_paired_frontier, q3_capacity_frontier, q5_sensitivity,
-                     q7_bookkeeping_cost, q8_bursty_eviction)
+                     q7_bookkeeping_cost, q8_bursty_eviction, q10_context_cost)
 VLLM_QUESTIONS = registry(q4_overhead, q6_quality, q6_prefix_caching, q7_vllm_bookkeeping, q9_serving_load)
 
 

@@ -182,6 +182,12 @@ class SimSettings(Settings):
     q7_prompt_len: int = 128
     q7_warmup_steps: int = 2
     q7_timed_steps: int = 8
+    q10_contexts: tuple[int, ...] = (256, 1024, 4096, 8192, 32768)  # live tokens per request (the context axis)
+    q10_requests: int = 16
+    q10_request_counts: tuple[int, ...] = (16, 64, 256, 1024)  # the requests axis, at q10_request_live each
+    q10_request_live: int = 256
+    q10_warmup_steps: int = 2
+    q10_timed_steps: int = 10
     check_invariants: bool = False
 
     CHECKS = {"repeats": enough_repeats, "seed": int_at_least(0),
@@ -200,7 +206,8 @@ SIM = {
         workloads=(_QUICK_CHAT,
                    WorkloadSpec("long_context", 8, arrival_gap=8, max_len=32768, scale=0.0625, output_scale=1.0)),
         q3=Q3Setup(64), q5_workload=_QUICK_CHAT, q7_sizes=(16, 64, 256, 1024), q7_prompt_len=32,
-        q7_warmup_steps=1, q7_timed_steps=3),
+        q7_warmup_steps=1, q7_timed_steps=3, q10_contexts=(64, 256, 1024), q10_requests=4,
+        q10_request_counts=(4, 16), q10_request_live=64, q10_warmup_steps=1, q10_timed_steps=3),
 }
 
 

@@ -1,0 +1,151 @@
+"""Q10 (issue #19): the core's per-request step cost as the context grows, and as the requests do.
+
+Two axes, for every policy on both planners (compact on the gather path, densify on the dense one): live tokens
+per request (``q10_contexts``, ``q10_requests`` requests) and requests (``q10_request_counts``, at
+``q10_request_live`` live tokens). Each request is admitted with a prompt of twice its budget (an int budget: the
+live tokens it keeps), so the first step evicts half of it and each decode step after evicts one token: the
+steady state. ``begin_step`` + ``end_step`` are timed per decode step (the collector paused); the fake model (which
+writes tags and, for the score policies only, builds the attention row) is not, nor is the time inside the
+in-memory copy engine. The score policies' row recording (``TokenScores._apply``, inherently O(L)) is timed apart.
+
+Per point (``runs``): axis ("context" or "requests"), system ("<policy>/<planner>"), seed, requests, live,
+us_per_request, record_ns_per_live_token (score policies; else 0), us_per_request_excl_record, plans_committed.
+``summary``: per axis, system and size, the median and spread of us_per_request and us_per_request_excl_record,
+and per axis and system ``growth``: the largest size's median over the smallest's, excluding the recording.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from pathlib import Path
+
+from vtoken.core.block_pool import BlockPool, blocks_needed
+from vtoken.core.plan import PlanKind
+from vtoken.core.policies import make_policy
+from vtoken.core.reclamation import Ordering, ReclaimConfig
+from vtoken.core.runtime import ReadPath, VTokenRuntime
+from vtoken.core.sim.inmemory import TagStore
+from vtoken.core.sim.simulator import attention_weights, content_tag
+
+from .q7_bookkeeping_cost import TimedCopyEngine
+from .render import Panel, do, figure, fmt_spread, markdown
+from .runner import BenchContext
+from .stats import nest, summaries
+
+KEY = "q10"
+TITLE = "Per-request step cost of the core as the context grows (and as requests do)"
+PLANNERS = {"compact": ReadPath.GATHER, "densify": ReadPath.DENSE}
+SCORED = ("h2o", "scissorhands")  # the policies that read attention rows
+TIMED = ("us_per_request", "us_per_request_excl_record")
+PAPER = {"reported": "the design (§3.2) asks for per-step work that follows what changed: the cache is appended to "
+                     "on growth and rebuilt only on structural change; issue #19's target: <= 1.5x growth along both "
+                     "axes for StreamingLLM and Random on both planners, and for H2O and Scissorhands once the O(L) "
+                     "row recording is excluded"}
+
+
+def measure_point(ctx: BenchContext, axis: str, policy: str, planner: str, n: int, live: int, seed: int) -> dict:
+    s = ctx.settings
+    S, steps = s.block_size, s.q10_warmup_steps + s.q10_timed_steps
+    num_blocks = n * (blocks_needed(2 * live, S) + 2) + s.headroom + 8
+    engine = TimedCopyEngine(TagStore(num_blocks, S))
+    reclaim = ReclaimConfig(PlanKind(planner), theta_f=s.theta_f,
+                            ordering=Ordering.EVENT if planner == "densify" else Ordering.POLL)
+    rt = VTokenRuntime(BlockPool(num_blocks, S, s.headroom), engine, make_policy(policy), live, reclaim,
+                       PLANNERS[planner], seed)
+    recorded = [0]  # ns inside the row recording
+    apply = rt.scores._apply
+
+    def timed_apply(*args):
+        t0 = time.perf_counter_ns()
+        apply(*args)
+        recorded[0] += time.perf_counter_ns() - t0
+
+    rt.scores._apply = timed_apply
+    ids = list(range(n))
+    for r in ids:
+        rt.admit(r)
+    appends, times = {r: 2 * live for r in ids}, []
+    gc.collect()
+    for step in range(1 + steps):  # step 0: the prefill and its eviction burst (untimed)
+        engine.spent_ns, recorded[0] = 0, 0
+        gc.disable()
+        t0 = time.perf_counter_ns()
+        inputs = rt.begin_step(appends)
+        t1 = time.perf_counter_ns()
+        gc.enable()
+        rows = {r: attention_weights(r, req.read_tokens, rt.total_len(r)) for r, req in inputs.requests.items()} \
+            if policy in SCORED else None
+        gc.disable()
+        t2 = time.perf_counter_ns()
+        rt.end_step(rows)
+        t3 = time.perf_counter_ns()
+        gc.enable()
+        if step > s.q10_warmup_steps:
+            times.append((t1 - t0 + t3 - t2 - engine.spent_ns, recorded[0]))
+        appends = {r: 1 for r in ids}
+    us = statistics.median(t for t, _ in times) / 1e3 / n
+    record_ns = statistics.median(rec for _, rec in times) / (n * live)
+    return {"axis": axis, "system": f"{policy}/{planner}", "seed": seed, "requests": n, "live": live,
+            "us_per_request": us, "record_ns_per_live_token": record_ns,
+            "us_per_request_excl_record": us - record_ns * live / 1e3,
+            "plans_committed": rt.reclaim_stats.plans_committed}
+
+
+def _systems(s) -> list[tuple[str, str]]:
+    return [(p, planner) for planner in PLANNERS for p in s.policies]
+
+
+def run(ctx: BenchContext) -> dict:
+    s = ctx.settings
+    points = [("context", p, planner, s.q10_requests, live, seed)
+              for seed in s.seeds for live in s.q10_contexts for p, planner in _systems(s)]
+    points += [("requests", p, planner, n, s.q10_request_live, seed)
+               for seed in s.seeds for n in s.q10_request_counts for p, planner in _systems(s)]
+    runs = ctx.sweep("q10 context cost", points, lambda *pt: measure_point(ctx, *pt),
+                     lambda axis, p, planner, n, live, seed: f"{p}/{planner} N={n} L={live} seed {seed}")
+
+    def by_axis(rs: list[dict]) -> dict:
+        size = "live" if rs[0]["axis"] == "context" else "requests"
+        by_size = nest(rs, [size], lambda x: summaries(x, TIMED + ("record_ns_per_live_token",)))
+        first, last = list(by_size.values())[0], list(by_size.values())[-1]
+        return {"by_size": by_size, "growth": last["us_per_request_excl_record"]["median"]
+                / first["us_per_request_excl_record"]["median"]}
+
+    summary = nest(runs, ["axis", "system"], by_axis)
+    return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs, "summary": summary, "notes": [
+        f"{s.q10_requests} requests at {list(s.q10_contexts)} live tokens each; {list(s.q10_request_counts)} "
+        f"requests at {s.q10_request_live}; {s.q10_warmup_steps} warm-up and {s.q10_timed_steps} timed decode steps "
+        f"per point; {s.block_size}-token blocks; theta_F {s.theta_f}.",
+        "Attention rows are given to the score policies only (H2O, Scissorhands), as an engine gathers them only "
+        "for a policy that reads them; their recording is timed apart (record_ns_per_live_token).",
+        "growth: the largest size's median over the smallest's, excluding the recording, in one run.",
+    ]}
+
+
+def table(report: dict) -> list[str]:
+    out = []
+    for axis, systems in report["summary"].items():
+        sizes = list(next(iter(systems.values()))["by_size"])
+        rows = [[x, *(fmt_spread(v["by_size"][k]["us_per_request_excl_record"], "{:,.1f}") for k in sizes),
+                 f"x{v['growth']:.2f}", f"{v['by_size'][sizes[-1]]['record_ns_per_live_token']['median']:.1f}"]
+                for x, v in systems.items()]
+        what = "live tokens per request" if axis == "context" else "requests"
+        out += [f"\nµs per request per step, recording excluded, by {what}:"] + markdown(
+            ["system", *sizes, "growth", f"recording ns/live token at {sizes[-1]}"], rows)
+    return out
+
+
+def plot(report: dict, path: Path) -> None:
+    panels = []
+    for axis, systems in report["summary"].items():
+        xs = [int(k) for k in next(iter(systems.values()))["by_size"]]
+        series = {x: [v["us_per_request_excl_record"] for v in sv["by_size"].values()] for x, sv in systems.items()}
+        colors = {x: f"C{i}" for i, x in enumerate(systems)}
+        panels.append(Panel(series, "µs per request per step (recording excluded)", xs=xs, colors=colors,
+                            labels={x: x for x in systems},
+                            steps=(do("set_xscale", "log", base=2), do("set_yscale", "log"),
+                                   do("set_xlabel", "live tokens per request" if axis == "context" else "requests"),
+                                   do("grid", alpha=0.3, which="both"), do("legend", fontsize=6))))
+    figure(path, [panels], "Q10 per-request core step cost (median, min–max over seeds)", figsize=(13, 5))
