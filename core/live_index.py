@@ -90,18 +90,23 @@ class LiveIndex:
         return pos, k
 
     def ids_from(self, k: int, slots: array) -> Iterator[int]:
-        """The live ids of rank k, k + 1, ..., ascending: O(log L) to start, then O(CHUNK) per chunk visited
-        (chunks with no live token are skipped from their count)."""
-        if k >= self._prefix(len(self.counts)):
+        """The live ids of rank k, k + 1, ..., ascending: O(log L) to start, O(CHUNK) per chunk read, and
+        O(log L) to jump over a run of chunks with no live token (StreamingLLM's evicted middle)."""
+        total = self._prefix(len(self.counts))
+        if k >= total:
             return
         c, skip = self._chunk_of_rank(k)
         counts, n = self.counts, len(slots)
-        while c < len(counts):
+        while k < total:
             live = counts[c]
+            if not live:
+                c, skip = self._chunk_of_rank(k)  # the chunk holding rank k, past the dead run
+                continue
             lo, hi = c * CHUNK, min(n, (c + 1) * CHUNK)
+            k += live - skip  # every live id of the chunk from the skip-th on is yielded below
             if live == hi - lo:  # every token of the chunk is live: no scan
                 yield from range(lo + skip, hi)
-            elif live:
+            else:
                 for t in range(lo, hi):
                     if slots[t] != NO_SLOT:
                         if skip:

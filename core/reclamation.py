@@ -260,6 +260,7 @@ class ReclamationManager:
         raises: UnknownRequestError, PlanConflictError (I4); either way nothing changes.
         """
         if evicted_positions is not None and self.config.planner is PlanKind.DENSIFY:
+            self.table.num_live(req_id)  # first: an unknown (or unhashable) id is UnknownRequestError
             if req_id in self.inflight:
                 raise PlanConflictError(f"request {req_id!r} already has a plan in flight (I4)")
             plan = self._densify_tail(req_id, evicted_positions)
