@@ -562,27 +562,8 @@ class ReclamationManager:
 
         if rec.handle is not None and not self.engine.poll(rec.handle).settled:
             raise InvariantViolation("I3", f"request {req!r}: commit while its copy {rec.handle} is still pending")
-        cursor = t.write_pos(req)
-        sources = [t.slot_of(req, m.token_id) for m in moves]
-        vacated, claimed = set(sources), set()
-        after: dict[int, int] = {}
-        for m, src in zip(moves, sources):
-            if src != m.src_block * S + m.src_offset:
-                fail(f"move {m} reads a slot token {m.token_id} does not hold")
-            dst = m.dst_block * S + m.dst_offset
-            i = t.index_in_list(req, m.dst_block)
-            if i is None or i * S + m.dst_offset >= cursor:
-                fail(f"move {m} writes outside the block list or at or after its cursor {cursor}")
-            if dst in claimed or t.occupancy.holders(dst) - (dst in vacated):
-                fail(f"move {m} writes slot {dst}, which is claimed")
-            claimed.add(dst)
-        if len({m.token_id for m in moves}) != len(moves):
-            fail("a token moves twice")
-        for src in sources:  # the masks the moves leave: all sources vacated, then all claims
-            b = src // S
-            after[b] = after.get(b, t.block_mask(req, b)) & ~(1 << (src % S))
-        for m in moves:
-            after[m.dst_block] = after.get(m.dst_block, t.block_mask(req, m.dst_block)) | (1 << m.dst_offset)
+        after = self._check_commit_moves(req, moves, lambda b: t.index_in_list(req, b), t.write_pos(req),
+                                         "the block list", lambda b: t.block_mask(req, b), fail)
         # ``_check_layout``'s rules for the list with the tail spliced out, read only where it changes
         mask_of = (lambda b: after[b] if b in after else t.block_mask(req, b))
         pos, length = plan.dense_write_pos, t.num_blocks_of(req) - len(plan.src_blocks)
@@ -656,28 +637,41 @@ class ReclamationManager:
         masks = t.block_masks(req)
         self._check_layout(staged, masks, fail)
         index = {b: i for i, b in enumerate(staged[0])}
+        masks.update(self._check_commit_moves(req, moves, index.get, staged[1], "the staged block list",
+                                              lambda b: masks.get(b, 0), fail))
+        self._check_layout(final, masks, fail)
+        for b, k in Counter(to_free).items():
+            if self.pool.ref_count(b) < k:
+                fail(f"block {b} would be freed {k} time(s) with {self.pool.ref_count(b)} reference(s)")
+
+    def _check_commit_moves(self, req: object, moves: list, index_of, cursor: int, listed: str, mask_of,
+                            fail) -> dict[int, int]:
+        """The moves' part of a commit's precondition (``TokenTable.apply_moves``' rules): each reads the slot its
+        token holds and writes an unclaimed slot of the list (``index_of(block)``: its index, None when not in
+        it) before ``cursor``; no token moves twice. Returns the masks the moves leave on the blocks they
+        touch (all sources vacated, then all claims), from ``mask_of(block)``. O(moves)."""
+        t, S = self.table, self.pool.block_size
         sources = [t.slot_of(req, m.token_id) for m in moves]
-        vacated = set(sources)
-        claimed: set[int] = set()
+        vacated, claimed = set(sources), set()
         for m, src in zip(moves, sources):
             if src != m.src_block * S + m.src_offset:
                 fail(f"move {m} reads a slot token {m.token_id} does not hold")
             dst = m.dst_block * S + m.dst_offset
-            if m.dst_block not in index or index[m.dst_block] * S + m.dst_offset >= staged[1]:
-                fail(f"move {m} writes outside the staged block list or at or after its cursor {staged[1]}")
+            i = index_of(m.dst_block)
+            if i is None or i * S + m.dst_offset >= cursor:
+                fail(f"move {m} writes outside {listed} or at or after its cursor {cursor}")
             if dst in claimed or t.occupancy.holders(dst) - (dst in vacated):
                 fail(f"move {m} writes slot {dst}, which is claimed")
             claimed.add(dst)
         if len({m.token_id for m in moves}) != len(moves):
             fail("a token moves twice")
-        for m, src in zip(moves, sources):  # the masks after the moves: all sources vacated, then all claims
-            masks[src // S] &= ~(1 << (src % S))
+        after: dict[int, int] = {}
+        for src in sources:
+            b = src // S
+            after[b] = after.get(b, mask_of(b)) & ~(1 << (src % S))
         for m in moves:
-            masks[m.dst_block] = masks.get(m.dst_block, 0) | (1 << m.dst_offset)
-        self._check_layout(final, masks, fail)
-        for b, k in Counter(to_free).items():
-            if self.pool.ref_count(b) < k:
-                fail(f"block {b} would be freed {k} time(s) with {self.pool.ref_count(b)} reference(s)")
+            after[m.dst_block] = after.get(m.dst_block, mask_of(m.dst_block)) | (1 << m.dst_offset)
+        return after
 
     def _check_layout(self, layout: tuple[list[int], int], masks: dict[int, int], fail) -> None:
         """``TokenTable.set_layout``'s rules for (block list, cursor), given each block's mask of live offsets."""

@@ -8,7 +8,10 @@ commits (docs/results.md, "Hot path I").
 """
 import json, statistics, sys, time
 from vtoken.core import BlockPool, ReclaimConfig, VTokenRuntime
-from vtoken.core.sim import InMemoryCopyEngine, TagStore
+try:
+    from vtoken.core.sim import InMemoryCopyEngine, TagStore
+except ImportError:  # a tree from before issue #18's core/sim/
+    from vtoken.core import InMemoryCopyEngine, TagStore
 from vtoken.core.plan import PlanKind
 from vtoken.core.policies import make_policy
 from vtoken.core.reclamation import Ordering
@@ -26,8 +29,9 @@ def core(pol, live, dense):
     for _ in range(STEPS):
         t0 = time.perf_counter(); rt.begin_step({r: 1 for r in range(R)}); rt.end_step(); ts.append(time.perf_counter() - t0)
     return statistics.median(ts) / R * 1e6
-out = {}
-for pol, dense in (("streaming_llm", False), ("random", False), ("streaming_llm", True), ("h2o", False)):
-    for live in (256, 2048, 8192, 32768):
-        out[f"{pol} {'dense/densify' if dense else 'gather/compact'} {live}"] = round(core(pol, live, dense), 1)
-print(sys.argv[1], json.dumps(out))
+if __name__ == "__main__":
+    out = {}
+    for pol, dense in (("streaming_llm", False), ("random", False), ("streaming_llm", True), ("h2o", False)):
+        for live in (256, 2048, 8192, 32768):
+            out[f"{pol} {'dense/densify' if dense else 'gather/compact'} {live}"] = round(core(pol, live, dense), 1)
+    print(sys.argv[1], json.dumps(out))

@@ -11,32 +11,11 @@ it alternately in both trees in one session (docs/results.md, "Context-length ch
 import json, statistics, sys, time
 which = sys.argv[1] if len(sys.argv) > 1 else "this tree"
 out = {}
-# ---- core: bench_core_step's measurement, at three contexts
-from vtoken.core import BlockPool, ReclaimConfig, VTokenRuntime
-try:
-    from vtoken.core.sim import InMemoryCopyEngine, TagStore
-except ImportError:
-    from vtoken.core import InMemoryCopyEngine, TagStore
-from vtoken.core.plan import PlanKind
-from vtoken.core.policies.streaming_llm import StreamingLLM
-from vtoken.core.reclamation import Ordering
-from vtoken.core.runtime import ReadPath
-R, S, STEPS = 16, 16, 12
-def core(live, dense):
-    blocks = R * (live // S + 8) + 64
-    pool = BlockPool(blocks, S, headroom=8)
-    rc = ReclaimConfig(PlanKind.DENSIFY, ordering=Ordering.EVENT) if dense else ReclaimConfig()
-    rt = VTokenRuntime(pool, InMemoryCopyEngine(TagStore(blocks, S)), policy=StreamingLLM(), budget=live, reclaim=rc,
-                       read_path=ReadPath.DENSE if dense else ReadPath.GATHER)
-    for r in range(R): rt.admit(r)
-    rt.begin_step({r: live for r in range(R)}); rt.end_step()
-    ts = []
-    for _ in range(STEPS):
-        t0 = time.perf_counter(); rt.begin_step({r: 1 for r in range(R)}); rt.end_step(); ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / R * 1e6
+# ---- core: bench_core_step's measurement, at three contexts (bench_context_policies.core, StreamingLLM)
+from bench_context_policies import core
 for dense in (False, True):
     for live in (256, 2048, 8192):
-        out[f"core {'dense/densify' if dense else 'gather/compact'} {live}"] = core(live, dense)
+        out[f"core {'dense/densify' if dense else 'gather/compact'} {live}"] = core("streaming_llm", live, dense)
 # ---- vLLM: Q7's in-process measurement, 8 requests, 32 tokens, prompts of growing length
 if len(sys.argv) > 2:
     from vtoken.integration.bench.q7_vllm_bookkeeping import measure_concurrency

@@ -27,9 +27,9 @@ from vtoken.core.policies import make_policy
 from vtoken.core.reclamation import Ordering, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 from vtoken.core.sim.inmemory import TagStore
-from vtoken.core.sim.simulator import attention_weights, content_tag
+from vtoken.core.sim.simulator import attention_weights
 
-from .q7_bookkeeping_cost import TimedCopyEngine
+from .q7_bookkeeping_cost import TimedCopyEngine, timed_step
 from .render import Panel, do, figure, fmt_spread, markdown
 from .runner import BenchContext
 from .stats import nest, summaries
@@ -68,22 +68,15 @@ def measure_point(ctx: BenchContext, axis: str, policy: str, planner: str, n: in
         rt.admit(r)
     appends, times = {r: 2 * live for r in ids}, []
     gc.collect()
-    for step in range(1 + steps):  # step 0: the prefill and its eviction burst (untimed)
-        engine.spent_ns, recorded[0] = 0, 0
-        gc.disable()
-        t0 = time.perf_counter_ns()
-        inputs = rt.begin_step(appends)
-        t1 = time.perf_counter_ns()
-        gc.enable()
-        rows = {r: attention_weights(r, req.read_tokens, rt.total_len(r)) for r, req in inputs.requests.items()} \
+    def model(inputs) -> dict | None:
+        return {r: attention_weights(r, req.read_tokens, rt.total_len(r)) for r, req in inputs.requests.items()} \
             if policy in SCORED else None
-        gc.disable()
-        t2 = time.perf_counter_ns()
-        rt.end_step(rows)
-        t3 = time.perf_counter_ns()
-        gc.enable()
+
+    for step in range(1 + steps):  # step 0: the prefill and its eviction burst (untimed)
+        recorded[0] = 0
+        begin, end, spent = timed_step(rt, appends, model)
         if step > s.q10_warmup_steps:
-            times.append((t1 - t0 + t3 - t2 - engine.spent_ns, recorded[0]))
+            times.append((begin + end - spent, recorded[0]))
         appends = {r: 1 for r in ids}
     us = statistics.median(t for t, _ in times) / 1e3 / n
     record_ns = statistics.median(rec for _, rec in times) / (n * live)

@@ -84,6 +84,24 @@ def _model(rt, inputs) -> dict:
     return rows
 
 
+def timed_step(rt: VTokenRuntime, appends: dict, model) -> tuple[int, int, int]:
+    """One ``begin_step`` + ``end_step`` with the collector paused, ``model(inputs)`` (-> the attention rows)
+    between them untimed: (begin ns, end ns, ns inside the copy engine, a ``TimedCopyEngine``)."""
+    rt.engine.spent_ns = 0
+    gc.disable()
+    t0 = time.perf_counter_ns()
+    inputs = rt.begin_step(appends)
+    t1 = time.perf_counter_ns()
+    gc.enable()
+    rows = model(inputs)
+    gc.disable()
+    t2 = time.perf_counter_ns()
+    rt.end_step(rows)
+    t3 = time.perf_counter_ns()
+    gc.enable()
+    return t1 - t0, t3 - t2, rt.engine.spent_ns
+
+
 def measure_point(ctx: BenchContext, system: str, n: int, seed: int) -> dict:
     s = ctx.settings
     L, steps = s.q7_prompt_len, s.q7_warmup_steps + s.q7_timed_steps
@@ -99,20 +117,9 @@ def measure_point(ctx: BenchContext, system: str, n: int, seed: int) -> dict:
     times = []
     gc.collect()
     for step in range(1 + steps):  # step 0: prefill (untimed)
-        engine.spent_ns = 0
-        gc.disable()
-        t0 = time.perf_counter_ns()
-        inputs = rt.begin_step(appends)
-        t1 = time.perf_counter_ns()
-        gc.enable()
-        rows = _model(rt, inputs)
-        gc.disable()
-        t2 = time.perf_counter_ns()
-        rt.end_step(rows)
-        t3 = time.perf_counter_ns()
-        gc.enable()
+        begin, end, spent = timed_step(rt, appends, lambda inputs: _model(rt, inputs))
         if step > s.q7_warmup_steps:
-            times.append(((t1 - t0) / 1e3, (t3 - t2) / 1e3, engine.spent_ns / 1e3))
+            times.append((begin / 1e3, end / 1e3, spent / 1e3))
         if s.check_invariants:
             check_all(rt, content_tag, dense=rt.read_path is ReadPath.DENSE and rt.policy is not None)
         appends = {r: 1 for r in ids}
