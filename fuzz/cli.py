@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replay", type=int, metavar="BATCH_SEED", help="rerun one batch from its seed")
     p.add_argument("--self-test", action="store_true", help="plant each known bug and check the fuzzer catches it")
     p.add_argument("--bug", nargs="+", choices=sorted(BUGS) + sorted(VLLM_BUGS),
-                   help="planted bug(s) for --self-test or --replay (the last three: --target vllm)")
+                   help=f"planted bug(s) for --self-test or --replay ({', '.join(sorted(VLLM_BUGS))}: --target vllm)")
     p.add_argument("--time-per-bug", type=float, default=60.0, help="self-test budget per planted bug")
     p.set_defaults(run=main)
 
