@@ -564,7 +564,7 @@ class ReclamationManager:
             raise InvariantViolation("I3", f"request {req!r}: commit while its copy {rec.handle} is still pending")
         after = self._check_commit_moves(req, moves, lambda b: t.index_in_list(req, b), t.write_pos(req),
                                          "the block list", lambda b: t.block_mask(req, b), fail)
-        # ``_check_layout``'s rules for the list with the tail spliced out, read only where it changes
+        # the list with the tail spliced out, under ``TokenTable.check_splice``'s rules, read only where it changes
         mask_of = (lambda b: after[b] if b in after else t.block_mask(req, b))
         pos, length = plan.dense_write_pos, t.num_blocks_of(req) - len(plan.src_blocks)
         if not is_int(pos) or not 0 <= pos <= length * S:
@@ -572,22 +572,11 @@ class ReclamationManager:
         at = -(-pos // S)
         if any(t.block_at(req, at + i) != b for i, b in enumerate(plan.src_blocks)):
             fail(f"its sources {list(plan.src_blocks)} are not blocks [{at}, {at + len(plan.src_blocks)}) of the list")
-        for b in plan.src_blocks:
-            if mask_of(b):
-                fail(f"block {b} holds live tokens but would leave block list {self._spliced(req, at, plan)}")
-        for i in range(pos // S, length):
-            b = t.block_at(req, i if i < at else i + len(plan.src_blocks))
-            if mask_of(b) >> max(0, pos - i * S):
-                fail(f"block {b} would hold live tokens at or after cursor {pos}")
+        t.check_splice(req, at, len(plan.src_blocks), (), pos, mask_of, fail)  # the splice's own rules
         for b in plan.src_blocks:
             if self.pool.ref_count(b) < 1:
                 fail(f"block {b} would be freed with {self.pool.ref_count(b)} reference(s)")
         return at
-
-    def _spliced(self, req: object, at: int, plan: Plan) -> list[int]:
-        """The block list a densify commit leaves (for messages)."""
-        blocks = self.table.block_ids(req)
-        return blocks[:at] + blocks[at + len(plan.src_blocks):]
 
     def _check_moves(self, rec: PlanRecord) -> None:
         """Executed precondition of ``launch``: the plan's moves are a copy of its request's layout (I4).

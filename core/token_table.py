@@ -453,7 +453,7 @@ class TokenTable:
         densify commit's rewrite (the emptied tail leaves), under ``set_layout``'s rules, in O(removed +
         inserted + blocks from the new cursor's on) where ``set_layout`` is O(blocks)."""
         r = self._get(req_id)
-        new = self.check_splice(req_id, at, remove, insert, write_pos, r.masks.get)
+        new = self.check_splice(req_id, at, remove, insert, write_pos, lambda b: r.masks.get(b, 0))
         # -- validated; mutate --
         removed = r.blocks[at:at + remove]
         for b in removed:
@@ -473,32 +473,36 @@ class TokenTable:
         assert r.write_pos <= len(r.blocks) * self.block_size
 
     def check_splice(self, req_id: object, at: int, remove: int, insert: Sequence[int], write_pos: int,
-                     mask_of) -> list[int]:
+                     mask_of, fail=None) -> list[int]:
         """Everything ``splice`` checks, changing nothing, with ``mask_of(block)`` giving each listed block's
-        live offsets (the commit's precondition passes the masks its moves will leave). Returns ``insert``."""
+        live offsets (a commit's precondition passes the masks its moves will leave, and its own ``fail``,
+        which raises). Returns ``insert`` as a list. O(removed + inserted + blocks from the cursor's on)."""
         r, S = self._get(req_id), self.block_size
         n = len(r.blocks)
+
+        def refuse(error: type, message: str) -> None:
+            if fail is not None:
+                fail(message)
+            raise error(f"request {req_id!r}: {message}")
+
         new = as_list(f"request {req_id!r}: blocks to insert", insert, BlockOutOfRangeError)
         if not (is_int(at) and is_int(remove) and 0 <= at and 0 <= remove and at + remove <= n):
-            raise BlockListTooShortError(f"request {req_id!r}: splice of blocks [{at!r}, +{remove!r}) outside its "
-                                         f"{n} blocks")
+            refuse(BlockListTooShortError, f"splice of blocks [{at!r}, +{remove!r}) outside its {n} blocks")
         for b in new:
             self._check_block(b)
             if b in r.masks or self._listed[b] or new.count(b) > 1:
-                raise BlockNotOwnedError(f"request {req_id!r}: block {b} cannot join its block list (listed, or "
-                                         f"named twice)")
+                refuse(BlockNotOwnedError, f"block {b} cannot join its block list (listed, or named twice)")
         for b in r.blocks[at:at + remove]:
             if mask_of(b):
-                raise BlockNotOwnedError(f"request {req_id!r}: block {b} still holds {mask_of(b).bit_count()} live "
-                                         f"token(s) and cannot leave its block list")
+                refuse(BlockNotOwnedError, f"block {b} holds live tokens but would leave block list "
+                                           f"{r.blocks[:at] + new + r.blocks[at + remove:]}")
         length = n - remove + len(new)
         if not is_int(write_pos) or not 0 <= write_pos <= length * S:
-            raise BlockListTooShortError(f"request {req_id!r}: cursor {write_pos!r} outside its {length} blocks of {S}")
+            refuse(BlockListTooShortError, f"cursor {write_pos!r} outside its {length} blocks")
         for i in range(write_pos // S, length):  # no live token at or after the new cursor (T2)
             b = r.blocks[i] if i < at else new[i - at] if i < at + len(new) else r.blocks[i - len(new) + remove]
             if b not in new and mask_of(b) >> max(0, write_pos - i * S):
-                raise DestinationError(f"request {req_id!r}: block {b} holds live tokens at or after cursor "
-                                       f"{write_pos}")
+                refuse(DestinationError, f"block {b} would hold live tokens at or after cursor {write_pos}")
         return new
 
     # ---- views ----------------------------------------------------------------------

@@ -821,9 +821,10 @@ def test_a_splice_that_would_drop_a_live_token_is_refused_and_changes_nothing():
     t.add_request("A")
     t.sync_new_tokens("A", [0, 1], 6)
     before = t.state()
-    with pytest.raises(BlockNotOwnedError, match="block 1 still holds 2 live token"):
+    with pytest.raises(BlockNotOwnedError, match=r"request 'A': block 1 holds live tokens but would leave block "
+                                                 r"list \[0\]"):
         t.splice("A", 1, 1, (), 4)
-    with pytest.raises(DestinationError, match="block 1 holds live tokens at or after cursor 5"):
+    with pytest.raises(DestinationError, match="request 'A': block 1 would hold live tokens at or after cursor 5"):
         t.splice("A", 2, 0, (), 5)
     assert t.state() == before
     for tok in (4, 5):
