@@ -49,23 +49,32 @@ def choose_sources(snap: RequestSnapshot, max_sources: int, dst_budget: int) -> 
     post: not __return__ or contracts.strict_decrease_within_budget(snap, __return__, dst_budget)
     """
     assert max_sources >= 1 and dst_budget >= 0
-    S = snap.block_size
-    chosen = eligible_sources(snap)[:max_sources]
+    ranked = [(i, snap.live_count(i)) for i in eligible_sources(snap)[:max_sources]]
+    return choose_ranked(snap.req_id, ranked, snap.blocks.__getitem__, snap.block_size, dst_budget)
+
+
+def choose_ranked(req_id: object, ranked: list[tuple[int, int]], block_at, block_size: int,
+                  dst_budget: int) -> SourceChoice | NoPlan:
+    """``choose_sources`` from its candidates: ``ranked`` is (index, live count) of the first eligible sources,
+    lowest count first (``eligible_sources`` on a snapshot, or ``TokenTable.compact_candidates``), and
+    ``block_at(index)`` the block at an index. The one implementation of the gate, for both."""
+    S = block_size
+    chosen = list(ranked)
     if not chosen:
-        return NoPlan(NoPlanReason.NO_CANDIDATES, f"request {snap.req_id!r}")
-    live = sum(snap.live_count(i) for i in chosen)
+        return NoPlan(NoPlanReason.NO_CANDIDATES, f"request {req_id!r}")
+    live = sum(n for _, n in chosen)
     # shrink the candidate set (fullest first) until its destinations fit the budget
     while chosen and -(-live // S) > dst_budget:
-        live -= snap.live_count(chosen.pop())
+        live -= chosen.pop()[1]
     if not chosen:
-        return NoPlan(NoPlanReason.NOT_ENOUGH_HEADROOM, f"request {snap.req_id!r}: budget {dst_budget}")
+        return NoPlan(NoPlanReason.NOT_ENOUGH_HEADROOM, f"request {req_id!r}: budget {dst_budget}")
     num_dst = -(-live // S)
     if num_dst >= len(chosen):
         return NoPlan(
             NoPlanReason.NO_STRICT_DECREASE,
-            f"request {snap.req_id!r}: {live} live tokens in {len(chosen)} blocks need {num_dst}",
+            f"request {req_id!r}: {live} live tokens in {len(chosen)} blocks need {num_dst}",
         )
-    return SourceChoice(tuple(snap.blocks[i] for i in sorted(chosen)), live, num_dst)
+    return SourceChoice(tuple(block_at(i) for i in sorted(i for i, _ in chosen)), live, num_dst)
 
 
 def plan_compaction(snap: RequestSnapshot, dst_blocks: Sequence[int], max_sources: int) -> Plan | NoPlan:
@@ -85,7 +94,20 @@ def plan_compaction(snap: RequestSnapshot, dst_blocks: Sequence[int], max_source
     if len(tokens) != choice.num_live or sources & set(dsts) or set(dsts) & set(snap.blocks):
         raise InvariantViolation("I4", f"request {snap.req_id!r}: compact would move {len(tokens)} of "
                                        f"{choice.num_live} live tokens into {dsts}, which must be fresh blocks")
+    return compact_plan(snap.req_id, snap.version, S, choice, tokens, dst_blocks)
+
+
+def compact_plan(req_id: object, version: tuple[int, int], block_size: int, choice: SourceChoice,
+                 tokens: list[tuple[int, int]], dst_blocks: Sequence[int]) -> Plan:
+    """The plan for ``choice``: its live ``tokens`` (token, slot), in logical order, fill the first
+    ``choice.num_dst`` of ``dst_blocks`` one after another. The one implementation of the fill, for
+    ``plan_compaction`` (tokens from a snapshot) and the manager's maintained path (``TokenTable.live_in_blocks``)."""
+    S = block_size
+    dsts = tuple(dst_blocks[: choice.num_dst])
+    if len(tokens) != choice.num_live:
+        raise InvariantViolation("I4", f"request {req_id!r}: compact would move {len(tokens)} of "
+                                       f"{choice.num_live} live tokens into {dsts}, which must be fresh blocks")
     moves = tuple(
         Move(t, s // S, s % S, dsts[i // S], i % S) for i, (t, s) in enumerate(tokens)
     )
-    return Plan(PlanKind.COMPACT, snap.req_id, snap.version, moves, choice.src_blocks, dsts)
+    return Plan(PlanKind.COMPACT, req_id, version, moves, choice.src_blocks, dsts)

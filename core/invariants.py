@@ -70,6 +70,7 @@ def check_i2_unique_mapping(sys) -> None:
     pool, table, S = sys.pool, sys.table, sys.pool.block_size
     holders: Counter = Counter()
     refs: Counter = Counter()
+    per_request: list[tuple[object, list[int], Counter]] = []
     for r in table.request_ids():
         blocks = table.block_ids(r)
         index = {b: i for i, b in enumerate(blocks)}
@@ -96,6 +97,10 @@ def check_i2_unique_mapping(sys) -> None:
             holders[slot] += 1
         if table.num_live(r) != len(live):
             raise InvariantViolation("I2", f"request {r!r}: num_live {table.num_live(r)} != {len(live)} live tokens")
+        per_request.append((r, blocks, counts))
+    # NOTE: the occupancy first: a private block's live count is read off it (token_table's T1 note)
+    table.occupancy.check_against(dict(holders))
+    for r, blocks, counts in per_request:
         recorded = table.block_live_counts(r)
         for b in blocks:
             if recorded.get(b, 0) != counts[b]:
@@ -103,7 +108,6 @@ def check_i2_unique_mapping(sys) -> None:
                     "I2", f"request {r!r} block {b}: live count {recorded.get(b, 0)} recorded, {counts[b]} found"
                 )
         table.check_views(r)  # V1, once the table's own counts are known to be right
-    table.occupancy.check_against(dict(holders))
     recs = list(sys.manager.inflight.values())
     for rec in recs:
         if rec.state in (PlanState.PLANNED, PlanState.COPYING):

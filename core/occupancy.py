@@ -80,6 +80,21 @@ class SlotOccupancy:
             check_int("block", block_id, 0, len(self._block_live) - 1, error=BlockOutOfRangeError)
         return self._block_live[block_id]
 
+    def occupied_mask(self, block_id: int) -> int:
+        """The block's occupied offsets as a bitmask (bit o: slot ``block_id * S + o`` has a holder), O(S).
+
+        NOTE: for a block one request lists alone this *is* that request's mask of live offsets (T1): no
+        other request can hold a slot of it, so the token table keeps no mask of its own for it."""
+        n = self.block_live(block_id)
+        S = self.block_size
+        if n == 0 or n == S:
+            return (1 << n) - 1  # empty or full: the common cases, O(1)
+        m = 0
+        for o, h in enumerate(self._holders[block_id * S:(block_id + 1) * S]):
+            if h:
+                m |= 1 << o
+        return m
+
     def _check_slot(self, slot: int) -> None:
         # negative indices would wrap around to the last block: refuse them (a cheap check, no type dispatch)
         if slot.__class__ is not int or not 0 <= slot < len(self._holders):

@@ -110,4 +110,11 @@ class Plan:
         at = min(blocks.index(b) for b in self.src_blocks)
         kept = [b for b in blocks if b not in gone]  # no source precedes ``at``
         new = kept[:at] + list(dsts) + kept[at:]
-        return new, write_pos + (len(dsts) - len(self.src_blocks)) * block_size
+        return new, self.compact_cursor(write_pos, block_size, dsts)
+
+    def compact_cursor(self, write_pos: int, block_size: int, dst_blocks: tuple[int, ...] | None = None) -> int:
+        """A compact plan's append cursor after commit: it shifts by whole blocks, + S per destination kept
+        (``dst_blocks``, default all), - S per source (all lie before the cursor's block). ``final_layout``'s
+        cursor, and the one the manager's commit sets."""
+        dsts = self.dst_blocks if dst_blocks is None else dst_blocks
+        return write_pos + (len(dsts) - len(self.src_blocks)) * block_size

@@ -47,7 +47,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .block_pool import BlockAllocator, Purpose
-from .compact import choose_sources, plan_compaction
+from .compact import choose_ranked, choose_sources, compact_plan, plan_compaction
 from .checks import as_list, is_int, is_known_key
 from .copy_engine import CopyEngine, CopyHandle, CopyStatus
 from .densify import DensifyTail, plan_densify, plan_densify_tail
@@ -238,7 +238,7 @@ class ReclamationManager:
         S = self.pool.block_size
 
         def excess(r: object) -> int:
-            return len(self.table.block_ids(r)) - -(-self.table.num_live(r) // S)
+            return self.table.num_blocks_of(r) - -(-self.table.num_live(r) // S)
 
         made = []
         for r in sorted((r for r in req_ids if r not in self.inflight), key=lambda r: -excess(r)):
@@ -266,24 +266,49 @@ class ReclamationManager:
             plan = self._densify_tail(req_id, evicted_positions)
             if plan is not None:
                 return self._record(req_id, plan)
-        shared = self._shared_blocks(req_id)  # first: an unknown (or unhashable) id is UnknownRequestError
+        self.table.num_live(req_id)  # first: an unknown (or unhashable) id is UnknownRequestError
         if req_id in self.inflight:
             raise PlanConflictError(f"request {req_id!r} already has a plan in flight (I4)")
-        snap = self.table.snapshot(req_id, shared)
         if self.config.planner is PlanKind.DENSIFY:
-            plan = plan_densify(snap)
+            plan = plan_densify(self.table.snapshot(req_id, self._shared_blocks(req_id)))
         else:
-            choice = choose_sources(snap, self.config.max_sources, self.destination_budget())
-            if not choice:
-                plan = choice
-            else:
-                dsts = self.pool.allocate(choice.num_dst, Purpose.EVACUATION)
-                plan = plan_compaction(snap, dsts, self.config.max_sources)
-                if not plan or plan.dst_blocks != tuple(dsts):
-                    self.pool.free(dsts)  # leak nothing, then stop: the planner broke its contract
-                    raise InvariantViolation("I4", f"request {req_id!r}: the compact planner did not use exactly "
-                                             f"the {len(dsts)} reserved destination blocks {dsts}: {plan!r}")
+            plan = self._plan_compact(req_id)
         return self._record(req_id, plan)
+
+    def _plan_compact(self, req_id: object) -> Plan | NoPlan:
+        """A compact plan from the maintained structures, O(S + B x S) for B = ``max_sources``: the candidates
+        from the table's per-block counts (``compact_candidates``), their tokens from its token map
+        (``live_in_blocks``), the gate and the fill of compact.py (``choose_ranked``, ``compact_plan``). The
+        reference is ``choose_sources`` / ``plan_compaction`` on the full snapshot: with ``verify_fast_paths``
+        every answer is compared with it (V3)."""
+        t, S, k = self.table, self.pool.block_size, self.config.max_sources
+        budget = self.destination_budget()
+        choice = choose_ranked(req_id, t.compact_candidates(req_id, k, self._private), lambda i: t.block_at(req_id, i),
+                               S, budget)
+        snap = t.snapshot(req_id, self._shared_blocks(req_id)) if self.verify_fast_paths else None
+        if snap is not None and choice != (want := choose_sources(snap, k, budget)):
+            raise InvariantViolation("V3", f"request {req_id!r}: the compact fast path chose {choice!r}, the "
+                                     f"reference choose_sources {want!r}")
+        if not choice:
+            return choice
+        dsts = self.pool.allocate(choice.num_dst, Purpose.EVACUATION)
+        try:
+            plan = compact_plan(req_id, (t.layout_version(req_id), t.total_len(req_id)), S, choice,
+                                t.live_in_blocks(req_id, choice.src_blocks), dsts)
+            if not plan or plan.dst_blocks != tuple(dsts):
+                raise InvariantViolation("I4", f"request {req_id!r}: the compact planner did not use exactly "
+                                         f"the {len(dsts)} reserved destination blocks {dsts}: {plan!r}")
+            if snap is not None and plan != (want := plan_compaction(snap, dsts, k)):
+                raise InvariantViolation("V3", f"request {req_id!r}: the compact fast path planned {plan!r}, the "
+                                         f"reference plan_compaction {want!r}")
+        except BaseException:
+            self.pool.free(dsts)  # leak nothing, then stop: the planner broke its contract
+            raise
+        return plan
+
+    def _private(self, block_id: int) -> bool:
+        """May ``block_id`` be a compaction source: no other reference (``_shared_blocks`` lists the others)."""
+        return self.pool.ref_count(block_id) == 1
 
     def _densify_tail(self, req_id: object, evicted_positions: list[int]) -> Plan | NoPlan | None:
         """``plan_densify_tail``'s plan, or None when the step's evictions are not the request's only holes or
@@ -491,6 +516,9 @@ class ReclamationManager:
         if plan.kind is PlanKind.DENSIFY:
             self._commit_densify(rec, moves)
             return
+        if plan.kind is PlanKind.COMPACT:
+            self._commit_compact(rec, moves)
+            return
         dsts = plan.kept_destinations(lambda m: t.is_live(req, m.token_id))
         unused = [b for b in plan.dst_blocks if b not in dsts]
         blocks, write_pos = t.block_ids(req), t.write_pos(req)
@@ -523,6 +551,108 @@ class ReclamationManager:
         self.stats.plans_committed += 1
         self.stats.moves_committed += len(moves)
         self.stats.blocks_released += len(plan.src_blocks) - len(dsts)
+
+    def _commit_compact(self, rec: PlanRecord, moves: list) -> None:
+        """A compact commit in O(moves + sources + destinations), plus the C copy and the index refresh of the
+        block list: splice the kept destinations in before the first source, move the tokens, remove the emptied
+        sources, and the cursor is ``Plan.compact_cursor``. The layout is ``Plan.final_layout``'s (with
+        ``verify_fast_paths`` compared with it, V3). Not stale, so the sources are where they were planned."""
+        plan, t, S = rec.plan, self.table, self.pool.block_size
+        req = plan.req_id
+        dsts = plan.kept_destinations(lambda m: t.is_live(req, m.token_id))
+        unused = [b for b in plan.dst_blocks if b not in dsts]
+        pos, live_before = t.write_pos(req), t.num_live(req)
+        src_at = [t.index_in_list(req, b) for b in plan.src_blocks]
+        want = plan.final_layout(t.block_ids(req), pos, S, dsts) if self.verify_fast_paths else None
+        final_pos = plan.compact_cursor(pos, S, dsts)
+        self._check_compact_commit(rec, moves, src_at, dsts, final_pos, list(plan.src_blocks) + unused)
+        # -- checked; mutate --
+        self.stats.moves_dropped += len(plan.moves) - len(moves)
+        if dsts:
+            t.splice(req, src_at[0], 0, dsts, pos + len(dsts) * S)
+        t.apply_moves(req, moves)
+        t.remove_blocks(req, [i + len(dsts) for i in src_at], final_pos)
+        # online I1/I2 postcondition, O(moves): a relocation moves tokens, never kills or revives one (the full
+        # comparison of the ordered live ids is check_i2's and V1's, off the hot path)
+        if t.num_live(req) != live_before or any(t.slot_of(req, m.token_id) != m.dst_block * S + m.dst_offset
+                                                 for m in moves):
+            raise InvariantViolation("I2", f"request {req!r}: committing plan changed its ordered live token ids")
+        if want is not None and (t.block_ids(req), t.write_pos(req)) != want:
+            raise InvariantViolation("V3", f"request {req!r}: the compact commit left blocks {t.block_ids(req)} and "
+                                     f"cursor {t.write_pos(req)}, Plan.final_layout says {want[0]} and {want[1]}")
+        self._release_handle(rec)
+        self.pool.free(list(plan.src_blocks) + unused)
+        rec.state = PlanState.COMMITTED
+        del self.inflight[req]
+        assert rec.handle is None and t.write_pos(req) <= t.num_blocks_of(req) * S
+        self.stats.plans_committed += 1
+        self.stats.moves_committed += len(moves)
+        self.stats.blocks_released += len(plan.src_blocks) - len(dsts)
+
+    def _check_compact_commit(self, rec: PlanRecord, moves: list, src_at: list, dsts: tuple[int, ...],
+                              final_pos: int, to_free: list[int]) -> None:
+        """``_check_commit`` for a compact plan, O(moves + sources + destinations + blocks from the cursor's on):
+        the copy settled; the destinations may join before the first source (``TokenTable.check_splice``); every
+        move reads its token's slot and writes an unclaimed slot of the staged list below its cursor; the sources
+        hold no live token once the moves are made, and none lies at or after the final cursor; the blocks to free
+        are held. Raises InvariantViolation before anything changes."""
+        t, S, plan = self.table, self.pool.block_size, rec.plan
+        req = plan.req_id
+
+        def fail(message: str) -> None:
+            raise InvariantViolation("I4", f"request {req!r}: committing its compact plan would break the table: "
+                                     f"{message}; nothing was changed")
+
+        if rec.handle is not None and not self.engine.poll(rec.handle).settled:
+            raise InvariantViolation("I3", f"request {req!r}: commit while its copy {rec.handle} is still pending")
+        if None in src_at or src_at != sorted(set(src_at)):
+            fail(f"its sources {list(plan.src_blocks)} are not in its block list, in order")
+        at, pos, n = src_at[0], t.write_pos(req), t.num_blocks_of(req)
+        staged_pos = pos + len(dsts) * S
+        for b in dsts:  # NOTE: the message names the staged list (O(blocks)), on failure only
+            if not (is_int(b) and 0 <= b < self.pool.num_blocks) or t.index_in_list(req, b) is not None \
+                    or dsts.count(b) > 1:
+                staged = t.block_ids(req)
+                fail(f"block list {staged[:at] + list(dsts) + staged[at:]} repeats a block or names one outside the pool")
+        if dsts:
+            t.check_splice(req, at, 0, dsts, staged_pos, lambda b: t.block_mask(req, b), fail)
+        where = {b: at + j for j, b in enumerate(dsts)}
+
+        def staged_index(b: int) -> int | None:
+            if b in where:
+                return where[b]
+            i = t.index_in_list(req, b)
+            return None if i is None else i + (len(dsts) if i >= at else 0)
+
+        after = self._check_commit_moves(req, moves, staged_index, staged_pos, "the staged block list",
+                                         lambda b: t.block_mask(req, b), fail)
+
+        def mask(b: int) -> int:
+            return after[b] if b in after else t.block_mask(req, b)
+
+        length = n + len(dsts) - len(src_at)
+
+        def final_block(k: int) -> int:  # block k of the final list: blocks[:at] + dsts + the rest, sources gone
+            if k < at:
+                return t.block_at(req, k)
+            if k < at + len(dsts):
+                return dsts[k - at]
+            j = k - len(dsts)
+            for i in src_at:
+                j += i <= j
+            return t.block_at(req, j)
+
+        if not is_int(final_pos) or not 0 <= final_pos <= length * S:
+            fail(f"cursor {final_pos!r} outside its {length} blocks")
+        for b in plan.src_blocks:
+            if mask(b):
+                fail(f"block {b} holds live tokens but would leave block list {[final_block(k) for k in range(length)]}")
+        for k in range(final_pos // S, length):
+            if mask(b := final_block(k)) >> max(0, final_pos - k * S):
+                fail(f"block {b} would hold live tokens at or after cursor {final_pos}")
+        for b, k in Counter(to_free).items():
+            if self.pool.ref_count(b) < k:
+                fail(f"block {b} would be freed {k} time(s) with {self.pool.ref_count(b)} reference(s)")
 
     def _commit_densify(self, rec: PlanRecord, moves: list) -> None:
         """A densify commit in O(moves + released blocks): move the movers into the holes, then splice the

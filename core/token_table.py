@@ -5,10 +5,12 @@ it in logical token ids; it owns the mapping to physical slots
 (``slot = block_id * block_size + offset``, Eq. 2) and keeps per-block live
 counts so the reclamation backend never scans to find waste.
 
-Storage is compact on purpose (≤ 16 bytes of metadata per token, see
+Storage is compact on purpose (≤ 12 bytes of metadata per token, see
 tests/bench_table_memory.py): one ``array('i')`` of slots per request, where a
-dead token holds ``NO_SLOT``; one bitmask per block of the offsets this request
-holds live tokens in; and a pool-wide ``SlotOccupancy``.
+dead token holds ``NO_SLOT``; a pool-wide ``SlotOccupancy``, whose occupied
+slots of a block one request lists alone are that request's live offsets in it;
+and, per request, a bitmask of its live offsets only for each block it shares
+with another request (a prefix block), where the pool cannot tell holders apart.
 
 Physical *position* p of a request means ``blocks[p // S] * S + p % S``: the
 request's block list read as one long row, as vLLM's block table is. New tokens
@@ -18,14 +20,17 @@ tokens only to positions before it.
 Invariants this module maintains (docs/spec.md):
   I2  a live token has exactly one slot; no slot is claimed twice by one
       request; a dead token claims nothing;
-  T1  ``num_live`` equals the number of live tokens, and each block's bitmask
-      has exactly the offsets of this request's live tokens in that block;
+  T1  ``num_live`` equals the number of live tokens, and each block's mask
+      (``block_mask``: the shared map's, or the pool's occupancy of a private
+      block) has exactly the offsets of this request's live tokens in it; the
+      shared map has an entry for exactly the listed blocks others list too;
   T2  no claimed slot lies at or after the append cursor.
 """
 
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
@@ -46,6 +51,19 @@ from .errors import (
 )
 from .live_index import NO_SLOT, LiveIndex, LiveTokens
 from .occupancy import SlotOccupancy
+_BYTE_ORDER = "little" if array("i", [1]).tobytes()[0] == 1 else "big"  # the arrays' (the machine's)
+
+
+def _find_word(raw: bytes, value: int, start: int, end: int | None = None) -> int:
+    """The first index i >= start (below ``end``) of a 4-byte array's raw bytes whose word is ``value``, or -1:
+    a C search (``bytes.find``), skipping matches that straddle two words."""
+    pattern = value.to_bytes(4, _BYTE_ORDER, signed=value < 0)
+    at, stop = 4 * start, len(raw) if end is None else 4 * end
+    while (at := raw.find(pattern, at, stop)) >= 0:
+        if at % 4 == 0:
+            return at // 4
+        at += 1
+    return -1
 _MAX_SLOTS = 2**31 - 1  # slots are stored as C ints
 _LOG_LIMIT = 4096  # evictions ``take_changes`` lists one by one; beyond, it says "rebuilt"
 
@@ -76,13 +94,23 @@ def _as_move(req_id: object, m: object) -> Move:
 class RequestTokens:
     """One request's entries. Mutated only through ``TokenTable``, which validates first."""
 
-    __slots__ = ("slots", "blocks", "masks", "write_pos", "num_live", "layout_version", "last_sync_start", "live",
+    __slots__ = ("slots", "blocks", "counts", "shared", "index_stale", "write_pos", "num_live", "layout_version", "last_sync_start", "live",
                  "evicted", "taken_version", "taken_len", "run_pos", "run_token")
 
     def __init__(self) -> None:
         self.slots = array("i")  # logical token id -> slot, NO_SLOT when dead
-        self.blocks: list[int] = []  # block list; position p lives in blocks[p // S]
-        self.masks: dict[int, int] = {}  # block -> bitmask of offsets held by live tokens
+        self.blocks = array("i")  # block list; position p lives in blocks[p // S] (4 B a block, not a list's 36)
+        # parallel to ``blocks``: each block's live tokens of this request, so compact's candidates are found by
+        # a C search of these bytes (``compact_candidates``), not a Python scan of the block list
+        self.counts = array("I")
+        # True once a splice or a removal shifted blocks without recording their new indices: the pool-wide block
+        # index is then a hint for this request's blocks, checked on every read (``_index_listed``, ``_in_list``)
+        self.index_stale = False
+        # NOTE: a block listed by this request alone (private) has no mask here: its live offsets are the
+        # pool's occupied slots of it (``SlotOccupancy.occupied_mask``), since only its one holder can hold a
+        # slot of it. A block several requests list (a shared prefix block) keeps each holder's mask here, and
+        # exactly those blocks have an entry (``_materialise`` / ``_reindex`` keep it so).
+        self.shared: dict[int, int] = {}  # shared block -> bitmask of the offsets this request holds live
         self.write_pos = 0  # the append cursor (a position)
         self.num_live = 0
         self.layout_version = 0  # bumped by every relocation or block-list rewrite: a structural change
@@ -90,7 +118,7 @@ class RequestTokens:
         self.live = LiveIndex()  # live ids by rank (maintained by sync_new_tokens and evict_token)
         # the change log ``take_changes`` hands out: ids evicted since the last take (None: more than the log
         # keeps, read the whole list), and the layout version at that take
-        self.evicted: list[int] | None = []
+        self.evicted: array | None = array("i")  # 4 B an entry: a request nobody takes from keeps <= 16 KiB
         self.taken_version = -1  # never taken: the first take is a full list
         self.taken_len = 0  # the synced length at the last take
         # the append run: since the last layout change, position run_pos + i holds token run_token + i (if it
@@ -156,6 +184,10 @@ class TokenTable:
         # per block listed by exactly one request, its index in that request's list (4 bytes per block):
         # a slot's position in O(1); for a shared block the holder's list is searched (``position_of``)
         self._index_of = array("i", bytes(4 * num_blocks))
+        # per slot of a block listed by one request, the token of that request it holds (4 bytes per slot; stale
+        # where no live token is): a compaction source's tokens without a scan of the slot array. A shared
+        # block's entries are not kept; they are rebuilt when it is private again (``_reindex``)
+        self._token_at = array("i", bytes(4 * num_blocks * block_size))
 
     # ---- registration ------------------------------------------------------------
     def add_request(self, req_id: object) -> None:
@@ -217,8 +249,11 @@ class TokenTable:
         for b in new_ids:
             if not self._listed[b]:  # NOTE: a shared block keeps its first holder's index (unused while shared)
                 self._index_of[b] = len(r.blocks)
+            else:
+                self._materialise(b)
+                r.shared[b] = 0
             r.blocks.append(b)
-            r.masks[b] = 0
+            r.counts.append(0)
             self._listed[b] += 1
         r.live.append(r.total_len, n_new)
         r.last_sync_start = r.total_len
@@ -226,7 +261,11 @@ class TokenTable:
         for p in range(r.write_pos, r.write_pos + n_new):
             b, o = r.blocks[p // S], p % S
             slot = b * S + o
-            r.masks[b] |= 1 << o
+            r.counts[p // S] += 1
+            if b in r.shared:
+                r.shared[b] |= 1 << o
+            else:
+                self._token_at[slot] = len(r.slots)
             self.occupancy.claim(slot)
             r.slots.append(slot)
             out.append(slot)
@@ -253,7 +292,7 @@ class TokenTable:
         seen: set[int] = set()
         for b in new_ids:
             self._check_block(b)
-            if b in seen or b in r.masks:
+            if b in seen or self._in_list(r, b):
                 raise BlockNotOwnedError(f"request {req_id!r}: block {b} is already in its block list")
             seen.add(b)
         n_new = total_len - r.total_len
@@ -301,8 +340,10 @@ class TokenTable:
         r = self._get(req_id)
         slot = self._live_slot(req_id, r, token_id)
         b, o = divmod(slot, self.block_size)
-        assert r.masks[b] >> o & 1, f"live token {token_id} of {req_id!r} at slot {slot}, unmarked in block {b}"
-        r.masks[b] &= ~(1 << o)
+        if b in r.shared:
+            assert r.shared[b] >> o & 1, f"live token {token_id} of {req_id!r} at slot {slot}, unmarked in block {b}"
+            r.shared[b] &= ~(1 << o)
+        r.counts[self._index_listed(r, b)] -= 1
         self.occupancy.release(slot)
         r.slots[token_id] = NO_SLOT
         r.num_live -= 1
@@ -311,7 +352,7 @@ class TokenTable:
             r.evicted.append(token_id)
             if len(r.evicted) > _LOG_LIMIT:
                 r.evicted = None  # nobody is reading the log: bounded, the next take says "rebuilt"
-        assert r.num_live >= 0 and not r.masks[b] >> o & 1
+        assert r.num_live >= 0 and not self._mask(r, b) >> o & 1
 
     def apply_moves(self, req_id: object, moves: Iterable[Move]) -> None:
         """Atomically relocate live tokens whose K/V has been copied (I2).
@@ -379,10 +420,16 @@ class TokenTable:
         # -- validated; mutate atomically --
         for m in batch:
             slot = r.slots[m.token_id]
-            r.masks[slot // S] &= ~(1 << (slot % S))
+            if slot // S in r.shared:
+                r.shared[slot // S] &= ~(1 << (slot % S))
+            r.counts[self._index_listed(r, slot // S)] -= 1
             self.occupancy.release(slot)
         for m in batch:
-            r.masks[m.dst_block] |= 1 << m.dst_offset
+            r.counts[self._index_listed(r, m.dst_block)] += 1
+            if m.dst_block in r.shared:
+                r.shared[m.dst_block] |= 1 << m.dst_offset
+            else:
+                self._token_at[m.dst_block * S + m.dst_offset] = m.token_id
             self.occupancy.claim(m.dst_block * S + m.dst_offset)
             r.slots[m.token_id] = m.dst_block * S + m.dst_offset
         r.layout_version += 1
@@ -405,7 +452,7 @@ class TokenTable:
         if len(set(new)) != len(new):
             raise BlockNotOwnedError(f"request {req_id!r}: new block list {new} repeats a block")
         for b in new:
-            if b not in r.masks and self._listed[b]:
+            if self._listed[b] and not self._in_list(r, b):
                 raise BlockNotOwnedError(
                     f"request {req_id!r}: block {b} belongs to request {self._holders_of(b)[0]!r} and cannot join "
                     f"its block list"
@@ -415,19 +462,21 @@ class TokenTable:
                 f"request {req_id!r}: cursor {write_pos!r} outside its {len(new)} blocks of {S}"
             )
         keep = set(new)
-        for b, mask in r.masks.items():
-            if mask and b not in keep:
+        for b in r.blocks:
+            if b not in keep and (n := self._live_in(r, b)):
                 raise BlockNotOwnedError(
-                    f"request {req_id!r}: block {b} still holds {mask.bit_count()} live token(s) "
+                    f"request {req_id!r}: block {b} still holds {n} live token(s) "
                     f"and cannot leave its block list"
                 )
-        for i, b in enumerate(new):
-            first_free = max(0, write_pos - i * S)  # offsets of block i at or after the cursor
-            if r.masks.get(b, 0) >> first_free:
+        for i in range(write_pos // S, len(new)):  # blocks before the cursor's have no offset at or after it
+            b = new[i]
+            if self._mask(r, b) >> (write_pos - i * S if i * S < write_pos else 0):
                 raise DestinationError(
                     f"request {req_id!r}: block {b} holds live tokens at or after cursor {write_pos}"
                 )
         # -- validated; mutate --
+        counts = array("I", (self._live_in(r, b) for b in new))  # a joining block: 0 (it is listed nowhere)
+        live_before = sum(self._live_in(r, b) for b in r.blocks)
         keep_old = set(r.blocks)
         dropped = [b for b in r.blocks if b not in keep]
         for b in dropped:
@@ -435,17 +484,19 @@ class TokenTable:
         for b in new:
             if b not in keep_old:
                 self._listed[b] += 1
-        live_before = sum(m.bit_count() for m in r.masks.values())
-        r.masks = {b: r.masks.get(b, 0) for b in new}
-        r.blocks = new
+        for b in dropped:
+            r.shared.pop(b, None)
+        r.blocks = array("i", new)
+        r.counts = counts
         for i, b in enumerate(new):
             self._index_of[b] = i
+        r.index_stale = False
         for b in dropped:
             self._reindex(b)  # a shared block this request gave up now belongs to one request
         r.write_pos = write_pos
         r.layout_version += 1
         r.run_pos, r.run_token = r.write_pos, r.total_len
-        assert sum(m.bit_count() for m in r.masks.values()) == live_before == r.num_live  # no live token left
+        assert sum(self._live_in(r, b) for b in r.blocks) == live_before == r.num_live  # no live token left
         assert r.write_pos <= len(r.blocks) * S
 
     def splice(self, req_id: object, at: int, remove: int, insert: Sequence[int], write_pos: int) -> None:
@@ -453,24 +504,83 @@ class TokenTable:
         densify commit's rewrite (the emptied tail leaves), under ``set_layout``'s rules, in O(removed +
         inserted + blocks from the new cursor's on) where ``set_layout`` is O(blocks)."""
         r = self._get(req_id)
-        new = self.check_splice(req_id, at, remove, insert, write_pos, lambda b: r.masks.get(b, 0))
+        new = self.check_splice(req_id, at, remove, insert, write_pos, lambda b: self._mask(r, b))
         # -- validated; mutate --
         removed = r.blocks[at:at + remove]
         for b in removed:
             self._listed[b] -= 1
-            del r.masks[b]
+            r.shared.pop(b, None)
         for b in new:
-            self._listed[b] += 1
-            r.masks[b] = 0
-        r.blocks[at:at + remove] = new
-        for i in range(at, len(r.blocks) if len(new) != remove else at + len(new)):  # indices that moved
-            self._index_of[r.blocks[i]] = i
+            self._listed[b] += 1  # unlisted before (checked): private
+        r.blocks[at:at + remove] = array("i", new)
+        r.counts[at:at + remove] = array("I", bytes(4 * len(new)))  # unlisted before (checked): empty, private
+        self._reindex_from(r, at, at + len(new))
+        # NOTE: the blocks after the splice moved by len(new) - remove; their indices are fixed when read
+        r.index_stale |= len(new) != remove and at + len(new) < len(r.blocks)
         for b in removed:
             self._reindex(b)
         r.write_pos = write_pos
         r.layout_version += 1
         r.run_pos, r.run_token = r.write_pos, r.total_len
         assert r.write_pos <= len(r.blocks) * self.block_size
+
+    def remove_blocks(self, req_id: object, indices: Sequence[int], write_pos: int) -> None:
+        """Drop the blocks at ``indices`` (ascending) of the request's list and set the cursor: a compact
+        commit's emptied sources, under ``set_layout``'s rules, in O(removed + blocks from the new cursor's on)
+        plus a C copy of the list and an index refresh from the first removed block on."""
+        r = self._get(req_id)
+        at = self.check_remove_blocks(req_id, indices, write_pos, lambda b: self._mask(r, b))
+        # -- validated; mutate --
+        blocks, counts, prev = array("i"), array("I"), 0
+        for i in at:
+            blocks += r.blocks[prev:i]
+            counts += r.counts[prev:i]
+            b = r.blocks[i]
+            self._listed[b] -= 1
+            r.shared.pop(b, None)
+            prev = i + 1
+        removed = [r.blocks[i] for i in at]
+        r.blocks = blocks + r.blocks[prev:]
+        r.counts = counts + r.counts[prev:]
+        r.index_stale |= bool(at) and at[0] < len(r.blocks)  # NOTE: the blocks after moved; fixed when read
+        for b in removed:
+            self._reindex(b)
+        r.write_pos = write_pos
+        r.layout_version += 1
+        r.run_pos, r.run_token = r.write_pos, r.total_len
+        assert len(r.blocks) == len(r.counts) and r.write_pos <= len(r.blocks) * self.block_size
+
+    def check_remove_blocks(self, req_id: object, indices: Sequence[int], write_pos: int, mask_of,
+                            fail=None) -> list[int]:
+        """Everything ``remove_blocks`` checks, changing nothing, with ``mask_of(block)`` each listed block's live
+        offsets (a commit's precondition passes the masks its moves leave). Returns ``indices`` as a list."""
+        r, S = self._get(req_id), self.block_size
+
+        def refuse(error: type, message: str) -> None:
+            if fail is not None:
+                fail(message)
+            raise error(f"request {req_id!r}: {message}")
+
+        at = as_list(f"request {req_id!r}: block indices to remove", indices, BlockListTooShortError)
+        n = len(r.blocks)
+        if not all(is_int(i) for i in at) or any(not 0 <= i < n for i in at) or at != sorted(set(at)):
+            refuse(BlockListTooShortError, f"block indices {at} are not ascending, distinct indices of its {n} blocks")
+        for i in at:
+            if mask_of(r.blocks[i]):
+                gone = set(at)
+                refuse(BlockNotOwnedError, f"block {r.blocks[i]} holds live tokens but would leave block list "
+                                           f"{[b for j, b in enumerate(r.blocks) if j not in gone]}")
+        length = n - len(at)
+        if not is_int(write_pos) or not 0 <= write_pos <= length * S:
+            refuse(BlockListTooShortError, f"cursor {write_pos!r} outside its {length} blocks")
+        for k in range(write_pos // S, length):  # no live token at or after the new cursor (T2)
+            j = k
+            for i in at:  # k's index before the removal
+                j += i <= j
+            b = r.blocks[j]
+            if mask_of(b) >> max(0, write_pos - k * S):
+                refuse(DestinationError, f"block {b} would hold live tokens at or after cursor {write_pos}")
+        return at
 
     def check_splice(self, req_id: object, at: int, remove: int, insert: Sequence[int], write_pos: int,
                      mask_of, fail=None) -> list[int]:
@@ -490,12 +600,12 @@ class TokenTable:
             refuse(BlockListTooShortError, f"splice of blocks [{at!r}, +{remove!r}) outside its {n} blocks")
         for b in new:
             self._check_block(b)
-            if b in r.masks or self._listed[b] or new.count(b) > 1:
+            if self._listed[b] or new.count(b) > 1:
                 refuse(BlockNotOwnedError, f"block {b} cannot join its block list (listed, or named twice)")
         for b in r.blocks[at:at + remove]:
             if mask_of(b):
                 refuse(BlockNotOwnedError, f"block {b} holds live tokens but would leave block list "
-                                           f"{r.blocks[:at] + new + r.blocks[at + remove:]}")
+                                           f"{list(r.blocks[:at]) + new + list(r.blocks[at + remove:])}")
         length = n - remove + len(new)
         if not is_int(write_pos) or not 0 <= write_pos <= length * S:
             refuse(BlockListTooShortError, f"cursor {write_pos!r} outside its {length} blocks")
@@ -577,7 +687,7 @@ class TokenTable:
         rebuilt = r.evicted is None or r.layout_version != r.taken_version
         joined_from = r.taken_len
         evicted = () if rebuilt else tuple(t for t in r.evicted if t < joined_from)
-        r.evicted, r.taken_version, r.taken_len = [], r.layout_version, r.total_len
+        r.evicted, r.taken_version, r.taken_len = array("i"), r.layout_version, r.total_len
         return r.layout_version, rebuilt, evicted, joined_from
 
     def live_token_ids(self, req_id: object) -> list[int]:
@@ -600,25 +710,70 @@ class TokenTable:
 
     def block_mask(self, req_id: object, block_id: int) -> int:
         """The bitmask of this request's live offsets in one block of its list (0 for a block not in it)."""
-        return self._get(req_id).masks.get(block_id, 0)
+        r = self._get(req_id)
+        return self._mask(r, block_id) if is_int(block_id) and 0 <= block_id < self.num_blocks else 0
 
     def block_masks(self, req_id: object) -> dict[int, int]:
-        """A copy of the per-block bitmasks of this request's live offsets (what ``set_layout`` validates)."""
-        return dict(self._get(req_id).masks)
+        """The per-block bitmasks of this request's live offsets (what ``set_layout`` validates), O(blocks x S)."""
+        r = self._get(req_id)
+        return {b: self._mask(r, b) for b in r.blocks}
 
     def block_live_counts(self, req_id: object) -> dict[int, int]:
         """Live tokens of this request per block of its block list (incrementally maintained)."""
-        return {b: m.bit_count() for b, m in self._get(req_id).masks.items()}
+        r = self._get(req_id)
+        return {b: self._live_in(r, b) for b in r.blocks}
+
+    def compact_candidates(self, req_id: object, max_sources: int, private) -> list[tuple[int, int]]:
+        """``compact.eligible_sources``' first ``max_sources`` as (index, live count), found in the maintained
+        per-block counts: the blocks wholly before the cursor's, not full, ``private(block)``, lowest count first,
+        then lowest index. At most S + max_sources C searches of the counts' bytes, and a private() call per block
+        found; the reference is the scan of a snapshot (V3 compares the plans)."""
+        r, S = self._get(req_id), self.block_size
+        end = min(r.write_pos // S, len(r.blocks))
+        raw, out = r.counts[:end].tobytes(), []
+        for c in range(S):
+            i = _find_word(raw, c, 0)
+            while i >= 0:
+                if private(r.blocks[i]):
+                    out.append((i, c))
+                    if len(out) == max_sources:
+                        return out
+                i = _find_word(raw, c, i + 1)
+        return out
+
+    def live_in_blocks(self, req_id: object, blocks: Sequence[int]) -> list[tuple[int, int]]:
+        """(token_id, slot) of the request's live tokens in ``blocks`` (blocks of its list), in logical order:
+        through the pool-wide token map, O(len(blocks) x S), each entry checked against the slot array (a shared
+        block's, which the map does not keep, by a C search of the slot array)."""
+        r, S = self._get(req_id), self.block_size
+        out, raw = [], None
+        for b in blocks:
+            if self._index_in(r, b) is None:
+                raise InvariantViolation("V1", f"request {req_id!r}: block {b} is not in its list")
+            mask = self._mask(r, b)
+            for o in range(S):
+                if mask >> o & 1:
+                    if b in r.shared:  # not in the token map (no planner moves a shared block's tokens): search
+                        raw = r.slots.tobytes() if raw is None else raw
+                        t = _find_word(raw, b * S + o, 0)
+                    else:
+                        t = self._token_at[b * S + o]
+                    if not 0 <= t < len(r.slots) or r.slots[t] != b * S + o:
+                        raise InvariantViolation("V1", f"request {req_id!r}: the token map says token {t} holds slot "
+                                                 f"{b * S + o}, the slot array disagrees")
+                    out.append((t, b * S + o))
+        out.sort()
+        return out
 
     def snapshot(self, req_id: object, shared_blocks: Iterable[int] = ()) -> RequestSnapshot:
         r = self._get(req_id)
         shared = frozenset(b for b in as_list("shared blocks", shared_blocks, BlockOutOfRangeError)
-                           if is_known_key(r.masks, b))
+                           if is_int(b) and 0 <= b < self.num_blocks and self._in_list(r, b))
         return RequestSnapshot(
             req_id=req_id,
             block_size=self.block_size,
             blocks=tuple(r.blocks),
-            masks=tuple(r.masks[b] for b in r.blocks),
+            masks=tuple(self._mask(r, b) for b in r.blocks),
             slots=r.slots.tobytes(),
             write_pos=r.write_pos,
             num_live=r.num_live,
@@ -629,7 +784,8 @@ class TokenTable:
 
     def check_views(self, req_id: object) -> None:
         """The oracle of the maintained views (V1): the live index against a recount of the slot array, and
-        ranked reads through it against ``live_token_ids``, the scan. Raises InvariantViolation; O(L)."""
+        ranked reads through it against ``live_token_ids``, the scan; the block index and the append run; and
+        (T1) each block's mask against the offsets its live tokens give. Raises InvariantViolation; O(L)."""
         r, where = self._get(req_id), f"request {req_id!r}"
         r.live.check_against(r.slots, where)
         want = self.live_token_ids(req_id)
@@ -638,7 +794,7 @@ class TokenTable:
             raise InvariantViolation("V1", f"{where}: the live index reads {view!r}, the slot array {want[:8]}...")
         S = self.block_size
         for i, b in enumerate(r.blocks):
-            if self._listed[b] == 1 and self._index_of[b] != i:
+            if self._listed[b] == 1 and self._index_listed(r, b) != i:
                 raise InvariantViolation("V1", f"{where}: block {b} is at index {i} of its list, the index "
                                          f"records {self._index_of[b]}")
         if not 0 <= r.run_pos <= r.write_pos or r.run_token + r.write_pos - r.run_pos != r.total_len:
@@ -649,6 +805,27 @@ class TokenTable:
             if r.slots[t] not in (NO_SLOT, r.blocks[p // S] * S + p % S):
                 raise InvariantViolation("V1", f"{where}: the append run puts token {t} at position {p}, the "
                                          f"table has it at slot {r.slots[t]}")
+        if len(r.counts) != len(r.blocks) or any(r.counts[i] != self._live_in(r, b) for i, b in enumerate(r.blocks)):
+            i = next((i for i, b in enumerate(r.blocks) if i >= len(r.counts) or r.counts[i] != self._live_in(r, b)),
+                     len(r.blocks))
+            raise InvariantViolation("V1", f"{where}: the per-block counts record {r.counts[i] if i < len(r.counts) else None} "
+                                     f"live tokens at index {i}, its masks {self._live_in(r, r.blocks[i]) if i < len(r.blocks) else None}")
+        for t, s in enumerate(r.slots):
+            if s != NO_SLOT and s // S not in r.shared and self._token_at[s] != t:
+                raise InvariantViolation("V1", f"{where}: the token map has token {self._token_at[s]} at slot {s}, "
+                                         f"the slot array token {t}")
+        want_shared = {b for b in r.blocks if self._listed[b] > 1}
+        if set(r.shared) != want_shared:
+            raise InvariantViolation("T1", f"{where}: masks are kept for blocks {sorted(r.shared)}, its blocks "
+                                     f"others list too are {sorted(want_shared)}")
+        masks: dict[int, int] = {}
+        for s in r.slots:
+            if s != NO_SLOT:
+                masks[s // S] = masks.get(s // S, 0) | 1 << s % S
+        for b in r.blocks:
+            if self._mask(r, b) != masks.get(b, 0):
+                raise InvariantViolation("T1", f"{where} block {b}: mask {self._mask(r, b):#b} recorded, its live "
+                                         f"tokens give {masks.get(b, 0):#b}")
         for k in range(0, len(want), max(1, len(want) // 64)):
             if view[k] != want[k] or list(view[k:k + 3]) != want[k:k + 3]:
                 raise InvariantViolation("V1", f"{where}: live rank {k} reads token {view[k]}, the slot array "
@@ -658,7 +835,7 @@ class TokenTable:
         """Every field of every request, for tests proving a rejected call changed nothing."""
         return (
             tuple(
-                (k, r.slots.tobytes(), tuple(r.blocks), tuple(sorted(r.masks.items())), r.write_pos,
+                (k, r.slots.tobytes(), tuple(r.blocks), tuple(sorted(r.shared.items())), r.write_pos,
                  r.num_live, r.layout_version, r.last_sync_start)
                 for k, r in self._requests.items()
             ),
@@ -676,9 +853,23 @@ class TokenTable:
 
     def _index_in(self, r: RequestTokens, b: int) -> int | None:
         """Block ``b``'s index in ``r``'s list (None if it is not listed there): O(1) for a private block."""
-        if not is_known_key(r.masks, b):
+        if not (is_int(b) and 0 <= b < self.num_blocks and self._in_list(r, b)):
             return None
-        return self._index_of[b] if self._listed[b] == 1 else r.blocks.index(b)
+        return self._index_listed(r, b)
+
+    def _index_listed(self, r: RequestTokens, b: int) -> int:
+        """The index of block ``b``, which is in ``r``'s list: O(1) when private and its recorded index is right
+        (checked); else one C search of the list's bytes, which records it. A shared (prefix) block's is searched
+        for from the front, where prefix blocks are."""
+        if b in r.shared:
+            return r.blocks.index(b)
+        i = self._index_of[b]
+        if i < len(r.blocks) and r.blocks[i] == b:
+            return i
+        i = _find_word(r.blocks.tobytes(), b, 0)
+        assert i >= 0, f"block {b} is not in the list it was read from"
+        self._index_of[b] = i
+        return i
 
     def index_in_list(self, req_id: object, block_id: int) -> int | None:
         return self._index_in(self._get(req_id), block_id)
@@ -687,11 +878,68 @@ class TokenTable:
         """Block ``b`` may just have become listed by one request: record its index in that request's list."""
         if self._listed[b] == 1:
             [holder] = self._holders_of(b)
-            self._index_of[b] = self._requests[holder].blocks.index(b)
+            r = self._requests[holder]
+            self._index_of[b] = r.blocks.index(b)
+            # private again: its mask is the pool's occupancy of it (the others held nothing in it any more:
+            # they left with their slots released, or dropped it empty)
+            mask = r.shared.pop(b)
+            assert mask == self.occupancy.occupied_mask(b), f"block {b}: {holder!r}'s mask is not its occupancy"
+            self._rebuild_token_map(r, b, mask)
+
+    def _reindex_from(self, r: RequestTokens, start: int, stop: int) -> None:
+        """Record the index of ``r``'s blocks [start, stop) (their indices moved): one C-driven pass."""
+        deque(map(self._index_of.__setitem__, r.blocks[start:stop], range(start, stop)), maxlen=0)
+
+    def _materialise(self, b: int) -> None:
+        """Block ``b`` is about to be listed by one more request: if it was private, its holder's mask moves
+        from the pool's occupancy into the holder's ``shared`` map (it can no longer be read off the pool)."""
+        if self._listed[b] == 1:
+            [holder] = self._holders_of(b)
+            h = self._requests[holder]
+            h.shared[b] = self.occupancy.occupied_mask(b)
+
+    def _rebuild_token_map(self, r: RequestTokens, b: int, mask: int) -> None:
+        """The token map of block ``b``, private to ``r`` again: each live offset's token found by a C search of
+        r's slot array (O(S) searches of O(L) bytes, once per shared block's return to one holder)."""
+        raw, S = r.slots.tobytes(), self.block_size
+        for o in range(S):
+            if mask >> o & 1:
+                t = _find_word(raw, b * S + o, 0)
+                assert t >= 0 and r.slots[t] == b * S + o, f"block {b}: no live token at slot {b * S + o}"
+                self._token_at[b * S + o] = t
+
+    def _in_list(self, r: RequestTokens, b: int) -> bool:
+        """Whether block ``b`` (an int in the pool) is in ``r``'s list: O(1), or one C search of r's list when r's
+        recorded indices may be stale and the recorded one is wrong."""
+        if b in r.shared:
+            return True
+        if self._listed[b] != 1:
+            return False
+        i = self._index_of[b]
+        if i < len(r.blocks) and r.blocks[i] == b:
+            return True
+        if not r.index_stale:
+            return False
+        i = _find_word(r.blocks.tobytes(), b, 0)
+        if i >= 0:
+            self._index_of[b] = i
+        return i >= 0
+
+    def _mask(self, r: RequestTokens, b: int) -> int:
+        """The offsets of block ``b`` (an int in the pool) that ``r`` holds live tokens in: 0 unless listed."""
+        if b in r.shared:
+            return r.shared[b]
+        return self.occupancy.occupied_mask(b) if self._in_list(r, b) else 0
+
+    def _live_in(self, r: RequestTokens, b: int) -> int:
+        """How many of ``r``'s live tokens block ``b`` holds: O(1)."""
+        if b in r.shared:
+            return r.shared[b].bit_count()
+        return self.occupancy.block_live(b) if self._in_list(r, b) else 0
 
     def _holders_of(self, b: int) -> list[object]:
         """The requests listing block ``b``: a scan of the requests (only for a block that is listed)."""
-        return [k for k, r in self._requests.items() if b in r.masks]
+        return [k for k, r in self._requests.items() if self._in_list(r, b)]
 
     def _check_block(self, b: int) -> None:
         if b.__class__ is not int and not is_int(b) or not 0 <= b < self.num_blocks:

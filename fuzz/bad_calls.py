@@ -169,11 +169,11 @@ class BadCalls:
         if self.profile.planner is not PlanKind.COMPACT:
             return
         candidates = [r for r in self.table.request_ids() if r not in self.manager.inflight]
-        real = reclamation_module.plan_compaction
+        real = reclamation_module.compact_plan  # the fill both compact paths share
         called = []
 
-        def broken(snap, dsts, max_sources):
-            plan = real(snap, dsts, max_sources)
+        def broken(*args):
+            plan = real(*args)
             if not plan or not plan.dst_blocks:  # a no-plan, or a plan releasing wholly dead blocks: kept as is
                 return plan
             called.append(plan)
@@ -185,7 +185,7 @@ class BadCalls:
 
         for k in range(len(candidates)):
             r = candidates[(index + k) % len(candidates)]
-            reclamation_module.plan_compaction = broken
+            reclamation_module.compact_plan = broken
             try:
                 before = state()
                 try:
@@ -197,7 +197,7 @@ class BadCalls:
                     EVENTS["checkers_with_teeth"] += 1
                     return
             finally:
-                reclamation_module.plan_compaction = real
+                reclamation_module.compact_plan = real
             assert not called, f"plan_request accepted a compact plan leaving a reserved destination unused: {out!r}"
             if out:  # nothing to break (only wholly dead blocks): the plan stands, and the request is taken
                 EVENTS["plans_made"] += 1

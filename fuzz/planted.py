@@ -30,20 +30,16 @@ class PlantedBug:
 
 
 def _compact_fill_off_by_one():
-    def plan_compaction(snap, dst_blocks, max_sources):
-        choice = compact.choose_sources(snap, max_sources, len(dst_blocks))
-        if not choice:
-            return choice
-        S = snap.block_size
-        tokens = [(t, s) for t, s in snap.live_slots() if s // S in set(choice.src_blocks)]
+    def compact_plan(req_id, version, S, choice, tokens, dst_blocks):
         dsts = tuple(dst_blocks[: choice.num_dst])
         moves = tuple(  # enumerate from 1: the fill starts one slot late and overflows a full destination
             Move(t, s // S, s % S, dsts[min(i // S, len(dsts) - 1)], i % S if i // S < len(dsts) else 0)
             for i, (t, s) in enumerate(tokens, start=1)
         )
-        return Plan(PlanKind.COMPACT, snap.req_id, snap.version, moves, choice.src_blocks, dsts)
+        return Plan(PlanKind.COMPACT, req_id, version, moves, choice.src_blocks, dsts)
 
-    return {(reclamation, "plan_compaction"): plan_compaction}
+    # NOTE: the fill is compact.compact_plan, for the manager's maintained path and the snapshot reference alike
+    return {(reclamation, "compact_plan"): compact_plan, (compact, "compact_plan"): compact_plan}
 
 
 def _eligible_includes_append_block():
@@ -54,7 +50,14 @@ def _eligible_includes_append_block():
                if snap.blocks[i] not in snap.shared_blocks and snap.live_count(i) < S]
         return sorted(idx, key=lambda i: (snap.live_count(i), i))
 
-    return {(compact, "eligible_sources"): eligible_sources}
+    def compact_candidates(self, req_id, max_sources, private):  # the maintained path, off by the same one
+        r, S = self._get(req_id), self.block_size
+        end = min(r.write_pos // S + 1, len(r.blocks))
+        ranked = sorted((r.counts[i], i) for i in range(end) if r.counts[i] < S and private(r.blocks[i]))
+        return [(i, c) for c, i in ranked[:max_sources]]
+
+    return {(compact, "eligible_sources"): eligible_sources,
+            (token_table.TokenTable, "compact_candidates"): compact_candidates}
 
 
 def _free_sources_before_copy():
@@ -110,9 +113,10 @@ def _resurrect_evicted_mid_copy():
         r = t._requests[plan.req_id]
         for m in dead:  # "its data was copied, so restore it"
             slot = m.dst_block * S + m.dst_offset
-            if m.dst_block in r.masks and not t.occupancy.holders(slot):
+            if t.index_in_list(plan.req_id, m.dst_block) is not None and not t.occupancy.holders(slot):
                 r.slots[m.token_id] = slot
-                r.masks[m.dst_block] |= 1 << m.dst_offset
+                if m.dst_block in r.shared:
+                    r.shared[m.dst_block] |= 1 << m.dst_offset
                 t.occupancy.claim(slot)
                 r.num_live += 1
 
@@ -120,12 +124,13 @@ def _resurrect_evicted_mid_copy():
 
 
 def _forget_live_count_decrement():
+    original = token_table.TokenTable.evict_token
+
     def evict_token(self, req_id, token_id):
-        r = self._get(req_id)
-        slot = self._live_slot(req_id, r, token_id)
-        self.occupancy.release(slot)
-        r.slots[token_id] = NO_SLOT  # the block's bitmask keeps the offset
-        r.num_live -= 1
+        slot = self.slot_of(req_id, token_id)
+        original(self, req_id, token_id)
+        # NOTE: the block's live count keeps the token (for a private block it is the request's count, T1)
+        self.occupancy._block_live[slot // self.block_size] += 1
 
     return {(token_table.TokenTable, "evict_token"): evict_token}
 
@@ -135,7 +140,8 @@ def _relocate_shared_block():
         return original(self, req_id, ())  # forgets which blocks are shared
 
     original = token_table.TokenTable.snapshot
-    return {(token_table.TokenTable, "snapshot"): snapshot}
+    return {(token_table.TokenTable, "snapshot"): snapshot,
+            (reclamation.ReclamationManager, "_private"): lambda self, b: True}  # the maintained path too
 
 
 def _two_plans_per_request():
@@ -153,22 +159,21 @@ def _two_plans_per_request():
 
 
 def _non_strict_decrease():
-    def choose_sources(snap, max_sources, dst_budget):
-        S = snap.block_size
-        chosen = compact.eligible_sources(snap)[:max_sources]
+    def choose_ranked(req_id, ranked, block_at, S, dst_budget):
+        chosen = list(ranked)
         if not chosen:
             return compact.NoPlan(compact.NoPlanReason.NO_CANDIDATES)
-        live = sum(snap.live_count(i) for i in chosen)
+        live = sum(n for _, n in chosen)
         while chosen and -(-live // S) > dst_budget:
-            live -= snap.live_count(chosen.pop())
+            live -= chosen.pop()[1]
         if not chosen:
             return compact.NoPlan(compact.NoPlanReason.NOT_ENOUGH_HEADROOM)
         num_dst = -(-live // S)
         if num_dst > len(chosen):  # should be >=: equal counts free nothing
             return compact.NoPlan(compact.NoPlanReason.NO_STRICT_DECREASE)
-        return compact.SourceChoice(tuple(snap.blocks[i] for i in sorted(chosen)), live, num_dst)
+        return compact.SourceChoice(tuple(block_at(i) for i in sorted(i for i, _ in chosen)), live, num_dst)
 
-    return {(compact, "choose_sources"): choose_sources, (reclamation, "choose_sources"): choose_sources}
+    return {(compact, "choose_ranked"): choose_ranked, (reclamation, "choose_ranked"): choose_ranked}
 
 
 def _admission_consumes_headroom():
@@ -226,15 +231,10 @@ def _occupancy_leak_on_remove():
 
 
 def _cursor_shift_forgets_destinations():
-    original = Plan.final_layout
+    def compact_cursor(self, write_pos, block_size, dst_blocks=None):
+        return max(0, write_pos - len(self.src_blocks) * block_size)  # forgets + len(dsts) * S
 
-    def final_layout(self, blocks, write_pos, block_size, dst_blocks=None):
-        new, pos = original(self, blocks, write_pos, block_size, dst_blocks)
-        if self.kind is PlanKind.COMPACT:
-            pos = max(0, write_pos - len(self.src_blocks) * block_size)  # forgets + len(dsts) * S
-        return new, pos
-
-    return {(Plan, "final_layout"): final_layout}
+    return {(Plan, "compact_cursor"): compact_cursor}
 
 
 def _state_before_submit():
@@ -387,10 +387,11 @@ def _densify_keeps_a_tail_block():
 
 
 def _compact_underfills_destinations():
-    def plan_compaction(snap, dst_blocks, max_sources):
-        plan = compact.plan_compaction(snap, dst_blocks, max_sources)
-        S = snap.block_size
-        if not plan or len(plan.dst_blocks) < 2 or S < 2:
+    real = compact.compact_plan
+
+    def compact_plan(req_id, version, S, choice, tokens, dst_blocks):
+        plan = real(req_id, version, S, choice, tokens, dst_blocks)
+        if len(plan.dst_blocks) < 2 or S < 2:
             return plan
         # one slot of the first destination is left free; the last destination takes the spill-over
         moves = tuple(Move(m.token_id, m.src_block, m.src_offset,
@@ -400,7 +401,7 @@ def _compact_underfills_destinations():
             return plan
         return Plan(plan.kind, plan.req_id, plan.version, moves, plan.src_blocks, plan.dst_blocks)
 
-    return {(reclamation, "plan_compaction"): plan_compaction}
+    return {(reclamation, "compact_plan"): compact_plan, (compact, "compact_plan"): compact_plan}
 
 
 def _relocate_ignores_appends():
@@ -425,14 +426,48 @@ def _live_index_misses_an_eviction():
 
 
 def _index_misses_a_rewrite():
-    real = token_table.TokenTable.set_layout
+    def _index_listed(self, r, b):  # trusts the recorded index, which a splice or a removal left stale
+        return r.blocks.index(b) if b in r.shared else self._index_of[b]
 
-    def set_layout(self, req_id, blocks, write_pos):
-        saved = self._index_of.tobytes()
-        real(self, req_id, blocks, write_pos)
-        self._index_of = type(self._index_of)("i", saved)  # the block indices stay as they were
+    return {(token_table.TokenTable, "_index_listed"): _index_listed}
 
-    return {(token_table.TokenTable, "set_layout"): set_layout}
+
+def _token_map_misses_a_move():
+    real = token_table.TokenTable.apply_moves
+
+    def apply_moves(self, req_id, moves):
+        moves = list(moves)
+        S = self.block_size
+        dsts = [m[3] * S + m[4] for m in moves if len(m) == 5 and type(m[3]) is int and type(m[4]) is int
+                and 0 <= m[3] * S + m[4] < len(self._token_at)]
+        saved = [self._token_at[d] for d in dsts]
+        real(self, req_id, moves)
+        for d, t in zip(dsts, saved):
+            self._token_at[d] = t  # the pool-wide token map keeps what the destinations held before
+
+    return {(token_table.TokenTable, "apply_moves"): apply_moves}
+
+
+def _counts_miss_a_move():
+    real = token_table.TokenTable.apply_moves
+
+    def apply_moves(self, req_id, moves):
+        r = self._requests.get(req_id) if req_id in self else None
+        saved = None if r is None else r.counts[:]
+        real(self, req_id, moves)
+        if saved is not None and len(saved) == len(r.counts):
+            r.counts = saved  # the per-block counts (compact's buckets) are not updated by the moves
+
+    return {(token_table.TokenTable, "apply_moves"): apply_moves}
+
+
+def _share_forgets_the_holders_mask():
+    def _materialise(self, b):
+        if self._listed[b] == 1:
+            [holder] = self._holders_of(b)
+            self._requests[holder].shared[b] = 0  # the first holder's live offsets are not carried over
+
+    return {(token_table.TokenTable, "_materialise"): _materialise}
 
 
 def _take_changes(skip_moves: bool = False, drop_last_eviction: bool = False):
@@ -533,8 +568,16 @@ BUGS: dict[str, PlantedBug] = {
                    "version)", lambda: _take_changes(skip_moves=True)),
         PlantedBug("delta_forgets_an_eviction", "a step delta leaves out the latest eviction",
                    lambda: _take_changes(drop_last_eviction=True)),
-        PlantedBug("index_misses_a_rewrite", "a block-list rewrite leaves the pool-wide block indices as they were "
-                   "(a maintained view misses a layout change)", _index_misses_a_rewrite),
+        PlantedBug("index_misses_a_rewrite", "a block's index is read from the pool-wide block index without the check "
+                   "that a rewrite since has not moved it (a maintained view misses a layout change)",
+                   _index_misses_a_rewrite),
+        PlantedBug("token_map_misses_a_move", "apply_moves leaves the pool-wide token map of its destinations as it "
+                   "was (a maintained view misses a move)", _token_map_misses_a_move),
+        PlantedBug("counts_miss_a_move", "apply_moves leaves the per-block live counts compact searches as they were "
+                   "(a bucket not updated on apply_moves)", _counts_miss_a_move),
+        PlantedBug("share_forgets_the_holders_mask", "when a private block becomes shared, its first holder's "
+                   "mask is not moved out of the pool's occupancy (a maintained map misses a transition)",
+                   _share_forgets_the_holders_mask),
         PlantedBug("densify_tail_misses_a_hole", "densify's fast path sends its last mover into the hole before "
                    "its own (two moves share a destination, a hole stays)", _densify_tail_misses_a_hole),
         PlantedBug("compact_underfills_destinations", "compact leaves a slot of a destination empty and spills into "

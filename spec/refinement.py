@@ -136,8 +136,10 @@ def representation_errors(rt: VTokenRuntime) -> list[str]:
         listed.update(blocks)
         if len(set(blocks)) != len(blocks):
             errors.append(f"request {r!r} lists a block twice: {blocks}")
-        if set(req.masks) != set(blocks):
-            errors.append(f"request {r!r}: masks cover blocks {sorted(req.masks)}, its list is {blocks}")
+        shared = {b for b in blocks if table._listed[b] > 1}
+        if set(req.shared) != shared:
+            errors.append(f"request {r!r}: masks are kept for blocks {sorted(req.shared)}, its shared blocks are "
+                          f"{sorted(shared)}")
         live = [(t, s) for t, s in enumerate(req.slots) if s != NO_SLOT]
         for t, s in live:
             if s // S not in blocks:
@@ -147,8 +149,8 @@ def representation_errors(rt: VTokenRuntime) -> list[str]:
         for t, s in live:
             masks[s // S] = masks.get(s // S, 0) | (1 << (s % S))
         for b in blocks:
-            if req.masks.get(b, 0) != masks.get(b, 0):
-                errors.append(f"request {r!r} block {b}: mask {req.masks.get(b, 0):#b} recorded, live tokens give "
+            if table.block_mask(r, b) != masks.get(b, 0):
+                errors.append(f"request {r!r} block {b}: mask {table.block_mask(r, b):#b} recorded, live tokens give "
                               f"{masks.get(b, 0):#b}")
         if req.num_live != len(live):
             errors.append(f"request {r!r}: num_live {req.num_live}, {len(live)} live tokens")

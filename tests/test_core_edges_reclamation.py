@@ -89,15 +89,15 @@ def test_admission_is_open_with_a_plan_in_flight_and_exactly_the_headroom_free()
 def test_plan_request_refuses_a_compact_plan_that_ignores_its_reserved_destinations(monkeypatch):
     # The planner is handed block 4 and must use exactly it; a corrupted copy of its real plan names block 5.
     # plan_request frees the reserved block, then raises (defensive: only a planner bug gets here)
-    real = reclamation.plan_compaction
+    real = reclamation.compact_plan
     made = []
 
-    def wrong_dsts(snap, dsts, max_sources):
-        plan = dataclasses.replace(real(snap, dsts, max_sources), dst_blocks=(5,))
+    def wrong_dsts(*args):
+        plan = dataclasses.replace(real(*args), dst_blocks=(5,))
         made.append(plan)
         return plan
 
-    monkeypatch.setattr(reclamation, "plan_compaction", wrong_dsts)
+    monkeypatch.setattr(reclamation, "compact_plan", wrong_dsts)
     s = wasteful()
     free_before = s.pool.num_free
     with pytest.raises(InvariantViolation) as info:

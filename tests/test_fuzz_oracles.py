@@ -176,7 +176,7 @@ def test_planner_oracle_refuses_a_missed_compaction(monkeypatch):
     fill(rt, "a", 12)
     for t in (0, 1, 2, 4, 5, 6):
         rt.table.evict_token("a", t)
-    monkeypatch.setattr(reclamation, "choose_sources", lambda snap, b, d: NoPlan(NoPlanReason.NO_STRICT_DECREASE))
+    monkeypatch.setattr(reclamation, "choose_ranked", lambda r, ranked, at, S, d: NoPlan(NoPlanReason.NO_STRICT_DECREASE))
     with pytest.raises(OracleViolation, match=r"planner: compact made no plan for 'a' \(NO_STRICT_DECREASE\), yet its "
                                               r"2 emptiest eligible blocks fit in 1"):
         rt.manager.plan_request("a")
@@ -333,6 +333,6 @@ def test_no_plan_oracle_requires_the_detail_to_name_the_request(monkeypatch):
     from vtoken.core.plan import NoPlan, NoPlanReason
     rt, engine, o = runtime()
     fill(rt, "a", 12)  # nothing evicted: no candidates, so the planner oracle agrees there is no plan
-    monkeypatch.setattr(reclamation, "choose_sources", lambda snap, b, d: NoPlan(NoPlanReason.NO_CANDIDATES))
+    monkeypatch.setattr(reclamation, "choose_ranked", lambda r, ranked, at, S, d: NoPlan(NoPlanReason.NO_CANDIDATES))
     with pytest.raises(OracleViolation, match=r"no-plan: plan_request\('a'\) answered NO_CANDIDATES with detail ''"):
         rt.manager.plan_request("a")

@@ -850,13 +850,10 @@ def test_a_commit_the_table_would_refuse_changes_nothing(monkeypatch):
     from vtoken.core.plan import Plan
     s, rec = launched()
     s.engine.complete(rec.handle)
-    real = Plan.final_layout
+    def compact_cursor(self, write_pos, block_size, dst_blocks=None):
+        return max(0, write_pos - len(self.src_blocks) * block_size)
 
-    def final_layout(self, blocks, write_pos, block_size, dst_blocks=None):
-        new, _ = real(self, blocks, write_pos, block_size, dst_blocks)
-        return new, max(0, write_pos - len(self.src_blocks) * block_size)
-
-    monkeypatch.setattr(Plan, "final_layout", final_layout)
+    monkeypatch.setattr(Plan, "compact_cursor", compact_cursor)
     before = (s.pool.snapshot(), s.table.state(), s.manager.stats.moves_dropped)
     with pytest.raises(InvariantViolation, match="I4: request 'a'.*cursor 2.*nothing was changed"):
         s.manager.settle()

@@ -103,6 +103,12 @@ def s_relocate_shared(d):  # request 1 shares block 0 of request 0, which then e
     d.plan(a)
 
 
+def s_share_mask(d):  # request 1 shares block 0 of request 0
+    a = d.admit(6)
+    d.step()
+    d.admit_sharing(a, 1, 2)
+
+
 def s_two_plans(d):
     r = _sparse(d, 8, [0, 2])
     d.plan(r)
@@ -171,6 +177,7 @@ MODELLED = {
                                    "TokenTable.evict_token(0, 0) left a state with no abstraction: request 0 block 0"),
     "relocate_shared_block": (COMPACT, s_relocate_shared,
                              "plan_request(0) made a compact plan whose commit no model path"),
+    "share_forgets_the_holders_mask": (COMPACT, s_share_mask, "left a state with no abstraction: request 0 block 0: mask 0b0 recorded"),
     "two_plans_per_request": (COMPACT, s_two_plans,
                              "plan_request(0) (a plan is in flight: must be refused): no model transition"),
     "densify_leaves_a_hole": (DENSIFY, s_densify_hole,
@@ -221,6 +228,11 @@ OUT_OF_SCOPE = {
                                  "(ReadListMirror) and the fuzzer catch it",
     "index_misses_a_rewrite": "the pool-wide block index is a view of the block lists, which the abstraction "
                               "reads; V1's oracle (check_views) and the fuzzer catch it",
+    "token_map_misses_a_move": "the token map is a view of the slot arrays, which the abstraction reads; V1's "
+                               "oracle (check_views), the planner's executed check (live_in_blocks) and the fuzzer "
+                               "catch it",
+    "counts_miss_a_move": "the per-block counts are a view of the masks, which the abstraction reads; V1's oracle "
+                          "(check_views), V3 (the compact fast path against choose_sources) and the fuzzer catch it",
     "densify_tail_misses_a_hole": "the fast path is checked against plan_densify (V3, the fuzzer's "
                                   "verify_fast_paths); the launch's executed check refuses two moves into one slot (I4)",
     "relocate_ignores_appends": "appends reach only the cursor's block, and a relocate of that block has no model "
