@@ -785,11 +785,12 @@ class ReclamationManager:
         if len({m.token_id for m in moves}) != len(moves):
             fail("a token moves twice")
         after: dict[int, int] = {}
-        for src in sources:
+        for src in sources:  # NOTE: mask_of once per block (a private block's is read off the pool, O(S))
             b = src // S
-            after[b] = after.get(b, mask_of(b)) & ~(1 << (src % S))
+            after[b] = (after[b] if b in after else mask_of(b)) & ~(1 << (src % S))
         for m in moves:
-            after[m.dst_block] = after.get(m.dst_block, mask_of(m.dst_block)) | (1 << m.dst_offset)
+            b = m.dst_block
+            after[b] = (after[b] if b in after else mask_of(b)) | (1 << m.dst_offset)
         return after
 
     def _check_layout(self, layout: tuple[list[int], int], masks: dict[int, int], fail) -> None:

@@ -711,7 +711,8 @@ class TokenTable:
     def block_mask(self, req_id: object, block_id: int) -> int:
         """The bitmask of this request's live offsets in one block of its list (0 for a block not in it)."""
         r = self._get(req_id)
-        return self._mask(r, block_id) if is_int(block_id) and 0 <= block_id < self.num_blocks else 0
+        ok = (block_id.__class__ is int or is_int(block_id)) and 0 <= block_id < self.num_blocks
+        return self._mask(r, block_id) if ok else 0
 
     def block_masks(self, req_id: object) -> dict[int, int]:
         """The per-block bitmasks of this request's live offsets (what ``set_layout`` validates), O(blocks x S)."""
@@ -853,7 +854,7 @@ class TokenTable:
 
     def _index_in(self, r: RequestTokens, b: int) -> int | None:
         """Block ``b``'s index in ``r``'s list (None if it is not listed there): O(1) for a private block."""
-        if not (is_int(b) and 0 <= b < self.num_blocks and self._in_list(r, b)):
+        if not ((b.__class__ is int or is_int(b)) and 0 <= b < self.num_blocks and self._in_list(r, b)):
             return None
         return self._index_listed(r, b)
 
@@ -864,8 +865,11 @@ class TokenTable:
         if b in r.shared:
             return r.blocks.index(b)
         i = self._index_of[b]
-        if i < len(r.blocks) and r.blocks[i] == b:
-            return i
+        try:
+            if r.blocks[i] == b:
+                return i
+        except IndexError:  # a hint past the list's end: stale
+            pass
         i = _find_word(r.blocks.tobytes(), b, 0)
         assert i >= 0, f"block {b} is not in the list it was read from"
         self._index_of[b] = i
@@ -915,9 +919,11 @@ class TokenTable:
             return True
         if self._listed[b] != 1:
             return False
-        i = self._index_of[b]
-        if i < len(r.blocks) and r.blocks[i] == b:
-            return True
+        try:
+            if r.blocks[self._index_of[b]] == b:
+                return True
+        except IndexError:  # a hint past the list's end: stale
+            pass
         if not r.index_stale:
             return False
         i = _find_word(r.blocks.tobytes(), b, 0)
