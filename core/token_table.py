@@ -352,7 +352,7 @@ class TokenTable:
             r.evicted.append(token_id)
             if len(r.evicted) > _LOG_LIMIT:
                 r.evicted = None  # nobody is reading the log: bounded, the next take says "rebuilt"
-        assert r.num_live >= 0 and not self._mask(r, b) >> o & 1
+        assert r.num_live >= 0 and (not r.shared[b] >> o & 1 if b in r.shared else not self.occupancy.holders(slot))
 
     def apply_moves(self, req_id: object, moves: Iterable[Move]) -> None:
         """Atomically relocate live tokens whose K/V has been copied (I2).
