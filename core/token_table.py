@@ -527,7 +527,7 @@ class TokenTable:
     def remove_blocks(self, req_id: object, indices: Sequence[int], write_pos: int) -> None:
         """Drop the blocks at ``indices`` (ascending) of the request's list and set the cursor: a compact
         commit's emptied sources, under ``set_layout``'s rules, in O(removed + blocks from the new cursor's on)
-        plus a C copy of the list and an index refresh from the first removed block on."""
+        plus a C copy of the list; the shifted blocks' indices are fixed when next read (``index_stale``)."""
         r = self._get(req_id)
         at = self.check_remove_blocks(req_id, indices, write_pos, lambda b: self._mask(r, b))
         # -- validated; mutate --
