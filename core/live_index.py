@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from itertools import islice
+from itertools import chain, islice
 from typing import Iterator
 
 from .errors import InvariantViolation
@@ -91,7 +91,12 @@ class LiveIndex:
 
     def ids_from(self, k: int, slots: array) -> Iterator[int]:
         """The live ids of rank k, k + 1, ..., ascending: O(log L) to start, O(CHUNK) per chunk read, and
-        O(log L) to jump over a run of chunks with no live token (StreamingLLM's evicted middle)."""
+        O(log L) to jump over a run of chunks with no live token (StreamingLLM's evicted middle). The ids of
+        a chunk come as one range or list, chained in C: no generator step per id."""
+        return chain.from_iterable(self._chunks_from(k, slots))
+
+    def _chunks_from(self, k: int, slots: array) -> Iterator[Iterator[int]]:
+        """``ids_from``, one iterator per chunk read."""
         total = self._prefix(len(self.counts))
         if k >= total:
             return
@@ -105,20 +110,25 @@ class LiveIndex:
             lo, hi = c * CHUNK, min(n, (c + 1) * CHUNK)
             k += live - skip  # every live id of the chunk from the skip-th on is yielded below
             if live == hi - lo:  # every token of the chunk is live: no scan
-                yield from range(lo + skip, hi)
+                yield range(lo + skip, hi)
             else:
-                for t in range(lo, hi):
-                    if slots[t] != NO_SLOT:
-                        if skip:
-                            skip -= 1
-                        else:
-                            yield t
+                ids = [t for t in range(lo, hi) if slots[t] != NO_SLOT]
+                yield ids[skip:] if skip else ids
             skip = 0
             c += 1
 
     def select(self, k: int, slots: array) -> int:
-        """The live id of rank ``k``."""
-        return next(self.ids_from(k, slots))
+        """The live id of rank ``k`` (< the live count): O(log L + CHUNK)."""
+        c, skip = self._chunk_of_rank(k)
+        lo, hi = c * CHUNK, min(len(slots), (c + 1) * CHUNK)
+        if self.counts[c] == hi - lo:
+            return lo + skip
+        for t in range(lo, hi):
+            if slots[t] != NO_SLOT:
+                if not skip:
+                    return t
+                skip -= 1
+        raise AssertionError(f"live rank {k}: chunk {c} counts {self.counts[c]} live tokens, the slots fewer")
 
     # ---- the oracle ---------------------------------------------------------------------------
     def check_against(self, slots: array, where: str) -> None:

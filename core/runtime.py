@@ -610,8 +610,7 @@ class VTokenRuntime:
         return t.layout_version(r), t.total_len(r), t.num_live(r)
 
     def _read_slots(self, r: object) -> tuple[list[int], list[int]]:
-        tokens = self.table.live_token_ids(r)
-        slots = self.table.attention_slots(r)
+        tokens, slots = self.table.read_lists(r)
         if self.read_path is ReadPath.GATHER:
             return slots, tokens
         # dense: the stock kernel reads positions [0, n_live) through the block list (I7)

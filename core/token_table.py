@@ -49,7 +49,7 @@ from .errors import (
     TokenOutOfRangeError,
     UnknownRequestError,
 )
-from .live_index import NO_SLOT, LiveIndex, LiveTokens
+from .live_index import CHUNK, NO_SLOT, LiveIndex, LiveTokens
 from .occupancy import SlotOccupancy
 _BYTE_ORDER = "little" if array("i", [1]).tobytes()[0] == 1 else "big"  # the arrays' (the machine's)
 
@@ -64,6 +64,23 @@ def _find_word(raw: bytes, value: int, start: int, end: int | None = None) -> in
             return at // 4
         at += 1
     return -1
+def _find_item(raw: bytes, value: int, start: int, size: int) -> int:
+    """``_find_word`` for an unsigned array of ``size``-byte items: with one-byte items a plain ``bytes.find``."""
+    if size == 1:
+        return raw.find(value.to_bytes(1, _BYTE_ORDER), start)
+    pattern, at = value.to_bytes(size, _BYTE_ORDER), size * start
+    while (at := raw.find(pattern, at)) >= 0:
+        if at % size == 0:
+            return at // size
+        at += 1
+    return -1
+
+
+def _count_code(block_size: int) -> str:
+    """The smallest unsigned array type that holds a block's live count (0 .. block_size)."""
+    return "B" if block_size < 256 else "H" if block_size < 65536 else "I"
+
+
 _MAX_SLOTS = 2**31 - 1  # slots are stored as C ints
 _LOG_LIMIT = 4096  # evictions ``take_changes`` lists one by one; beyond, it says "rebuilt"
 
@@ -97,12 +114,13 @@ class RequestTokens:
     __slots__ = ("slots", "blocks", "counts", "shared", "index_stale", "write_pos", "num_live", "layout_version", "last_sync_start", "live",
                  "evicted", "taken_version", "taken_len", "run_pos", "run_token")
 
-    def __init__(self) -> None:
+    def __init__(self, count_code: str) -> None:
         self.slots = array("i")  # logical token id -> slot, NO_SLOT when dead
         self.blocks = array("i")  # block list; position p lives in blocks[p // S] (4 B a block, not a list's 36)
         # parallel to ``blocks``: each block's live tokens of this request, so compact's candidates are found by
-        # a C search of these bytes (``compact_candidates``), not a Python scan of the block list
-        self.counts = array("I")
+        # a C search of these bytes (``compact_candidates``), not a Python scan of the block list. One byte a
+        # block when S < 256 (``_count_code``): the search is then a memchr
+        self.counts = array(count_code)
         # True once a splice or a removal shifted blocks without recording their new indices: the pool-wide block
         # index is then a hint for this request's blocks, checked on every read (``_index_listed``, ``_in_list``)
         self.index_stale = False
@@ -176,6 +194,7 @@ class TokenTable:
             raise ConfigError(f"{num_blocks} blocks x {block_size} slots exceeds {_MAX_SLOTS} slots")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self._count_code = _count_code(block_size)
         self.occupancy = SlotOccupancy(num_blocks, block_size)
         self._requests: dict[object, RequestTokens] = {}
         # per block, how many requests' block lists hold it (more than one only for shared prefix blocks);
@@ -195,7 +214,7 @@ class TokenTable:
         check_request_id(req_id)
         if req_id in self._requests:
             raise DuplicateRequestError(f"request {req_id!r} is already registered")
-        self._requests[req_id] = RequestTokens()
+        self._requests[req_id] = RequestTokens(self._count_code)
         assert self._requests[req_id].total_len == 0
 
     def remove_request(self, req_id: object) -> list[int]:
@@ -475,7 +494,7 @@ class TokenTable:
                     f"request {req_id!r}: block {b} holds live tokens at or after cursor {write_pos}"
                 )
         # -- validated; mutate --
-        counts = array("I", (self._live_in(r, b) for b in new))  # a joining block: 0 (it is listed nowhere)
+        counts = array(self._count_code, (self._live_in(r, b) for b in new))  # a joining block: 0 (it is listed nowhere)
         live_before = sum(self._live_in(r, b) for b in r.blocks)
         keep_old = set(r.blocks)
         dropped = [b for b in r.blocks if b not in keep]
@@ -513,7 +532,7 @@ class TokenTable:
         for b in new:
             self._listed[b] += 1  # unlisted before (checked): private
         r.blocks[at:at + remove] = array("i", new)
-        r.counts[at:at + remove] = array("I", bytes(4 * len(new)))  # unlisted before (checked): empty, private
+        r.counts[at:at + remove] = array(self._count_code, bytes(r.counts.itemsize * len(new)))  # unlisted before (checked): empty, private
         self._reindex_from(r, at, at + len(new))
         # NOTE: the blocks after the splice moved by len(new) - remove; their indices are fixed when read
         r.index_stale |= len(new) != remove and at + len(new) < len(r.blocks)
@@ -531,7 +550,7 @@ class TokenTable:
         r = self._get(req_id)
         at = self.check_remove_blocks(req_id, indices, write_pos, lambda b: self._mask(r, b))
         # -- validated; mutate --
-        blocks, counts, prev = array("i"), array("I"), 0
+        blocks, counts, prev = array("i"), array(self._count_code), 0
         for i in at:
             blocks += r.blocks[prev:i]
             counts += r.counts[prev:i]
@@ -675,6 +694,15 @@ class TokenTable:
         r = self._get(req_id)
         return LiveTokens(r.live, r.slots, 0, r.num_live)
 
+    def read_lists(self, req_id: object) -> tuple[list[int], list[int]]:
+        """(live ids, their slots), both in logical order: the full read lists on demand, from the live index
+        (O(live + CHUNK per chunk read); dead runs are jumped, not scanned). ``live_token_ids`` and
+        ``attention_slots`` are the scans V1 checks the index against."""
+        r = self._get(req_id)
+        tokens = list(LiveTokens(r.live, r.slots, 0, r.num_live))
+        slots = r.slots
+        return tokens, [slots[t] for t in tokens]
+
     def take_changes(self, req_id: object) -> tuple[int, bool, tuple[int, ...], int]:
         """What changed in the request's live set since the previous take: (layout version, rebuilt, evicted,
         joined_from).
@@ -731,15 +759,15 @@ class TokenTable:
         found; the reference is the scan of a snapshot (V3 compares the plans)."""
         r, S = self._get(req_id), self.block_size
         end = min(r.write_pos // S, len(r.blocks))
-        raw, out = r.counts[:end].tobytes(), []
+        raw, out, size = r.counts[:end].tobytes(), [], r.counts.itemsize
         for c in range(S):
-            i = _find_word(raw, c, 0)
+            i = _find_item(raw, c, 0, size)
             while i >= 0:
                 if private(r.blocks[i]):
                     out.append((i, c))
                     if len(out) == max_sources:
                         return out
-                i = _find_word(raw, c, i + 1)
+                i = _find_item(raw, c, i + 1, size)
         return out
 
     def live_in_blocks(self, req_id: object, blocks: Sequence[int]) -> list[tuple[int, int]]:
@@ -793,9 +821,16 @@ class TokenTable:
         view = self.live_tokens(req_id)
         if len(view) != len(want) or list(view) != want:
             raise InvariantViolation("V1", f"{where}: the live index reads {view!r}, the slot array {want[:8]}...")
+        for k in {k for k in (len(want) // 3, len(want) // 2, len(want) - 2) if k >= 0 and want}:  # from inside chunks
+            got = list(view[k:k + CHUNK + 1])
+            if view[k] != want[k] or got != want[k:k + CHUNK + 1]:
+                raise InvariantViolation("V1", f"{where}: from live rank {k} the live index reads {view[k]}, "
+                                         f"{got[:8]}..., the slot array {want[k:k + 8]}...")
         S = self.block_size
+        # NOTE: what the lookups rely on: unless a splice or removal marked the list stale, a private block's
+        # recorded index is exact (``_in_list`` answers False on a miss without searching). Read, not repaired.
         for i, b in enumerate(r.blocks):
-            if self._listed[b] == 1 and self._index_listed(r, b) != i:
+            if self._listed[b] == 1 and not r.index_stale and self._index_of[b] != i:
                 raise InvariantViolation("V1", f"{where}: block {b} is at index {i} of its list, the index "
                                          f"records {self._index_of[b]}")
         if not 0 <= r.run_pos <= r.write_pos or r.run_token + r.write_pos - r.run_pos != r.total_len:

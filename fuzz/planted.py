@@ -426,10 +426,16 @@ def _live_index_misses_an_eviction():
 
 
 def _index_misses_a_rewrite():
-    def _index_listed(self, r, b):  # trusts the recorded index, which a splice or a removal left stale
-        return r.blocks.index(b) if b in r.shared else self._index_of[b]
+    real = token_table.TokenTable.remove_blocks
 
-    return {(token_table.TokenTable, "_index_listed"): _index_listed}
+    def remove_blocks(self, req_id, indices, write_pos):
+        r = self._requests.get(req_id) if req_id in self else None
+        stale = None if r is None else r.index_stale
+        real(self, req_id, indices, write_pos)
+        if stale is not None:
+            r.index_stale = stale  # the blocks after a removed one moved, and their recorded indices are still trusted
+
+    return {(token_table.TokenTable, "remove_blocks"): remove_blocks}
 
 
 def _token_map_misses_a_move():
@@ -459,6 +465,19 @@ def _counts_miss_a_move():
             r.counts = saved  # the per-block counts (compact's buckets) are not updated by the moves
 
     return {(token_table.TokenTable, "apply_moves"): apply_moves}
+
+
+def _live_read_loses_its_offset():
+    real = live_index.LiveIndex._chunks_from
+
+    def _chunks_from(self, k, slots):
+        for ids in real(self, k, slots):
+            if ids.__class__ is list and ids and ids[0] % live_index.CHUNK:  # a partly live first chunk, trimmed
+                lo = ids[0] - ids[0] % live_index.CHUNK
+                ids = [t for t in range(lo, lo + live_index.CHUNK) if t < len(slots) and slots[t] != live_index.NO_SLOT]
+            yield ids  # ... is read whole: a read from rank k also yields the chunk's live ids before it
+
+    return {(live_index.LiveIndex, "_chunks_from"): _chunks_from}
 
 
 def _share_forgets_the_holders_mask():
@@ -568,13 +587,16 @@ BUGS: dict[str, PlantedBug] = {
                    "version)", lambda: _take_changes(skip_moves=True)),
         PlantedBug("delta_forgets_an_eviction", "a step delta leaves out the latest eviction",
                    lambda: _take_changes(drop_last_eviction=True)),
-        PlantedBug("index_misses_a_rewrite", "a block's index is read from the pool-wide block index without the check "
-                   "that a rewrite since has not moved it (a maintained view misses a layout change)",
+        PlantedBug("index_misses_a_rewrite", "a removal shifts the blocks after it without marking their recorded "
+                   "indices stale, so lookups trust them (a maintained view misses a layout change)",
                    _index_misses_a_rewrite),
         PlantedBug("token_map_misses_a_move", "apply_moves leaves the pool-wide token map of its destinations as it "
                    "was (a maintained view misses a move)", _token_map_misses_a_move),
         PlantedBug("counts_miss_a_move", "apply_moves leaves the per-block live counts compact searches as they were "
                    "(a bucket not updated on apply_moves)", _counts_miss_a_move),
+        PlantedBug("live_read_loses_its_offset", "a read of the live ids from a rank inside a partly live chunk "
+                   "starts at the chunk's first live id (a maintained view read from the wrong place)",
+                   _live_read_loses_its_offset),
         PlantedBug("share_forgets_the_holders_mask", "when a private block becomes shared, its first holder's "
                    "mask is not moved out of the pool's occupancy (a maintained map misses a transition)",
                    _share_forgets_the_holders_mask),

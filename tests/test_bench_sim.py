@@ -281,4 +281,7 @@ def test_q10_measures_both_axes_for_every_policy_on_both_planners(tiny_reports):
     h2o = q10["context"]["h2o/densify"]["by_size"][str(TINY.q10_contexts[-1])]
     random = q10["context"]["random/densify"]["by_size"][str(TINY.q10_contexts[-1])]
     assert h2o["record_ns_per_live_token"]["median"] > 0 == random["record_ns_per_live_token"]["median"]
+    assert h2o["select_ns_per_live_token"]["median"] > 0 and random["select_ns_per_live_token"]["median"] > 0
+    assert 0 < h2o["us_per_request_excl_record_and_select"]["median"] < h2o["us_per_request_excl_record"]["median"]
+    assert all(v["growth_excl_record_and_select"] > 0 for axis in q10.values() for v in axis.values())
     assert "recording excluded, by live tokens per request" in tables

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ast
+import heapq
 import io
+import random
 import tokenize
+from array import array
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ from vtoken.core.policies import (
     StreamingLLM,
     make_policy,
 )
+from vtoken.core.live_index import CHUNK, NO_SLOT, LiveIndex, LiveTokens
 from vtoken.core.scores import TokenScores
 
 ALL = [H2O(), StreamingLLM(), Scissorhands(), RandomPolicy()]
@@ -339,3 +343,101 @@ def test_unknown_request_scores():
     with pytest.raises(UnknownRequestError):
         s.accumulated("r", 0)
     s.remove_request("r")  # removing twice is harmless
+
+
+# ---- the score policies' victim choice against the reference keys -----------------------------
+def _reference_h2o(view, recent_fraction):
+    recent = max(1, int(view.budget * recent_fraction))
+    return heapq.nsmallest(view.excess, view.candidates(keep_recent=recent),
+                           key=lambda t: (view.accumulated(t), t))
+
+
+def _reference_scissorhands(view, recent_fraction):
+    recent = max(1, int(view.budget * recent_fraction))
+    return heapq.nsmallest(view.excess, view.candidates(keep_recent=recent),
+                           key=lambda t: (view.persistence(t), view.accumulated(t), t))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_score_policies_choose_exactly_what_the_tuple_keys_choose(seed):
+    """H2O ranks by a C key (its scores) and relies on nsmallest's stability over ascending candidates for
+    "older first among equals"; Scissorhands zips its keys. Both must equal the plain (score, ..., id) keys,
+    ties included (scores drawn from a few values, so most compare equal)."""
+    rng = random.Random(seed)
+    total = rng.randint(2, 120)
+    live = sorted(rng.sample(range(total), rng.randint(1, total)))
+    acc = {t: rng.choice([0.0, 0.25, 0.5, 1.0]) for t in range(total)}
+    per = {t: rng.choice([0.0, 1.0, 1.75]) for t in range(total)}
+    protected = frozenset(rng.sample(live, rng.randint(0, len(live) // 3))) if rng.random() < 0.5 else frozenset()
+    v = view(live, budget=rng.randint(1, len(live)), total_len=total, acc=acc, per=per, protected=protected)
+    f = rng.choice([0.0, 0.25, 0.5, 1.0])
+    assert H2O(recent_fraction=f).select_victims(v) == _reference_h2o(v, f)
+    assert Scissorhands(recent_fraction=f).select_victims(v) == _reference_scissorhands(v, f)
+
+
+def test_h2o_breaks_ties_by_age_with_its_c_key():
+    v = view(range(10), budget=4, acc={t: 1.0 for t in range(10)} | {7: 0.0, 2: 0.0})
+    assert H2O(recent_fraction=0.25).select_victims(v) == [2, 7, 0, 1, 3, 4]  # zeros (older first), then by age
+    assert Scissorhands(recent_fraction=0.25).select_victims(v) == [2, 7, 0, 1, 3, 4]
+
+
+# ---- the live index's reads against the slot array ------------------------------------------
+@pytest.mark.parametrize("seed", range(12))
+def test_live_tokens_reads_equal_the_slot_array_scan(seed):
+    """Iteration chains whole chunks (a range when full, a list when partly live, jumped when dead), and
+    ``select`` scans one chunk: every rank, slice and full list must equal the scan of the slot array."""
+    rng = random.Random(seed)
+    n = rng.choice([1, 63, 64, 65, 300, 1000])
+    index, slots = LiveIndex(), array("i", range(n))
+    index.append(0, n)
+    dead = rng.choice([0.0, 0.5, 0.97])
+    for t in range(n):
+        if rng.random() < dead or (t // CHUNK) % 3 == 1 and rng.random() < 0.9:  # whole runs of dead chunks too
+            slots[t] = NO_SLOT
+            index.remove(t)
+    want = [t for t in range(n) if slots[t] != NO_SLOT]
+    live = LiveTokens(index, slots, 0, len(want))
+    assert list(live) == want
+    assert [live[k] for k in range(len(want))] == want
+    for _ in range(20):
+        a = rng.randint(0, len(want))
+        b = rng.randint(a, len(want))
+        assert list(live[a:b]) == want[a:b]
+
+
+def test_scores_taken_back_when_the_policy_fails_after_a_row():
+    """end_step records the rows, then chooses; a failing policy raises PolicyError and every score is as it
+    was, bit for bit, tokens the row did not read (evicted ones inside its span) included."""
+    from vtoken.core.block_pool import BlockPool
+    from vtoken.core.errors import PolicyError
+    from vtoken.core.runtime import VTokenRuntime
+    from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
+
+    class FailsOnStep:
+        name = "fails"
+
+        def __init__(self, step):
+            self.step, self.inner = step, H2O()
+
+        def select_victims(self, v):
+            if v.step == self.step:
+                raise RuntimeError("boom")
+            return self.inner.select_victims(v)
+
+    rt = VTokenRuntime(BlockPool(16, 4, 1), InMemoryCopyEngine(TagStore(16, 4)), FailsOnStep(2), budget=6)
+    rt.admit("a")
+    for step in range(3):
+        inputs = rt.begin_step({"a": 10 if step == 0 else 1})
+        tokens = inputs.requests["a"].read_tokens
+        row = [(1 + (t * 7) % 5) / 17 for t in tokens]
+        if step < 2:
+            rt.end_step({"a": row})
+    before = ([rt.scores.accumulated("a", t) for t in range(rt.total_len("a"))],
+              [rt.scores.persistence("a", t) for t in range(rt.total_len("a"))])
+    assert rt.live_token_ids("a") != list(range(rt.total_len("a")))  # some tokens inside the span were evicted
+    with pytest.raises(PolicyError, match="boom"):
+        rt.end_step({"a": row})
+    after = ([rt.scores.accumulated("a", t) for t in range(rt.total_len("a"))],
+             [rt.scores.persistence("a", t) for t in range(rt.total_len("a"))])
+    assert after == before
+    assert any(a != 0.0 for a in before[0])

@@ -228,6 +228,8 @@ OUT_OF_SCOPE = {
                                  "(ReadListMirror) and the fuzzer catch it",
     "index_misses_a_rewrite": "the pool-wide block index is a view of the block lists, which the abstraction "
                               "reads; V1's oracle (check_views) and the fuzzer catch it",
+    "live_read_loses_its_offset": "a read of the live ids from a rank is a view of the slot arrays, which the "
+                                  "abstraction reads directly; V1's check of reads from inside a chunk is the oracle",
     "token_map_misses_a_move": "the token map is a view of the slot arrays, which the abstraction reads; V1's "
                                "oracle (check_views), the planner's executed check (live_in_blocks) and the fuzzer "
                                "catch it",

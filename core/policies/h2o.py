@@ -20,5 +20,6 @@ class H2O:
         if not view.excess:
             return []
         recent = max(1, int(view.budget * self.recent_fraction))
-        # lowest accumulated attention first; older first among equals (a heap of the excess, no full sort)
-        return heapq.nsmallest(view.excess, view.candidates(keep_recent=recent), key=lambda t: (view.accumulated(t), t))
+        # lowest accumulated attention first, older first among equals: the candidates ascend and nsmallest is
+        # stable (a heap of the excess, no full sort; one candidate, the usual decode step: one C min)
+        return heapq.nsmallest(view.excess, view.candidates(keep_recent=recent), key=view.accumulated)

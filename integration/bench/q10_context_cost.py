@@ -6,12 +6,15 @@ per request (``q10_contexts``, ``q10_requests`` requests) and requests (``q10_re
 live tokens it keeps), so the first step evicts half of it and each decode step after evicts one token: the
 steady state. ``begin_step`` + ``end_step`` are timed per decode step (the collector paused); the fake model (which
 writes tags and, for the score policies only, builds the attention row) is not, nor is the time inside the
-in-memory copy engine. The score policies' row recording (``TokenScores._apply``, inherently O(L)) is timed apart.
+in-memory copy engine. The score policies' row recording (``TokenScores._apply``, inherently O(L)) is timed apart,
+and so is the victim choice (``VTokenRuntime._select``: the view, the policy, the answer's check), which for a score
+policy reads every candidate's score, each changed by the step's row.
 
 Per point (``runs``): axis ("context" or "requests"), system ("<policy>/<planner>"), seed, requests, live,
-us_per_request, record_ns_per_live_token (score policies; else 0), us_per_request_excl_record, plans_committed.
-``summary``: per axis, system and size, the median and spread of us_per_request and us_per_request_excl_record,
-and per axis and system ``growth``: the largest size's median over the smallest's, excluding the recording.
+us_per_request, record_ns_per_live_token (score policies; else 0), us_per_request_excl_record,
+select_ns_per_live_token, us_per_request_excl_record_and_select, plans_committed. ``summary``: per axis, system and
+size, the median and spread of each; per axis and system ``growth``, the largest size's median over the smallest's
+excluding the recording, and ``growth_excl_record_and_select``, excluding the choice too.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ KEY = "q10"
 TITLE = "Per-request step cost of the core as the context grows (and as requests do)"
 PLANNERS = {"compact": ReadPath.GATHER, "densify": ReadPath.DENSE}
 SCORED = ("h2o", "scissorhands")  # the policies that read attention rows
-TIMED = ("us_per_request", "us_per_request_excl_record")
+TIMED = ("us_per_request", "us_per_request_excl_record", "us_per_request_excl_record_and_select")
 PAPER = {"reported": "the design (§3.2) asks for per-step work that follows what changed: the cache is appended to "
                      "on growth and rebuilt only on structural change; issue #19's target: <= 1.5x growth along both "
                      "axes for StreamingLLM and Random on both planners, and for H2O and Scissorhands once the O(L) "
@@ -54,15 +57,21 @@ def measure_point(ctx: BenchContext, axis: str, policy: str, planner: str, n: in
                             ordering=Ordering.EVENT if planner == "densify" else Ordering.POLL)
     rt = VTokenRuntime(BlockPool(num_blocks, S, s.headroom), engine, make_policy(policy), live, reclaim,
                        PLANNERS[planner], seed)
-    recorded = [0]  # ns inside the row recording
-    apply = rt.scores._apply
+    recorded, chosen = [0], [0]  # ns inside the row recording, and inside the victim choice
+    apply, select = rt.scores._apply, rt._select
 
     def timed_apply(*args):
         t0 = time.perf_counter_ns()
         apply(*args)
         recorded[0] += time.perf_counter_ns() - t0
 
-    rt.scores._apply = timed_apply
+    def timed_select(*args):
+        t0 = time.perf_counter_ns()
+        victims = select(*args)
+        chosen[0] += time.perf_counter_ns() - t0
+        return victims
+
+    rt.scores._apply, rt._select = timed_apply, timed_select
     ids = list(range(n))
     for r in ids:
         rt.admit(r)
@@ -73,16 +82,19 @@ def measure_point(ctx: BenchContext, axis: str, policy: str, planner: str, n: in
             if policy in SCORED else None
 
     for step in range(1 + steps):  # step 0: the prefill and its eviction burst (untimed)
-        recorded[0] = 0
+        recorded[0] = chosen[0] = 0
         begin, end, spent = timed_step(rt, appends, model)
         if step > s.q10_warmup_steps:
-            times.append((begin + end - spent, recorded[0]))
+            times.append((begin + end - spent, recorded[0], chosen[0]))
         appends = {r: 1 for r in ids}
-    us = statistics.median(t for t, _ in times) / 1e3 / n
-    record_ns = statistics.median(rec for _, rec in times) / (n * live)
+    us = statistics.median(t for t, _, _ in times) / 1e3 / n
+    record_ns = statistics.median(rec for _, rec, _ in times) / (n * live)
+    select_us = statistics.median(sel for _, _, sel in times) / 1e3 / n
     return {"axis": axis, "system": f"{policy}/{planner}", "seed": seed, "requests": n, "live": live,
             "us_per_request": us, "record_ns_per_live_token": record_ns,
             "us_per_request_excl_record": us - record_ns * live / 1e3,
+            "select_ns_per_live_token": select_us * 1e3 / live,
+            "us_per_request_excl_record_and_select": us - record_ns * live / 1e3 - select_us,
             "plans_committed": rt.reclaim_stats.plans_committed}
 
 
@@ -101,10 +113,12 @@ def run(ctx: BenchContext) -> dict:
 
     def by_axis(rs: list[dict]) -> dict:
         size = "live" if rs[0]["axis"] == "context" else "requests"
-        by_size = nest(rs, [size], lambda x: summaries(x, TIMED + ("record_ns_per_live_token",)))
+        by_size = nest(rs, [size], lambda x: summaries(x, TIMED + ("record_ns_per_live_token",
+                                                                   "select_ns_per_live_token")))
         first, last = list(by_size.values())[0], list(by_size.values())[-1]
-        return {"by_size": by_size, "growth": last["us_per_request_excl_record"]["median"]
-                / first["us_per_request_excl_record"]["median"]}
+        growth = {k: last[k]["median"] / first[k]["median"] for k in TIMED}
+        return {"by_size": by_size, "growth": growth["us_per_request_excl_record"],
+                "growth_excl_record_and_select": growth["us_per_request_excl_record_and_select"]}
 
     summary = nest(runs, ["axis", "system"], by_axis)
     return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs, "summary": summary, "notes": [
@@ -121,12 +135,16 @@ def table(report: dict) -> list[str]:
     out = []
     for axis, systems in report["summary"].items():
         sizes = list(next(iter(systems.values()))["by_size"])
+        last = sizes[-1]
         rows = [[x, *(fmt_spread(v["by_size"][k]["us_per_request_excl_record"], "{:,.1f}") for k in sizes),
-                 f"x{v['growth']:.2f}", f"{v['by_size'][sizes[-1]]['record_ns_per_live_token']['median']:.1f}"]
+                 f"x{v['growth']:.2f}", f"x{v['growth_excl_record_and_select']:.2f}",
+                 f"{v['by_size'][last]['record_ns_per_live_token']['median']:.1f}",
+                 f"{v['by_size'][last]['select_ns_per_live_token']['median']:.1f}"]
                 for x, v in systems.items()]
         what = "live tokens per request" if axis == "context" else "requests"
         out += [f"\nµs per request per step, recording excluded, by {what}:"] + markdown(
-            ["system", *sizes, "growth", f"recording ns/live token at {sizes[-1]}"], rows)
+            ["system", *sizes, "growth", "growth without the choice", f"recording ns/live token at {last}",
+             f"choice ns/live token at {last}"], rows)
     return out
 
 
