@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import math
+from array import array
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -93,6 +94,20 @@ def _touched(plan: Plan) -> set[int]:
 class ReadPath(enum.Enum):
     GATHER = "gather"
     DENSE = "dense"
+
+
+@dataclass(frozen=True)
+class ReadChanges:
+    """How a request's read list (its live slots and their token ids, in logical order) changed since the
+    previous ``read_changes``: unless ``rebuilt`` (the first call, a layout change, or more evictions than the
+    table's log keeps: read the whole list), the tokens in ``evicted`` left it and ``joined`` (at
+    ``joined_slots``) joined it at the end, in order. ``version``: the request's layout version."""
+
+    version: int
+    rebuilt: bool
+    evicted: tuple[int, ...] = ()
+    joined: tuple[int, ...] = ()
+    joined_slots: tuple[int, ...] = ()
 
 
 class StepRequest:
@@ -288,11 +303,33 @@ class VTokenRuntime:
     def block_ids(self, req_id: object) -> list[int]:
         return self.table.block_ids(req_id)
 
+    def num_blocks_of(self, req_id: object) -> int:
+        return self.table.num_blocks_of(req_id)
+
+    def block_at(self, req_id: object, index: int) -> int:
+        return self.table.block_at(req_id, index)
+
     def live_token_ids(self, req_id: object) -> list[int]:
         return self.table.live_token_ids(req_id)
 
     def attention_slots(self, req_id: object) -> list[int]:
         return self.table.attention_slots(req_id)
+
+    def read_lists(self, req_id: object) -> tuple[list[int], list[int]]:
+        """(live token ids, their slots) in logical order, from the live index: O(live)."""
+        return self.table.read_lists(req_id)
+
+    def read_changes(self, req_id: object) -> ReadChanges:
+        """How the request's read list changed since the previous call, for an engine that syncs itself and
+        keeps its own copy of the list (vLLM's workers). ``begin_step`` takes the same changes for its
+        ``StepRequest``: an engine uses one or the other, never both (each take empties the change log).
+        O(evicted + joined)."""
+        version, rebuilt, evicted, joined_from = self.table.take_changes(req_id)
+        if rebuilt:
+            return ReadChanges(version, True)
+        slots = self.table.write_slots(req_id, joined_from)  # NO_SLOT for a joined token already evicted
+        joined = [(t, s) for t, s in enumerate(slots, joined_from) if s != NO_SLOT]
+        return ReadChanges(version, False, evicted, tuple(t for t, _ in joined), tuple(s for _, s in joined))
 
     def slot_of(self, req_id: object, token_id: int) -> int:
         return self.table.slot_of(req_id, token_id)
@@ -424,6 +461,16 @@ class VTokenRuntime:
         if self._last is None:
             raise StepOrderError("end_step without begin_step")
         step = self._last
+        rows = self._step_rows(step, attention)
+        victims = self._record_and_choose(self.table.request_ids(), rows)
+        # -- validated; mutate --
+        self._evict_and_reclaim(victims)
+        self._last = None
+        return victims
+
+    def _step_rows(self, step: StepInputs, attention: Mapping[object, Sequence[float]] | None
+                   ) -> dict[object, tuple[list[int], array]]:
+        """``end_step``'s rows, validated: request -> (the tokens it read, their weights). O(row)."""
         if attention is not None:
             check_mapping("attention", attention)
         rows = {}
@@ -444,11 +491,7 @@ class VTokenRuntime:
                     f"request {r!r}: attention row of {len(row)} weights for {len(read_tokens)} read tokens"
                 )
             rows[r] = (read_tokens, row)
-        victims = self._record_and_choose(self.table.request_ids(), rows)
-        # -- validated; mutate --
-        self._evict_and_reclaim(victims)
-        self._last = None
-        return victims
+        return rows
 
     # ---- for engines that allocate and schedule themselves (vLLM) -----------------------
     def sync(self, req_id: object, new_blocks: Sequence[int], total_len: int) -> list[int]:
@@ -748,4 +791,4 @@ class VTokenRuntime:
         assert req_id not in self.table and self.manager.in_flight(req_id) is None
 
 
-__all__ = ["ReadPath", "StepInputs", "StepRequest", "VTokenRuntime", "AdmissionClosedError", "NO_SLOT", "check_budget"]
+__all__ = ["ReadChanges", "ReadPath", "StepInputs", "StepRequest", "VTokenRuntime", "AdmissionClosedError", "NO_SLOT", "check_budget"]

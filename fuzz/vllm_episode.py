@@ -177,16 +177,21 @@ def _run_engine(ep: Episode, prefix_caching: bool) -> EpisodeResult:
               additional_config={"vtoken": ep.vtoken})
     if ep.num_blocks:
         kw["num_gpu_blocks_override"] = ep.num_blocks
-    llm = LLM(**kw)
+    from vtoken.integration.vllm import scheduler_tokens
+    every, scheduler_tokens.READ_CHECK_EVERY = scheduler_tokens.READ_CHECK_EVERY, 1  # every copy, every step
     try:
-        return _drive(llm, ep, SamplingParams, TokensPrompt)
-    except BaseException as e:
-        del llm
-        drop_frames(e)
-        raise
+        llm = LLM(**kw)
+        try:
+            return _drive(llm, ep, SamplingParams, TokensPrompt)
+        except BaseException as e:
+            del llm
+            drop_frames(e)
+            raise
+        finally:
+            import gc
+            gc.collect()
     finally:
-        import gc
-        gc.collect()
+        scheduler_tokens.READ_CHECK_EVERY = every
 
 
 def _drive(llm, ep: Episode, SamplingParams, TokensPrompt) -> EpisodeResult:
@@ -275,6 +280,17 @@ def _ignore_layout(self, rid, blocks):
     return None
 
 
+def _drops_read_evictions(real):
+    """A dropped delta: the worker patches a request's read list with what joined it, not with what left it, so
+    attention still reads evicted tokens' slots (which later moves and appends reuse)."""
+    from dataclasses import replace
+
+    return lambda self, rid, delta: real(self, rid, replace(delta, evicted=()))
+
+
+_drops_read_evictions.wraps = True  # planted() hands it the method it replaces
+
+
 def _hash_at_list_index(self, r, request):
     """The B3 check before #17: block i of the list must carry chain hash i. Compaction releases emptied blocks,
     so a hashed block further down moves up the list with its content intact; this check then fails the
@@ -300,6 +316,10 @@ PLANTED = {  # name -> (what is wrong, (module path, class, attribute, replaceme
     "worker_ignores_layouts": ("the worker keeps its old block table after a commit shortened or swapped the "
                                "request's blocks", ("vtoken.integration.vllm.worker_tokens", "WorkerTokens",
                                                     "_install_layout", _ignore_layout)),
+    "worker_drops_read_evictions": ("the worker's copy of a request's read list drops nothing the scheduler evicted "
+                                    "(a dropped delta): gather attention reads evicted tokens' slots",
+                                    ("vtoken.integration.vllm.worker_tokens", "WorkerTokens", "_patch_read",
+                                     _drops_read_evictions)),
     "hash_at_list_index": ("strict verify's B3 matches a hashed block with the chain hash of its list index, so "
                            "it fails the engine once compaction moved hashed blocks down the list",
                            ("vtoken.integration.vllm.scheduler_tokens", "SchedulerTokens", "check_prefix_hashes",
@@ -314,7 +334,7 @@ def planted(name: str):
     module, cls, attr, replacement = PLANTED[name][1]
     owner = getattr(importlib.import_module(module), cls)
     original = owner.__dict__[attr]
-    setattr(owner, attr, replacement)
+    setattr(owner, attr, replacement(original) if getattr(replacement, "wraps", False) else replacement)
     try:
         yield
     finally:

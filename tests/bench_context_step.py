@@ -4,7 +4,7 @@
 
 Core: ``bench_core_step``'s measurement (16 requests, StreamingLLM at its budget, 16-token blocks, median of
 12 steps) at 256, 2,048 and 8,192 live tokens, gather/compact and dense/densify. With ``vllm``: Q7's in-process
-measurement (``q7_vllm_bookkeeping.measure_concurrency``: 8 requests, Random at 0.5, 32 generated tokens),
+measurement (``q7_vllm_bookkeeping.measure_concurrency``: 8 requests, Random and H2O at 0.5, 32 generated tokens),
 vtoken's microseconds per request per step at prompts of 128, 512 and 1,536 tokens. To compare two commits, run
 it alternately in both trees in one session (docs/results.md, "Context-length check, issues #17/#18").
 """
@@ -21,7 +21,9 @@ if len(sys.argv) > 2:
     from vtoken.integration.bench.q7_vllm_bookkeeping import measure_concurrency
     from vtoken.integration.bench.vllm_engine import heldout_windows
     CFG = {"random, densify": {"policy": "random", "budget": 0.5},
-           "random, gather, compact": {"policy": "random", "budget": 0.5, "read_path": "gather", "reclaim": "compact"}}
+           "random, gather, compact": {"policy": "random", "budget": 0.5, "read_path": "gather", "reclaim": "compact"},
+           "h2o, densify": {"policy": "h2o", "budget": 0.5},
+           "h2o, gather, compact": {"policy": "h2o", "budget": 0.5, "read_path": "gather", "reclaim": "compact"}}
     for name, cfg in CFG.items():
         for ctx in (128, 512, 1536):
             [m] = measure_concurrency(cfg, [[p for p, _ in heldout_windows(8, ctx, 32, 0)]], 32, 32)

@@ -131,3 +131,30 @@ def test_an_episode_reaches_hashed_blocks_that_compaction_moved_down_the_list():
                                                      r"prefix-cache hash that is not the request's chain hash 1"):
             F.run_episode(ep)
     assert F.run_episode(ep).compared >= 1
+
+
+# ---- the workers' read lists on deltas (issue #20) ------------------------------------------------------------
+def _read_list_episode() -> Episode:
+    """Gather path, compact at theta_F 0 with the relocation drill every other step, Random at 0.5, a 10-block pool
+    (preemption), and requests over one text, three at once and two later (prefix hits): evictions, moves, rebuilt lists,
+    preemption and cached prefixes in one run."""
+    text = list(F.corpus()[:400])
+    reqs = [{"id": str(i), "prompt": text[:64 + 24 * i], "max_tokens": 48, "arrive": arrive, "abort": None,
+             "skip_cache": False} for i, arrive in enumerate((0, 0, 0, 6, 12))]
+    vt = {"policy": "random", "budget": 0.5, "strict_verify": "strict", "seed": 1, "drill_every": 2,
+          "read_path": "gather", "reclaim": "compact", "theta_f": 0.0, "headroom": 1}
+    return Episode(0, vt, True, 10, reqs)
+
+
+def test_the_workers_patched_read_lists_equal_the_tables_every_step():
+    """Each step the scheduler sends each request's read-list change (``ReadDelta``), and the worker patches its
+    tensors; in fuzz episodes every step also carries the whole list, which the patched copy must equal (V2).
+    Clean on a run with eviction, relocation, preemption and prefix hits; with the worker dropping the evictions
+    of a change (a dropped delta), the first check after an eviction fails naming the request."""
+    ep = _read_list_episode()
+    res = F.run_episode(ep)
+    assert res.stats["evicted"] > 0 and res.stats["plans_committed"] > 0 and res.stats["drill_planned"] > 0
+    assert res.preempted and any(res.cached.values())
+    with planted("worker_drops_read_evictions"):
+        with pytest.raises(InvariantViolation, match=r"V2: request '[^']+': the worker's patched read list"):
+            F.run_episode(ep)

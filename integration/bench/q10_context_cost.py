@@ -6,8 +6,9 @@ per request (``q10_contexts``, ``q10_requests`` requests) and requests (``q10_re
 live tokens it keeps), so the first step evicts half of it and each decode step after evicts one token: the
 steady state. ``begin_step`` + ``end_step`` are timed per decode step (the collector paused); the fake model (which
 writes tags and, for the score policies only, builds the attention row) is not, nor is the time inside the
-in-memory copy engine. The score policies' row recording (``TokenScores._apply``, inherently O(L)) is timed apart,
-and so is the victim choice (``VTokenRuntime._select``: the view, the policy, the answer's check), which for a score
+in-memory copy engine. The score policies' rows, inherently O(L), are timed apart: their handling (``_step_rows``,
+the check; ``TokenScores._save``, the copy a failed choice restores; ``TokenScores._apply``, the recording), and so
+is the victim choice (``VTokenRuntime._select``: the view, the policy, the answer's check), which for a score
 policy reads every candidate's score, each changed by the step's row.
 
 Per point (``runs``): axis ("context" or "requests"), system ("<policy>/<planner>"), seed, requests, live,
@@ -57,21 +58,20 @@ def measure_point(ctx: BenchContext, axis: str, policy: str, planner: str, n: in
                             ordering=Ordering.EVENT if planner == "densify" else Ordering.POLL)
     rt = VTokenRuntime(BlockPool(num_blocks, S, s.headroom), engine, make_policy(policy), live, reclaim,
                        PLANNERS[planner], seed)
-    recorded, chosen = [0], [0]  # ns inside the row recording, and inside the victim choice
-    apply, select = rt.scores._apply, rt._select
+    recorded, chosen = [0], [0]  # ns handling the rows (check, save, record), and inside the victim choice
 
-    def timed_apply(*args):
-        t0 = time.perf_counter_ns()
-        apply(*args)
-        recorded[0] += time.perf_counter_ns() - t0
+    def timed(f, into):
+        def call(*args):
+            t0 = time.perf_counter_ns()
+            out = f(*args)
+            into[0] += time.perf_counter_ns() - t0
+            return out
+        return call
 
-    def timed_select(*args):
-        t0 = time.perf_counter_ns()
-        victims = select(*args)
-        chosen[0] += time.perf_counter_ns() - t0
-        return victims
-
-    rt.scores._apply, rt._select = timed_apply, timed_select
+    rt._select = timed(rt._select, chosen)
+    if policy in SCORED:  # the others get no rows
+        rt._step_rows = timed(rt._step_rows, recorded)
+        rt.scores._save, rt.scores._apply = timed(rt.scores._save, recorded), timed(rt.scores._apply, recorded)
     ids = list(range(n))
     for r in ids:
         rt.admit(r)
@@ -126,7 +126,8 @@ def run(ctx: BenchContext) -> dict:
         f"requests at {s.q10_request_live}; {s.q10_warmup_steps} warm-up and {s.q10_timed_steps} timed decode steps "
         f"per point; {s.block_size}-token blocks; theta_F {s.theta_f}.",
         "Attention rows are given to the score policies only (H2O, Scissorhands), as an engine gathers them only "
-        "for a policy that reads them; their recording is timed apart (record_ns_per_live_token).",
+        "for a policy that reads them; their handling (check, save, record) is timed apart (record_ns_per_live_token), "
+        "and so is the victim choice (select_ns_per_live_token).",
         "growth: the largest size's median over the smallest's, excluding the recording, in one run.",
     ]}
 

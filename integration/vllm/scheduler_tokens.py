@@ -9,7 +9,8 @@ drive it (``connector.py``):
   build_connector_meta  ``on_schedule``: admit new/resumed requests, sync step k's tokens into the
                         tables (Algorithm 1 line 1) at each request's cursor, run the relocation
                         drill, and hand the workers: copies planned after step k-1, block lists
-                        those copies changed, each request's ``gap``, and (strict verify) the
+                        those copies changed, each request's ``gap``, how its read list changed
+                        (gather path, score policies: ``ReadDelta``), and (strict verify) the
                         write slots the tables assigned, for the workers to audit.
   execute_model k       the workers copy (before ``_prepare_inputs``), rewrite block tables, and
                         map slots through the table: ``seq_len = live + new``, write slot of
@@ -46,6 +47,7 @@ from .allocator import VllmBlockAllocator
 from .settings import SCORE_POLICIES, VTokenSettings
 from .worker_copies import WorkerCopyEngine
 
+READ_CHECK_EVERY = 16  # strict verify: each request's read list is sent whole for the workers to check this often
 POLICIES = {"none": None, "streaming_llm": StreamingLLM, "random": RandomPolicy, "h2o": H2O,
             "scissorhands": Scissorhands}
 
@@ -93,7 +95,24 @@ class StepOrders:
     layouts: dict[str, list[int]] = field(default_factory=dict)  # block list before this step's new blocks
     gaps: dict[str, int] = field(default_factory=dict)  # logical position - physical position (> 0 only)
     write_slots: dict[str, list[int]] = field(default_factory=dict)  # strict verify: the table's write slots
-    read: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # gather, scores: live slots, ids
+    read: dict[str, ReadDelta] = field(default_factory=dict)  # gather, scores: each request's read list, as a change
+    forget: list[str] = field(default_factory=list)  # requests that left since the last orders: drop their copies
+
+
+@dataclass(frozen=True)
+class ReadDelta:
+    """What a worker does to its copy of a request's read list (live slots and their token ids, logical order):
+    with ``full``, replace it (a first step, a layout change, or more evictions than the table's log keeps);
+    else drop the tokens in ``evicted`` and append ``joined`` at ``joined_slots``. ``version``: the request's
+    layout version, which a change (not ``full``) must find the copy at. ``check`` (strict verify, every
+    ``READ_CHECK_EVERY`` steps): the whole list, which the patched copy must equal."""
+
+    version: int
+    full: tuple[list[int], list[int]] | None = None  # (slots, ids)
+    evicted: tuple[int, ...] = ()
+    joined: tuple[int, ...] = ()
+    joined_slots: tuple[int, ...] = ()
+    check: tuple[list[int], list[int]] | None = None  # (slots, ids)
 
 
 @dataclass
@@ -138,6 +157,7 @@ class SchedulerTokens:
         self._admitted = 0
         self.first_evicted: dict[str, int] = {}
         self._layouts: dict[str, list[int]] = {}  # changed by commits since the last step's orders
+        self._forgotten: list[str] = []  # requests forgotten since the last step's orders (the workers drop them)
         self.stats = TokenStats()
         manager_hooks.install(self.manager, self)
 
@@ -153,6 +173,7 @@ class SchedulerTokens:
         if req_id not in self.rt:
             return
         self.rt.detach(req_id)
+        self._forgotten.append(req_id)
         self.stats.copies_dropped += self.engine.drop_request(req_id)
         self._layouts.pop(req_id, None)
         self.first_evicted.pop(req_id, None)
@@ -173,6 +194,9 @@ class SchedulerTokens:
         self._layouts = {}
         req_to_blocks = self.manager.req_to_blocks
         syncs: list[tuple[str, int, int]] = []  # (request, tokens computed before this step, scheduled)
+        reads = self.read_path is ReadPath.GATHER or self.settings.policy in SCORE_POLICIES
+        check = self.settings.strict_verify == "strict" and self.stats.steps % READ_CHECK_EVERY == 0
+        orders.forget, self._forgotten = self._forgotten, []
         for nr in so.scheduled_new_reqs:
             n_prompt = len(nr.prompt_token_ids) if nr.prompt_token_ids is not None else len(nr.prompt_embeds)
             self.prompt_len[nr.req_id] = n_prompt
@@ -188,27 +212,42 @@ class SchedulerTokens:
             syncs.append((r, computed, so.num_scheduled_tokens[r]))
         for r, computed, scheduled in syncs:
             held = req_to_blocks[r]
-            known = rt.block_ids(r)
+            known = rt.num_blocks_of(r)
             # new and resumed requests start empty: a prefix-cache hit arrives as computed tokens in held blocks
             if rt.total_len(r) not in (0, computed):
                 raise InvariantViolation("B1", f"request {r!r}: vLLM computed {computed} tokens, the token table has "
                                                f"{rt.total_len(r)}")
-            if [b.block_id for b in held[:len(known)]] != known:
-                raise InvariantViolation("B1", f"request {r!r}: token table blocks {known} are not a prefix of vLLM's "
-                                               f"{[b.block_id for b in held]}")
-            slots = rt.sync(r, [b.block_id for b in held[len(known):]], computed + scheduled)
+            # NOTE: vLLM only appends to a running request's list between steps (after a commit ``_mirror`` makes it
+            # the table's), so its last known block pins the prefix in O(1); strict verify's ``check`` compares the
+            # whole lists after every step
+            if len(held) < known or known and held[known - 1].block_id != rt.block_at(r, known - 1):
+                raise InvariantViolation("B1", f"request {r!r}: token table blocks {rt.block_ids(r)} are not a prefix "
+                                               f"of vLLM's {[b.block_id for b in held]}")
+            slots = rt.sync(r, [b.block_id for b in held[known:]], computed + scheduled)
             g = self.gap(r)
             if g:
                 orders.gaps[r] = g
             if self.settings.strict_verify == "strict":
                 orders.write_slots[r] = slots[len(slots) - scheduled:]  # a prefix hit's tokens are not rewritten
-            if self.read_path is ReadPath.GATHER or self.settings.policy in SCORE_POLICIES:
-                orders.read[r] = (rt.attention_slots(r), rt.live_token_ids(r))
+            if reads:
+                orders.read[r] = self._read_delta(r, check)
         if self.settings.strict_verify == "strict":
             check_copies_sent(rt, self.engine)
         self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - t0
         return orders
+
+    def _read_delta(self, r: str, check: bool) -> ReadDelta:
+        """The change of ``r``'s read list since its previous step's (``VTokenRuntime.read_changes``): O(what
+        changed), the whole list only after a layout change, or under ``check``."""
+        c = self.rt.read_changes(r)
+        whole = None
+        if c.rebuilt or check:
+            ids, slots = self.rt.read_lists(r)
+            whole = (slots, ids)
+        if c.rebuilt:
+            return ReadDelta(c.version, full=whole)
+        return ReadDelta(c.version, None, c.evicted, c.joined, c.joined_slots, check=whole)
 
     def _drill(self, round_no: int, req_ids: list[str]) -> None:
         """Relocation drill (test hook): move block ``round_no mod n`` of each request's n blocks to a fresh

@@ -12,7 +12,9 @@ Per step (``apply``, called from ``handle_preemptions``, before ``_update_states
   1. run the copies the scheduler planned after the previous forward (device layer, verified per
      ``strict_verify``); a copy whose verification fails is reported FAILED;
   2. install the block lists those copies changed (the worker's list and the block-table row);
-  3. remember the step's gaps (and, under strict verify, the table's write slots to audit).
+  3. remember the step's gaps (and, under strict verify, the table's write slots to audit);
+  4. patch each request's read list by the step's change of it (gather path, score policies): only a layout
+     change resends it whole; strict verify sends it whole every ``READ_CHECK_EVERY`` steps to check the copy.
 """
 
 from __future__ import annotations
@@ -70,7 +72,11 @@ class WorkerTokens:
         self.scored_layers = scored_layers  # H2O, Scissorhands: the layers whose attention rows are recorded
         self.block_size = block_size
         self.gaps: dict[str, int] = {}
-        self.read: dict[str, tuple[list[int], list[int]]] = {}
+        # NOTE: each request's read list (live slots, their token ids, logical order) as two int64 tensors and the
+        # layout version they are at, patched by the scheduler's per-step changes (``ReadDelta``), never resent
+        # whole except after a layout change: the paper's device-resident lookup cache (§3.2)
+        self.reads: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.reading = False  # this step's orders carried read lists: attention reads through them
         self.read_plan: ReadPlan | None = None  # gather read path: what attention reads this step
         self.audit: dict[str, list[int]] = {}
         self.done: list[int] = []
@@ -88,8 +94,41 @@ class WorkerTokens:
             self._install_layout(rid, blocks)
         self.gaps = orders.gaps
         self.audit = orders.write_slots
-        self.read = orders.read
+        for rid in orders.forget:
+            self.reads.pop(rid, None)
+        for rid, delta in orders.read.items():
+            self._patch_read(rid, delta)
+        self.reading = bool(orders.read)
         self.seconds += time.perf_counter() - t0
+
+    def _patch_read(self, rid: str, d) -> None:
+        """Apply one ``ReadDelta`` to the request's read list: O(list) in torch (a mask and a cat), O(changes) in
+        Python. Checked: a change must find the copy at its version, and every evicted id in it."""
+        if d.full is not None:
+            slots, ids = d.full
+            self.reads[rid] = (torch.tensor(slots, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64), d.version)
+        else:
+            have = self.reads.get(rid)
+            if have is None or have[2] != d.version:
+                raise InvariantViolation("V2", f"request {rid!r}: a read-list change at layout version {d.version}, "
+                                               f"the worker's copy is at {None if have is None else have[2]}")
+            slots, ids, _ = have
+            if d.evicted:
+                keep = ~torch.isin(ids, torch.tensor(d.evicted, dtype=torch.int64))
+                if int(keep.sum()) != len(ids) - len(d.evicted):
+                    raise InvariantViolation("V2", f"request {rid!r}: evicted tokens {list(d.evicted)[:8]} are not "
+                                                   f"all in the worker's read list")
+                slots, ids = slots[keep], ids[keep]
+            if d.joined:
+                slots = torch.cat((slots, torch.tensor(d.joined_slots, dtype=torch.int64)))
+                ids = torch.cat((ids, torch.tensor(d.joined, dtype=torch.int64)))
+            self.reads[rid] = (slots, ids, d.version)
+        if d.check is not None:
+            slots, ids, _ = self.reads[rid]
+            if slots.tolist() != d.check[0] or ids.tolist() != d.check[1]:
+                raise InvariantViolation("V2", f"request {rid!r}: the worker's patched read list (ids "
+                                               f"{ids[:8].tolist()}..., {len(ids)}) is not the table's (ids "
+                                               f"{d.check[1][:8]}..., {len(d.check[1])})")
 
     def _copy(self, rid: str, moves) -> bool:
         h = self.engine.submit(moves, req_id=rid)
@@ -117,7 +156,7 @@ class WorkerTokens:
                 self._map_through_table(scheduler_output.total_num_scheduled_tokens)
             if self.audit:
                 self._audit(scheduler_output.total_num_scheduled_tokens)
-            self.read_plan = self._read_plan(scheduler_output.total_num_scheduled_tokens) if self.read else None
+            self.read_plan = self._read_plan(scheduler_output.total_num_scheduled_tokens) if self.reading else None
             self.seconds += time.perf_counter() - t0
             return out
 
@@ -145,10 +184,9 @@ class WorkerTokens:
         positions = r.positions[:num_tokens]
         reqs = []
         for i, rid in enumerate(batch.req_ids[: batch.num_reqs]):
-            slots, ids = self.read[rid]
+            slots, ids, _ = self.reads[rid]
             qs, qe = starts[i], starts[i + 1]
-            reqs.append((qs, qe, torch.tensor(slots, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
-                         positions[qs:qe].to(torch.int64)))
+            reqs.append((qs, qe, slots, ids, positions[qs:qe].to(torch.int64)))
         rows = [torch.zeros(len(ids), dtype=torch.float64) for _, _, _, ids, _ in reqs] if self.scored_layers else None
         return ReadPlan(self.engine.cache, reqs, rows, self.scored_layers, decode=_decode_batch(reqs))
 
