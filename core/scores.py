@@ -21,6 +21,9 @@ from .checks import as_list, check_int, check_request_id, check_token_ids, check
 from .errors import (ConfigError, DuplicateRequestError, InvalidArgumentError, TokenOutOfRangeError,
                      UnknownRequestError)
 
+_INT = {int}
+
+
 class TokenScores:
     def __init__(self, window: int = 32) -> None:
         if not is_int(window) or window < 1:
@@ -69,7 +72,9 @@ class TokenScores:
         acc, _ = self._get(req_id)
         what = f"request {req_id!r}: attention row"
         ids = as_list(what, token_ids)
-        for t in ids:  # one pass, before any score changes
+        # plain ints inside [0, len(acc)), checked in C; anything else is found (and named) by the loop below
+        plain = not ids or set(map(type, ids)) == _INT and min(ids) >= 0 and max(ids) < len(acc)
+        for t in () if plain else ids:  # one pass, before any score changes
             if t.__class__ is not int and not is_int(t) or not 0 <= t < len(acc):
                 if is_int(t):
                     raise TokenOutOfRangeError(f"request {req_id!r}: score for unknown token {t} "
