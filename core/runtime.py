@@ -183,12 +183,16 @@ class VTokenRuntime:
         seed: passed to randomized policies.
         ordering: with ``reclaim`` None, how the copies of other plans (the drill's ``relocate_block``) are
             ordered; a reclaim configuration brings its own (``ConfigError`` if both are given).
+        evict_every: the eviction cadence beta >= 1: a request over its budget by fewer than beta tokens waits;
+            at beta or more it evicts down to the budget. Each request is then at most beta - 1 tokens over its
+            budget after a step, and its plans and copies come every ~beta steps, beta tokens at a time. 1:
+            evict every step (victims and plans exactly as without the setting).
     """
 
     def __init__(self, pool: BlockAllocator, engine: CopyEngine, policy: EvictionPolicy | None = None,
                  budget: float | int = 1.0, reclaim: ReclaimConfig | None = None,
                  read_path: ReadPath = ReadPath.GATHER, seed: int = 0, score_window: int = 32,
-                 ordering: Ordering | None = None) -> None:
+                 ordering: Ordering | None = None, evict_every: int = 1) -> None:
         _check_protocol("pool", pool, _ALLOCATOR_METHODS, ("num_blocks", "block_size", "headroom", "num_free"))
         _check_protocol("engine", engine, _ENGINE_METHODS)
         policy = _as_policy(policy)
@@ -197,6 +201,7 @@ class VTokenRuntime:
             raise ConfigError(f"reclaim must be None (no reclamation) or a ReclaimConfig, got {reclaim!r}")
         read_path = check_enum("read_path", read_path, ReadPath)
         check_int("seed", seed, error=ConfigError)
+        check_int("evict_every", evict_every, 1, error=ConfigError)
         if ordering is not None:
             ordering = check_enum("ordering", ordering, Ordering)
             if reclaim is not None:
@@ -210,6 +215,7 @@ class VTokenRuntime:
         self.engine = engine
         self.policy = policy
         self.budget = budget
+        self.evict_every = evict_every
         self.read_path = read_path
         self.seed = seed
         self.table = TokenTable(pool.num_blocks, pool.block_size)
@@ -574,7 +580,12 @@ class VTokenRuntime:
     def _choose_victims(self, req_ids: Sequence[object]) -> dict[object, list[int]]:
         victims: dict[object, list[int]] = {}
         if self.policy is not None:
+            beta, table = self.evict_every, self.table
             for r in req_ids:
+                # NOTE: the cadence: fewer than beta tokens over the budget wait (the policy is not asked, so the
+                # O(L) choice of a score policy runs once per eviction, not once per step); beta = 1 skips nothing
+                if 0 < table.num_live(r) - self.token_budget(table.total_len(r)) < beta:
+                    continue
                 chosen = self._select(r)
                 if chosen:
                     victims[r] = chosen

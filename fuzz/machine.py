@@ -62,9 +62,14 @@ class FuzzPolicy:
     names: dict = field(default_factory=dict)
     misbehave: str | None = None  # the next invalid answer to give
     misbehaved: str | None = None  # the last one given
+    asked: set = field(default_factory=set)  # the requests asked since the machine last cleared it
 
     def select_victims(self, view: RequestView) -> list[int]:
         req = self._request_of(view)
+        self.asked.add(req)
+        if self.oracles is not None and 0 < view.excess < self.oracles.rt.evict_every:
+            raise OracleViolation("cadence", f"request {req!r} is {view.excess} token(s) over its budget, fewer than "
+                                             f"evict_every {self.oracles.rt.evict_every}, and was asked for victims")
         live = set(view.live)
         if self.misbehave and view.excess > 0:
             return self._invalid_answer(view)
@@ -128,9 +133,10 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
         max_sources=st.integers(1, 8),
         low_watermark=st.one_of(st.none(), st.integers(0, 12)),
         burst_df=st.sampled_from([None, None, 0.05, 0.2]),  # None: the fixed trigger; else the adaptive one
+        evict_every=st.sampled_from([1, 1, 2, 4]),  # the eviction cadence beta
     )
     def setup(self, profile, policy, block_size, num_blocks, headroom, budget, theta_f, check_every,
-              max_sources, low_watermark, burst_df=None):  # None: replays saved before the adaptive trigger
+              max_sources, low_watermark, burst_df=None, evict_every=1):  # defaults: replays saved before them
         prof: Profile = PROFILES[profile]
         self.profile = prof
         headroom = min(headroom, num_blocks - 1)
@@ -144,7 +150,7 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
                                     burst_df=burst_df)
         self.policy = FuzzPolicy(None if policy == "none" else make_policy(policy))
         self.rt = VTokenRuntime(self.pool, self.engine, RenamedRequests(self.policy, self.policy.names), budget,
-                                reclaim, prof.read_path, seed=0)
+                                reclaim, prof.read_path, seed=0, evict_every=evict_every)
         self.oracles = self.policy.oracles = Oracles(self.rt, self.engine).attach()
         self.mirror = ReadListMirror()  # V2: the step deltas, patched the way a worker would
         self.rt.manager.verify_fast_paths = True  # V3: every fast plan against its reference planner
@@ -375,15 +381,26 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
         the victims it returns: the score shadow takes the rows first (and gives them back if the call
         raises), the content shadow loses the victims after."""
         self.oracles.scores.apply(rows)
+        due = self._due(args[0] if args and call == self.rt.evict_and_reclaim else self.table.request_ids())
+        self.policy.asked = set()
         try:
             victims = call(*args)
         except BaseException:
             self.oracles.scores.undo()
             raise
+        if due - self.policy.asked:
+            missed = sorted(due - self.policy.asked)
+            raise OracleViolation("cadence", f"request(s) {missed[:8]} were {self.rt.evict_every} or more tokens over "
+                                             f"their budget (evict_every) and the policy was not asked for victims")
         for r, ts in victims.items():
             for t in ts:
                 del self.shadow[r][t]
             EVENTS["evictions"] += len(ts)
+
+    def _due(self, req_ids) -> set:
+        """The requests ``evict_every`` says must be asked for victims now: at least beta tokens over budget."""
+        rt, t = self.rt, self.table
+        return {r for r in req_ids if r in t and t.num_live(r) - rt.token_budget(t.total_len(r)) >= rt.evict_every}
 
     def _check_refusal_after_settling(self, appends: dict) -> None:
         """Forecast oracle: begin_step refused the appends, so they must not fit once settled either."""

@@ -519,6 +519,21 @@ def _densify_tail_misses_a_hole():
     return {(reclamation, "plan_densify_tail"): plan_densify_tail}
 
 
+def _cadence_waits_at_beta():
+    def _choose_victims(self, req_ids):
+        victims, beta, table = {}, self.evict_every, self.table
+        if self.policy is not None:
+            for r in req_ids:  # <= instead of <: a request exactly beta over its budget waits another step
+                if 0 < table.num_live(r) - self.token_budget(table.total_len(r)) <= beta:
+                    continue
+                chosen = self._select(r)
+                if chosen:
+                    victims[r] = chosen
+        return victims
+
+    return {(runtime.VTokenRuntime, "_choose_victims"): _choose_victims}
+
+
 BUGS: dict[str, PlantedBug] = {
     b.name: b
     for b in [
@@ -602,6 +617,8 @@ BUGS: dict[str, PlantedBug] = {
                    _share_forgets_the_holders_mask),
         PlantedBug("densify_tail_misses_a_hole", "densify's fast path sends its last mover into the hole before "
                    "its own (two moves share a destination, a hole stays)", _densify_tail_misses_a_hole),
+        PlantedBug("cadence_waits_at_beta", "a request exactly evict_every tokens over its budget waits one more step "
+                   "(off by one in the eviction cadence)", _cadence_waits_at_beta),
         PlantedBug("compact_underfills_destinations", "compact leaves a slot of a destination empty and spills into "
                    "the last (planner quality)", _compact_underfills_destinations),
     ]

@@ -73,7 +73,7 @@ def campaign(a: argparse.Namespace, out: Path, seeds: list[int] | None, budget: 
         i += 1
         ep = Episode.draw(s)
         head = (f"episode {s}: {len(ep.requests)} requests, policy {ep.vtoken['policy']} budget {ep.vtoken['budget']}"
-                f", {ep.vtoken['read_path']}/{ep.vtoken['reclaim']}, drill {ep.vtoken['drill_every']}, "
+                f" every {ep.vtoken['evict_every']}, {ep.vtoken['read_path']}/{ep.vtoken['reclaim']}, drill {ep.vtoken['drill_every']}, "
                 f"prefix caching {'on (and off: differential)' if ep.differential else 'on' if ep.prefix_caching else 'off'}, "
                 f"{ep.num_blocks or 'ample'} blocks")
         started = time.monotonic()

@@ -1,7 +1,7 @@
 """One episode of ``vtoken fuzz --target vllm``: a random request mix through real vLLM (in-process engine).
 
-An episode is a pure function of its seed: the vtoken settings (policy, budget, relocation drill), the
-engine (prefix caching, pool size) and a script of requests (prompts, shared prefixes, whether a request
+An episode is a pure function of its seed: the vtoken settings (policy, budget, eviction cadence, relocation
+drill), the engine (prefix caching, pool size) and a script of requests (prompts, shared prefixes, whether a request
 skips reading the prefix cache, output lengths, arrival steps, aborts). The model is the trained byte-level
 Llama (``models/byte-llama``): its outputs depend on its KV, so wrong K/V shows in what it generates. Prompts
 are windows of a few standard-library modules (``corpus``), fixed for a given Python.
@@ -108,6 +108,8 @@ class Episode:
         # caching on, except a quarter of the score-policy episodes: the others also run with caching off
         # (differential), which covers that engine with every oracle too
         prefix_caching = vt["policy"] not in SCORE_POLICIES or prefix_caching < 0.75
+        # the eviction cadence from its own stream: every other draw stays what it was before the setting
+        vt["evict_every"] = random.Random(f"{seed}:evict_every").choice([1, 1, 1, 2, 4])
         return cls(seed, vt, prefix_caching, num_blocks, reqs)
 
     def describe(self) -> dict:

@@ -201,7 +201,8 @@ def test_q9_table_and_plot_of_a_report(tmp_path):
 
 # ---- Q4: overhead against plain vLLM, side by side --------------------------------------------------
 TINY_TIMING = replace(vllm_bench_settings(quick=True), repeats=2, min_repeats=2, q4_concurrency=(4,),
-                      q4_max_tokens=32, q7_concurrency=(2, 4), q7_max_tokens=8)
+                      q4_max_tokens=32, q7_concurrency=(2, 4), q7_max_tokens=8, q7_contexts=(32, 96),
+                      q7_context_concurrency=(2,))
 EVICTING_Q4 = ("naive_evict", "vtoken_compact", "vtoken_densify", "vtoken_compact_strict", "vtoken_densify_strict")
 
 
@@ -295,6 +296,19 @@ def test_q7_per_step_costs_and_exponents(q7_report):
         e = sm["systems"][x]["exponent"]
         assert e["scheduler_ms"] is not None and math.isfinite(e["scheduler_ms"]["median"])
     assert "| 4 | vtoken densify |" in tables and "growth exponent b" in tables
+    # the context axis: every configuration (H2O + densify too) at both contexts, each seed
+    ctx_runs, by = report["context_runs"], sm["by_context"]
+    assert len(ctx_runs) == len(q7.CONTEXT_SYSTEMS) * 2 * 2 and {r["context"] for r in ctx_runs} == {32, 96}
+    assert all(r["us_per_request"] > 0 and r["mismatches"] == 0 for r in ctx_runs)
+    for x in q7.CONTEXT_SYSTEMS:
+        cells = by[x]["2"]["by_context"]
+        assert set(cells) == {"32", "96"}
+        assert by[x]["2"]["growth"] == pytest.approx(cells["96"]["us_per_request"]["median"]
+                                                      / cells["32"]["us_per_request"]["median"])
+    assert sm["gather_over_dense"]["2"]["96"] == pytest.approx(by["vtoken_compact"]["2"]["by_context"]["96"]
+                                                              ["step_ms"]["median"] / by["vtoken_densify"]["2"]
+                                                              ["by_context"]["96"]["step_ms"]["median"])
+    assert "| 2 | 96 | H2O + densify |" in tables and "gather step / dense step" in tables
 
 
 def test_q7_exponent_fit_on_known_curves():

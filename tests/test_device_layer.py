@@ -197,6 +197,80 @@ def test_a_cycle_of_moves_is_copied_out_of_place():
         assert torch.equal(after[n][[1, 2, 0]], before[n][[0, 1, 2]])
 
 
+def run_one_by_one(copies, dtype=torch.float32):
+    cache, _ = mixed_cache(dtype)
+    eng = TorchCopyEngine(cache)
+    for moves, r in copies:
+        assert eng.poll(eng.submit(moves, req_id=r)) is CopyStatus.DONE
+    return snapshot(cache)
+
+
+def bits_equal(a, b) -> bool:
+    return all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+
+
+def test_a_batch_of_requests_copies_is_one_launch_and_equals_copying_them_one_by_one():
+    # three requests' densify-like plans over disjoint blocks, as one step's outbox
+    copies = [([Move(0, 0, 3, 0, 1), Move(1, 1, 0, 0, 2)], "a"), ([Move(5, 2, 2, 2, 0)], "b"),
+              ([Move(9, 4, 1, 3, 0), Move(10, 4, 2, 3, 1), Move(11, 5, 0, 3, 2)], "c")]
+    cache, _ = mixed_cache()
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict")))
+    handles = eng.submit_batch(copies)
+    assert [eng.poll(h) for h in handles] == [CopyStatus.DONE] * 3
+    assert eng.launches == 2 * len(cache.groups)  # one gather and one scatter per storage, for all three
+    c = eng.verifier.counters
+    assert (c.relocations, c.verified, c.mismatches) == (3, 3, 0)
+    assert bits_equal(snapshot(cache), run_one_by_one(copies))
+
+
+def test_a_copy_reading_what_an_earlier_one_of_the_batch_writes_starts_a_second_launch():
+    """The same request's drill after its densify: the second copy reads block 1, which the first writes. One
+    gather-then-scatter for both would read block 1 before the first copy wrote it."""
+    copies = [([Move(0, 0, 0, 1, 0)], "a"), ([Move(0, 1, 0, 2, 0)], "a"), ([Move(4, 5, 0, 6, 0)], "b")]
+    cache, _ = mixed_cache()
+    before = snapshot(cache)
+    eng = TorchCopyEngine(cache)
+    assert [eng.poll(h) for h in eng.submit_batch(copies)] == [CopyStatus.DONE] * 3
+    assert eng.launches == 2 * 2 * len(cache.groups)  # two waves: [a], [a, b]
+    after = snapshot(cache)
+    assert bits_equal(after, run_one_by_one(copies))
+    for n in after:  # slot 0's K/V went to block 1, then on to block 2; a single wave would carry block 1's old one
+        assert torch.equal(after[n][2 * S], before[n][0]) and not torch.equal(before[n][S], before[n][0])
+
+
+def test_a_mismatch_in_a_batch_fails_only_its_own_request(tmp_path):
+    cache, _ = mixed_cache()
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", on_mismatch="quarantine",
+                                                              evidence_dir=str(tmp_path))))
+    copies = [([Move(0, 0, 0, 5, 0)], "a"), ([Move(1, 2, 0, 6, 0), Move(2, 2, 1, 6, 1)], "b"),
+              ([Move(3, 3, 0, 7, 0)], "c")]
+    with torn_writes(cache, "l1.K", 6 * S + 1):
+        handles = eng.submit_batch(copies)
+    assert [eng.poll(h) for h in handles] == [CopyStatus.DONE, CopyStatus.FAILED, CopyStatus.DONE]
+    assert list(eng.verifier.quarantined) == ["b"]
+    ev = json.loads(eng.verifier.quarantined["b"].read_text())
+    assert ev["plan"] == [[1, 2, 0, 6, 0], [2, 2, 1, 6, 1]] and [m["token"] for m in ev["mismatches"]] == [2]
+    c = eng.verifier.counters
+    assert (c.verified, c.mismatches) == (3, 1)
+
+
+def test_only_the_sampled_copies_of_a_batch_are_hashed_and_a_mismatch_finds_its_own(tmp_path):
+    cache, _ = mixed_cache()
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", on_mismatch="quarantine",
+                                                              evidence_dir=str(tmp_path))))
+    chosen = iter([True, False, True])
+    eng.verifier.select = lambda: next(chosen)  # as the sampler might: the middle copy is not verified
+    copies = [([Move(0, 0, 0, 5, 0)], "a"), ([Move(1, 2, 0, 6, 0)], "b"),
+              ([Move(3, 3, 0, 7, 0), Move(4, 3, 1, 7, 1)], "c")]
+    with torn_writes(cache, "l0.V", 7 * S + 1), torn_writes(cache, "l0.V", 6 * S):
+        handles = eng.submit_batch(copies)
+    # b's torn write goes unseen (not verified); c's is found and is c's
+    assert [eng.poll(h) for h in handles] == [CopyStatus.DONE, CopyStatus.DONE, CopyStatus.FAILED]
+    assert list(eng.verifier.quarantined) == ["c"]
+    per_token = sum(g.elems * g.flat.element_size() for g in cache.groups)
+    assert eng.verifier.counters.bytes_hashed == 2 * 3 * per_token  # a's and c's moves, source and destination
+
+
 def test_layers_sharing_a_buffer_are_moved_once():
     cache, (k0, _, _, _) = mixed_cache(shared=True)
     assert cache.aliases == {"l3": "l0"} and "l3.K" not in cache.plane_names()
@@ -257,9 +331,10 @@ class FakeEvent:
 class LateEngine(TorchCopyEngine):
     """The CPU engine with each copy's completion reported late, as on CUDA when the host looks steps later."""
 
-    def _launch(self, c, src, verify):
-        super()._launch(c, src, verify)
-        c.event = FakeEvent()
+    def _launch(self, wave, src, rows):
+        super()._launch(wave, src, rows)
+        for c in wave.copies:
+            c.event = FakeEvent()
 
 
 @pytest.mark.parametrize("on_mismatch, release_first", [("raise", True), ("raise", False), ("quarantine", False)])
@@ -317,7 +392,7 @@ def torn_writes(cache, name, slot, elem=0):
     Strict verify checks what a copy itself wrote (its destination digests are taken right after its scatter),
     so corruption is planted inside the copy, not after it: a write after the copy is later work's, not the
     copy's (test_a_later_copy_into_the_same_slot_is_no_mismatch)."""
-    real = cache.scatter
+    real, outer = cache.scatter, cache.__dict__.get("scatter")  # outer: another torn_writes around this one
 
     def scatter(slots, values):
         real(slots, values)
@@ -328,7 +403,10 @@ def torn_writes(cache, name, slot, elem=0):
     try:
         yield
     finally:
-        del cache.scatter  # the class's method again
+        if outer is None:
+            del cache.scatter  # the class's method again
+        else:
+            cache.scatter = outer
 
 
 def test_strict_detects_one_flipped_element_and_names_everything():

@@ -7,6 +7,7 @@ and is not run here; docs/fuzzing.md records it.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -172,7 +173,8 @@ def test_a_killed_mutant_comes_back_with_its_error_and_a_shrunk_replay(tmp_path)
     assert r.status == "killed" and r.cpu_s < 20
     assert r.error == "AttributeError: 'NoneType' object has no attribute 'requests'"
     assert r.replay.startswith(f"PYTHONPATH={tmp_path / 'runs'}") and " vtoken fuzz --replay " in r.replay
-    assert "def test_replay():" in r.pytest_file and "state.steps(" in r.pytest_file
+    # a step of some kind (which one the shrinker ends on depends on the machine's draws)
+    assert "def test_replay():" in r.pytest_file and re.search(r"state\.step\w*\(", r.pytest_file)
 
 
 def test_a_surviving_mutant_is_stopped_at_its_cpu_budget(tmp_path):

@@ -49,3 +49,25 @@ def test_planted_bugs_restore_the_core_afterwards():
     assert before == (block_pool.BlockPool.can_allocate, reclamation.ReclamationManager._commit,
                       token_table.TokenTable.evict_token, reclamation.plan_compaction)
     assert len(BUGS) >= 12
+
+
+def test_the_cadence_oracle_catches_a_runtime_that_asks_before_beta(tmp_path, monkeypatch):
+    """The cadence oracle's other half (``cadence_waits_at_beta`` is the one that asks too late): a runtime that
+    ignores ``evict_every`` and asks every request over its budget every step is caught as asking early."""
+    from vtoken.core.runtime import VTokenRuntime
+
+    def eager(self, req_ids):
+        victims = {}
+        for r in req_ids if self.policy is not None else ():
+            chosen = self._select(r)
+            if chosen:
+                victims[r] = chosen
+        return victims
+
+    monkeypatch.setattr(VTokenRuntime, "_choose_victims", eager)
+    cfg = CampaignConfig(out_dir=str(tmp_path), use_database=False, shrink=False, examples=25, steps=100)
+    start, index, found = time.monotonic(), 0, None
+    while found is None and time.monotonic() - start < BUDGET_S:
+        found = run_batch(cfg, index).failure
+        index += 1
+    assert found is not None and "cadence" in found.error and "was asked for victims" in found.error, found

@@ -574,3 +574,52 @@ def test_densify_plans_a_steady_step_from_its_evictions_alone(monkeypatch):
     assert rt.reclaim_stats.plans_committed == 6 and rt.num_live("a") == rt.write_pos("a") == 6
     assert rt.live_token_ids("a") == [0, 12, 13, 14, 15, 16]  # the sink and the newest five
     assert rt.block_ids("a") == [0, 1]
+
+
+# ---- the eviction cadence (evict_every) --------------------------------------------------------------
+@pytest.mark.parametrize("beta", [0, -1, True, 1.5, "2", None])
+def test_a_bad_eviction_cadence_is_a_config_error_naming_it(beta):
+    pool = BlockPool(8, 4, 1)
+    with pytest.raises(ConfigError, match=r"evict_every must be an int >= 1, got " + repr(beta).replace(".", r"\.")):
+        VTokenRuntime(pool, InMemoryCopyEngine(TagStore(8, 4)), StreamingLLM(sinks=1), 4, evict_every=beta)
+
+
+def run_cadence(beta: int, steps: int = 9) -> tuple[list[dict], list[int], list[int]]:
+    """One request, budget 4 tokens, StreamingLLM with one sink: prefill 4, then one token a step. Returns each
+    step's victims, the excess at each time the policy was asked, and the live count each step read."""
+    policy = Scripted(delegate=StreamingLLM(sinks=1))
+    pool = BlockPool(8, 4, 1)
+    rt = VTokenRuntime(pool, InMemoryCopyEngine(TagStore(8, 4)), policy, 4, evict_every=beta)
+    rt.admit("a")
+    victims, read = [], []
+    for n in [4] + [1] * steps:
+        inp = rt.begin_step({"a": n})
+        read.append(len(inp.requests["a"].read_tokens))
+        victims.append(rt.end_step())
+    return victims, [v.excess for v in policy.views], read
+
+
+def test_a_cadence_of_beta_evicts_beta_tokens_at_once_down_to_the_budget():
+    victims, asked, read = run_cadence(3)
+    # over by 1 and 2: the request waits and the policy is not asked; at 3 the oldest non-sinks go at once
+    assert victims == [{}, {}, {}, {"a": [1, 2, 3]}, {}, {}, {"a": [4, 5, 6]}, {}, {}, {"a": [7, 8, 9]}]
+    assert asked == [0, 3, 3, 3]  # the prefill step (within budget), then each eviction
+    assert read == [4, 5, 6, 7, 5, 6, 7, 5, 6, 7]  # never more than budget + beta
+    # beta = 1: the same tokens leave, one a step, and every step asks the policy
+    one, asked_one, read_one = run_cadence(1)
+    assert [t for v in one for t in v.get("a", [])] == list(range(1, 10))
+    assert asked_one == [0] + [1] * 9 and read_one == [4] + [5] * 9
+
+
+def test_a_cadence_holds_more_blocks_and_plans_less_in_the_simulator():
+    from vtoken.core.sim.simulator import SimConfig, Simulator, synthetic_workload
+    res = {}
+    for beta in (1, 16):
+        cfg = SimConfig(num_blocks=512, policy="random", budget=0.5, reclaim="densify", read_path="dense",
+                        ordering="event", evict_every=beta, check_invariants=True)
+        res[beta] = Simulator(cfg, synthetic_workload(12, seed=5)).run()
+    one, sixteen = res[1], res[16]
+    assert one.finished == sixteen.finished == 12
+    # every plan moves a step's victims' holes; 16 at a time means far fewer plans for the same tokens
+    assert sixteen.reclaim["plans_committed"] * 4 < one.reclaim["plans_committed"]
+    assert sixteen.sum_retained > one.sum_retained  # the trade-off: up to beta - 1 tokens held over budget

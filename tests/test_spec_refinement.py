@@ -209,6 +209,8 @@ OUT_OF_SCOPE = {
                              "abstraction reads content as the next read sees it given that ordering",
     "streaming_sinks_off_by_one": "which live token a policy evicts is its own rule: T3 allows any",
     "h2o_window_one_short": "which live token a policy evicts is its own rule: T3 allows any",
+    "cadence_waits_at_beta": "when a policy is asked is the runtime's schedule, not a state change: T3 allows "
+                             "evicting at any step or none; the fuzzer's cadence oracle checks evict_every",
     "waste_ratio_over_whole_pool": "the trigger is liveness: no transition has a precondition on F (spec §2)",
     "trigger_ignores_watermark": "the trigger is liveness: no transition has a precondition on the watermark",
     "failed_copy_never_aborts": "progress: a plan that never settles makes no transition; the state model is safety",

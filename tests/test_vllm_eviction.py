@@ -76,6 +76,25 @@ def test_a_slot_mapping_that_ignores_the_table_is_caught_by_the_slot_audit():
     assert "I2: request" in str(info.value) and "its token table assigned" in str(info.value)
 
 
+def test_an_eviction_cadence_lets_each_request_run_up_to_beta_over_its_budget_and_then_evicts_down_to_it():
+    """``evict_every: 4`` at a 24-token budget: each decode step reads 25, 26, 27, 28 live tokens, then 4 leave at
+    once; the stock kernel reads exactly those, and densify keeps them dense (ideal blocks every step)."""
+    res = H.run({"policy": "streaming_llm", "budget": 24, "evict_every": 4, "strict_verify": "strict"}, probe=True)
+    checks = res["probe"]["checks"]
+    for rid in {c[0] for c in checks}:
+        for layer in {c[1] for c in checks}:
+            assert [c[3] for c in checks if c[:2] == (rid, layer)] == [25 + i % 4 for i in range(39)]
+    assert max(c[4] for c in checks) < TOL
+    assert all(held == ideal for _, held, ideal in res["probe"]["blocks"])
+    every_step = H.run({"policy": "streaming_llm", "budget": 24, "strict_verify": "strict"})
+    sched, sched_1 = res["scheduler"], every_step["scheduler"]
+    # about a quarter of the plans for the same tokens; outputs differ (more tokens read between evictions)
+    assert sched["evicted"] <= sched_1["evicted"] and 3 * sched["plans_committed"] < sched_1["plans_committed"]
+    assert res["passes"] != every_step["passes"]
+    assert res["worker"]["mismatches"] == 0
+    _assert_pool_returned(sched)
+
+
 def test_a_token_count_budget_keeps_that_many_tokens():
     res = H.run({"policy": "streaming_llm", "budget": 24, "strict_verify": "strict"}, probe=True)
     checks = res["probe"]["checks"]

@@ -37,28 +37,35 @@ def corrupt_inside_copies(monkeypatch, wanted, plane: str = "model.layers.0.self
     real_launch = TorchCopyEngine._launch
     seen: dict = {"copies": {}, "failed": []}
 
-    def launch(self, c, src, verify):
-        r = str(c.req_id)
-        seen["copies"][r] = n = seen["copies"].get(r, 0) + 1
-        if not wanted(r, n):
-            return real_launch(self, c, src, verify)
+    def launch(self, wave, src, rows):
+        hit, first = [], 0  # the wave's wanted copies, with their first move's row in the wave
+        for c in wave.copies:
+            r = str(c.req_id)
+            seen["copies"][r] = n = seen["copies"].get(r, 0) + 1
+            if wanted(r, n):
+                hit.append((c, first))
+            first += len(c.moves)
+        if not hit:
+            return real_launch(self, wave, src, rows)
         cache, real_scatter = self.cache, self.cache.scatter
 
         def scatter(slots, values):
             real_scatter(slots, values)
-            slot = slots[:1].cpu()
-            v = cache.read(plane, slot)
-            v.view(torch.int32)[0, element] ^= 1 << bit
-            cache.write(plane, slot, v)
+            for _, row in hit:
+                slot = slots[row:row + 1].cpu()
+                v = cache.read(plane, slot)
+                v.view(torch.int32)[0, element] ^= 1 << bit
+                cache.write(plane, slot, v)
 
         cache.scatter = scatter
         try:
-            real_launch(self, c, src, verify)
+            real_launch(self, wave, src, rows)
         finally:
             del cache.scatter
         worker = get_kv_transfer_group().worker
         step = SCHED["conn"].step if SCHED.get("conn") is not None else None  # ``drive`` only
-        seen["failed"].append((r, step, len(worker.runner.requests[c.req_id].output_token_ids)))
+        for c, _ in hit:
+            seen["failed"].append((str(c.req_id), step, len(worker.runner.requests[c.req_id].output_token_ids)))
 
     monkeypatch.setattr(TorchCopyEngine, "_launch", launch)
     return seen

@@ -32,6 +32,8 @@ def test_the_documented_block_parses():
     ({"strict_verify": "on"}, "vtoken.strict_verify must be one of ['off', 'sampled', 'strict'], got 'on'"),
     ({"on_mismatch": "ignore"}, "vtoken.on_mismatch must be one of ['raise', 'quarantine']"),
     ({"sample_every": 0}, "vtoken.sample_every must be an integer >= 1, got 0"),
+    ({"evict_every": 0}, "vtoken.evict_every must be an integer >= 1, got 0"),
+    ({"evict_every": 2.0}, "vtoken.evict_every must be an integer >= 1, got 2.0"),
     ({"theta_f": 1.0}, "vtoken.theta_f must be a number in [0, 1), got 1.0"),
     ({"seed": "x"}, "vtoken.seed must be an integer"),
     ({"stict_verify": "strict"}, "unknown vtoken setting(s) ['stict_verify']; known: ['policy', 'budget'"),

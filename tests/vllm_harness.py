@@ -47,6 +47,36 @@ def reinit_weights(worker, seed: int = 1234) -> str:
     return "ok"
 
 
+TINY_GQA = str(Path(compat.__file__).parent / "models" / "tiny-llama-gqa")  # 8 query heads per KV head
+UNIT_ROUNDOFF = 2.0 ** -24  # fp32
+
+
+def logit_bound(worker) -> tuple[float, int]:
+    """(``collective_rpc``) Z, a bound on every logit's magnitude, and the number of decoder layers.
+
+    The logits are z = W h with h = g * x / rms(x) the final RMSNorm's output, so ||h|| <= max|g| sqrt(d) and
+    |z_i| <= ||W_i|| ||h|| <= max_i ||W_i|| max|g| sqrt(d) = Z."""
+    model = worker.model_runner.model
+    w, g = model.lm_head.weight, model.model.norm.weight
+    assert w.numel() and g.numel(), "lm_head or final norm without a weight: no bound from it"
+    return float(w.norm(dim=1).max() * g.abs().max() * w.shape[1] ** 0.5), len(model.model.layers)
+
+
+def logprob_tolerance(bound: tuple[float, int], keys: int) -> float:
+    """How far two fp32 computations of the same attention, summed in different orders (the stock CPU kernel,
+    vtoken's gather in torch), may move a logprob, from the model's logit bound Z (``logit_bound``).
+
+    Each layer's attention output is a convex combination of at most ``keys`` values; two summation orders of
+    it differ by at most gamma_n = n u / (1 - n u) relative to the values (n = keys, u = 2^-24: the worst-case
+    bound of a length-n sum). First-order model, stated rather than proved: a relative perturbation of the
+    residual stream passes each later layer with gain <= 1 (RMSNorm re-normalises each sublayer's input), so
+    L layers leave the final hidden state within eps = L gamma_n of itself, relative, and every logit within
+    eps Z. A logprob z_t - logsumexp(z) then moves by at most 2 eps Z. ``bound``: ``logit_bound``'s (Z, L)."""
+    z, layers = bound
+    gamma = keys * UNIT_ROUNDOFF / (1 - keys * UNIT_ROUNDOFF)
+    return 2 * layers * gamma * z
+
+
 def worker_stats(worker) -> dict:
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
     if not has_kv_transfer_group():
@@ -244,6 +274,7 @@ def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int
         for _ in range(passes):
             res["passes"].append(outputs_of(llm.generate(prompt_list or prompts(3), params)))
         res["worker"] = llm.collective_rpc(worker_stats)[0]
+        res["logit_bound"] = llm.collective_rpc(logit_bound)[0]
         if probe:
             res["probe"] = llm.collective_rpc(probe_results)[0]
         if conn is not None:

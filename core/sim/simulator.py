@@ -54,6 +54,7 @@ class SimConfig:
     headroom: int = 8
     policy: str | None = "random"  # None: native, no eviction
     budget: float = 0.5
+    evict_every: int = 1  # the eviction cadence beta (VTokenRuntime): under budget + beta a request waits
     reclaim: str = "compact"
     read_path: str = "gather"
     ordering: str = "poll"
@@ -166,7 +167,8 @@ def build_runtime(cfg: SimConfig) -> tuple[VTokenRuntime, InMemoryCopyEngine]:
             burst_df=cfg.burst_df,
         )
     policy = make_policy(cfg.policy) if cfg.policy else None
-    rt = VTokenRuntime(pool, engine, policy, cfg.budget, reclaim, ReadPath(cfg.read_path), cfg.seed)
+    rt = VTokenRuntime(pool, engine, policy, cfg.budget, reclaim, ReadPath(cfg.read_path), cfg.seed,
+                       evict_every=cfg.evict_every)
     rt.manager.verify_fast_paths = cfg.check_invariants  # V3: each fast plan against its reference planner
     return rt, engine
 

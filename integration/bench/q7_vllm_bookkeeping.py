@@ -1,11 +1,17 @@
 """Q7, vLLM half: vtoken's seconds per engine step inside real vLLM, scheduler side (``TokenStats.seconds``) and
-worker side (``WorkerTokens.seconds``), as running requests C grow; configurations ``SYSTEMS`` at
-``overhead_policy`` / ``overhead_budget``, strict verify off, pinned to one core.
+worker side (``WorkerTokens.seconds``), as running requests C grow and as the context grows; configurations
+``SYSTEMS`` (and on the context axis ``CONTEXT_SYSTEMS``: H2O + densify too) at ``overhead_policy`` /
+``overhead_budget``, strict verify off, pinned to one core.
 
 Per (configuration, C) one in-process engine (``max_num_seqs = C``), an untimed warm-up, one timed ``generate`` per
 seed. Per run (``runs``): system, concurrency, seed, steps, wall_s, step_ms, scheduler_ms, worker_ms, vtoken_ms,
 share (of the step), us_per_request, attention_ms, tokens_evicted, tokens_moved, relocations, mismatches.
 ``summary``: per configuration and C the median and spread, and the exponent b of metric ~ C^b for ``FITTED``.
+The context axis (``context_runs``, the same fields plus context: the prompt's tokens; one engine per
+configuration, C in ``q7_context_concurrency`` and context in ``q7_contexts``): ``summary["by_context"]``, per
+configuration, C and context, the same summaries, and per configuration and C the growth of us_per_request from
+the shortest to the longest context (medians); ``summary["gather_over_dense"]``: per C and context, compact's
+(gather path) median step over densify's (dense path), the same live tokens at the same budget.
 """
 
 from __future__ import annotations
@@ -27,6 +33,16 @@ Q7_COLORS = {**COLORS, "on": COLORS["native"]}
 METRICS = ("step_ms", "scheduler_ms", "worker_ms", "vtoken_ms", "share", "us_per_request", "attention_ms")
 FITTED = ("scheduler_ms", "worker_ms", "vtoken_ms", "step_ms")
 COUNTS = ("tokens_evicted", "tokens_moved", "relocations", "mismatches")
+CONTEXT_SYSTEMS = SYSTEMS + ("h2o_densify",)
+Q7_LABELS["h2o_densify"] = "H2O + densify"
+Q7_COLORS["h2o_densify"] = "#9467bd"
+
+
+def context_config(system: str, s, evidence: str) -> dict:
+    """A context-axis configuration: ``system_config``'s, H2O with densify for "h2o_densify"."""
+    if system == "h2o_densify":
+        return system_config("vtoken_densify", "h2o", s.overhead_budget, s.seed, s.score_layers, evidence)
+    return system_config(system, s.overhead_policy, s.overhead_budget, s.seed, s.score_layers, evidence)
 
 
 def step_costs(counters: dict, wall_s: float, concurrency: int) -> dict:
@@ -54,8 +70,9 @@ def run(ctx: BenchContext) -> dict:
     s = ctx.settings
     evidence = str(ctx.out_dir / "q7-vtoken-evidence")
     sizes = list(s.q7_concurrency)
-    progress = ctx.progress("q7 vllm bookkeeping", len(SYSTEMS) * len(sizes) * s.repeats)
-    runs = []
+    progress = ctx.progress("q7 vllm bookkeeping", (len(SYSTEMS) * len(sizes) + len(CONTEXT_SYSTEMS)
+                            * len(s.q7_contexts) * len(s.q7_context_concurrency)) * s.repeats)
+    runs, context_runs = [], []
     with one_core(s.pin) as pinning:
         for c in sizes:
             sets = [[p for p, _ in heldout_windows(c, s.prompt_len, s.q7_max_tokens, seed)] for seed in s.seeds]
@@ -65,13 +82,38 @@ def run(ctx: BenchContext) -> dict:
                                             on_done=lambda i, note=f"C={c} {x}": progress.advance(note))
                 runs += [{"system": x, "concurrency": c, "seed": seed, "vtoken": cfg, **one}
                          for seed, one in zip(s.seeds, costs)]
+        for c in s.q7_context_concurrency:
+            for n in s.q7_contexts:
+                sets = [[p for p, _ in heldout_windows(c, n, s.q7_max_tokens, seed)] for seed in s.seeds]
+                for x in CONTEXT_SYSTEMS:
+                    cfg = context_config(x, s, evidence)
+                    costs = measure_concurrency(cfg, sets, s.q7_max_tokens, s.block_size, s.threads,
+                                                on_done=lambda i, note=f"C={c} context {n} {x}": progress.advance(note))
+                    context_runs += [{"system": x, "concurrency": c, "context": n, "seed": seed, "vtoken": cfg, **one}
+                                     for seed, one in zip(s.seeds, costs)]
     progress.close()
     systems = {x: {"by_concurrency": nest(pick(runs, system=x), ["concurrency"], lambda rs: summaries(rs, METRICS)),
                    "exponent": {m: fit_exponent(pick(runs, system=x), m, sizes, s.seeds) for m in FITTED},
                    **totals(pick(runs, system=x), COUNTS)} for x in SYSTEMS}
-    summary = {"systems": systems, "pinning": pinning, "policy": s.overhead_policy, "budget": s.overhead_budget}
-    return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs, "summary": summary,
-            "notes": notes(s, pinning)}
+    summary = {"systems": systems, "pinning": pinning, "policy": s.overhead_policy, "budget": s.overhead_budget,
+               **context_summary(context_runs, s.q7_contexts)}
+    return {"question": KEY, "title": TITLE, "paper": PAPER, "runs": runs, "context_runs": context_runs,
+            "summary": summary, "notes": notes(s, pinning)}
+
+
+def context_summary(runs: list[dict], contexts) -> dict:
+    """``by_context`` (per configuration and C: per context the summaries, and the us_per_request growth) and
+    ``gather_over_dense`` (per C and context: compact's median step over densify's)."""
+    lo, hi = str(min(contexts)), str(max(contexts))
+    by = {}
+    for x in CONTEXT_SYSTEMS:
+        per_c = nest(pick(runs, system=x), ["concurrency", "context"], lambda rs: summaries(rs, METRICS))
+        by[x] = {c: {"by_context": cells, "growth": cells[hi]["us_per_request"]["median"]
+                     / cells[lo]["us_per_request"]["median"]} for c, cells in per_c.items()}
+    ratio = {c: {n: by["vtoken_compact"][c]["by_context"][n]["step_ms"]["median"]
+                 / by["vtoken_densify"][c]["by_context"][n]["step_ms"]["median"] for n in cells["by_context"]}
+             for c, cells in by["vtoken_densify"].items()}
+    return {"by_context": by, "gather_over_dense": ratio}
 
 
 def notes(s, pinning: dict | None) -> list[str]:
@@ -88,6 +130,9 @@ def notes(s, pinning: dict | None) -> list[str]:
          "read path's plain-torch attention against vLLM's stock kernel."),
         (f"Running requests C: {list(s.q7_concurrency)}, every request of a call at once (max_num_seqs = C, a "
          "pool that holds them all at full length: no preemption)."),
+        (f"Context axis: prompts of {list(s.q7_contexts)} tokens at C = {list(s.q7_context_concurrency)}, the same "
+         "timers; growth is the median us_per_request at the longest context over the shortest's. Every "
+         "configuration evicts at every step (evict_every 1)."),
     ]
 
 
@@ -107,7 +152,19 @@ def table(report: dict) -> list[str]:
             + [f"\nMedian (min–max) over seeds, one engine per (configuration, C). Policy "
                f"{report['summary']['policy']} at budget {report['summary']['budget']}; "
                + (f"pinned to core {p['core']}." if p else "not pinned.")
-               + " Paper: no host-side compute cost reported; its overhead runs stop at C=48."])
+               + " Paper: no host-side compute cost reported; its overhead runs stop at C=48."]
+            + [""] + context_table(report))
+
+
+def context_table(report: dict) -> list[str]:
+    by, ratio = report["summary"]["by_context"], report["summary"]["gather_over_dense"]
+    rows = [[c, n, Q7_LABELS[x], fmt_spread(m["step_ms"], "{:.2f}"), fmt_spread(m["us_per_request"], "{:.1f}"),
+             pct(m["share"]), f"×{by[x][c]['growth']:.2f}" if n == list(cells)[-1] else "",
+             f"{ratio[c][n]:.2f}" if x == "vtoken_compact" else ""]
+            for c in by[CONTEXT_SYSTEMS[0]] for n in by[CONTEXT_SYSTEMS[0]][c]["by_context"] for x in CONTEXT_SYSTEMS
+            for cells in [by[x][c]["by_context"]] for m in [cells[n]]]
+    return markdown(("C", "context", "configuration", "step (ms)", "vtoken µs per request", "share of step",
+                     "growth (shortest → longest)", "gather step / dense step"), rows)
 
 
 def plot(report: dict, path: Path) -> None:
@@ -118,9 +175,17 @@ def plot(report: dict, path: Path) -> None:
     series = {m: {x: [by[m] for by in sm[x]["by_concurrency"].values()] for x in SYSTEMS}
               for m in ("vtoken_ms", "share")}
     p = report["summary"]["pinning"]
-    figure(path, [[Panel(series["vtoken_ms"], "vtoken ms per engine step (scheduler + worker)", xs=cs,
-                         colors=Q7_COLORS, labels=labels, steps=scaling("running requests C", first=True)),
-                   Panel(series["share"], "vtoken share of the step (%)", xs=cs, scale=100, colors=Q7_COLORS,
-                         labels=Q7_LABELS, steps=scaling("running requests C", first=False))]],
+    by = report["summary"]["by_context"]
+    context_panels = [Panel({x: [m["us_per_request"] for m in by[x][c]["by_context"].values()]
+                             for x in CONTEXT_SYSTEMS}, f"vtoken µs per request per step, C = {c}",
+                            xs=[int(n) for n in by[CONTEXT_SYSTEMS[0]][c]["by_context"]], colors=Q7_COLORS,
+                            labels=Q7_LABELS, steps=scaling("context (prompt tokens)", first=i == 0))
+                      for i, c in enumerate(by[CONTEXT_SYSTEMS[0]])]
+    concurrency_panels = [
+        Panel(series["vtoken_ms"], "vtoken ms per engine step (scheduler + worker)", xs=cs, colors=Q7_COLORS,
+              labels=labels, steps=scaling("running requests C", first=True)),
+        Panel(series["share"], "vtoken share of the step (%)", xs=cs, scale=100, colors=Q7_COLORS, labels=Q7_LABELS,
+              steps=scaling("running requests C", first=False))]
+    figure(path, [context_panels, concurrency_panels],
            "Q7 vtoken bookkeeping per step on vLLM CPU, byte-llama (median, min–max over seeds; "
-           + (f"pinned to core {p['core']})" if p else "not pinned)"))
+           + (f"pinned to core {p['core']})" if p else "not pinned)"), figsize=(12, 9))

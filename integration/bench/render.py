@@ -98,8 +98,10 @@ def lines_with_spread(ax, p: Panel) -> None:
 def figure(path: Path, panels: Sequence[Sequence[Panel]], title: str = "", figsize=(12, 4.5), **subplots) -> None:
     """Rows of panels into one PNG at ``path``, under ``title``."""
     plt = pyplot()
-    fig, axes = plt.subplots(len(panels), len(panels[0]), figsize=figsize, squeeze=False, **subplots)
+    fig, axes = plt.subplots(len(panels), max(map(len, panels)), figsize=figsize, squeeze=False, **subplots)
     for axes_row, panel_row in zip(axes, panels):
+        for ax in axes_row[len(panel_row):]:
+            ax.set_visible(False)  # a shorter row
         for ax, p in zip(axes_row, panel_row):
             (grouped_bars if p.groups is not None else lines_with_spread)(ax, p)
             for method, args, kw in p.steps:

@@ -231,6 +231,8 @@ class VllmSettings(Settings):
     q4_max_tokens: int = 128
     q7_concurrency: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)  # running requests C (max_num_seqs = C)
     q7_max_tokens: int = 32
+    q7_contexts: tuple[int, ...] = (128, 512, 1536, 2000)  # the context axis: prompt tokens (+ q7_max_tokens <= 2,048)
+    q7_context_concurrency: tuple[int, ...] = (8, 64)  # running requests on the context axis
     pin: bool = True  # Q4, Q7: the bench and its engines on one core (``vllm_engine.one_core``)
     q6_prefix_groups: int = 4  # Q6 prefix caching: shared prefixes per seed
     q6_prefix_requests: int = 4  # requests per shared prefix: the first alone, then the rest (prefix-cache hits)
@@ -254,6 +256,8 @@ class VllmSettings(Settings):
               "q6_prefix_len": prefix_bounds,
               "q4_concurrency": increasing_counts(1),
               "q7_concurrency": increasing_counts(2),  # Q7 fits an exponent: >= 2 sizes
+              "q7_contexts": increasing_counts(2),  # a growth needs >= 2 contexts
+              "q7_context_concurrency": increasing_counts(1),
               "q9_seconds": seconds_in_range, "q9 fits the server": fits_the_server,
               "overhead_policy": one_of(POLICIES, f"one of {list(POLICIES)}"), "overhead_budget": a_ratio,
               "q6_prefix_budget": a_ratio, "budgets": ratios_in_0_1, "policies": known_policies(list(POLICIES)),
@@ -262,7 +266,8 @@ class VllmSettings(Settings):
 
 VLLM = {False: VllmSettings(quick=False),
         True: VllmSettings(quick=True, prompts=4, max_tokens=96, budgets=(0.5,), q4_concurrency=(16,),
-                           q4_max_tokens=96, q7_concurrency=(16, 64, 256), q6_prefix_max_tokens=32,
+                           q4_max_tokens=96, q7_concurrency=(16, 64, 256), q7_contexts=(128, 512),
+                           q7_context_concurrency=(8,), q6_prefix_max_tokens=32,
                            q6_prefix_policies=("random", "h2o"), q9_clients=4, q9_seconds=6.0, q9_prompt_len=128,
                            q9_max_tokens=64)}
 

@@ -3,7 +3,9 @@
 A copy of n moves is, per storage group (usually one per dtype), one gather of the n source tokens
 (every layer, K and V) into a temporary and one scatter into the destinations. The gather completes
 before the scatter starts, so the copy is out of place: a move whose destination is another move's
-source still reads the old value.
+source still reads the old value. ``submit_batch`` launches several copies (a step's, every request's)
+the same way, as one wave: one gather, one scatter and one digest pass for all of them, split into a
+further wave only where a copy reads a block an earlier copy of the batch writes.
 
 CUDA: the copy runs on a dedicated relocation stream, which first waits for the work already issued
 on the compute stream (the forward that wrote the sources), and records an event. ``poll`` queries the
@@ -48,12 +50,24 @@ from .verify import Digests, Verifier
 class _Copy:
     moves: tuple[Move, ...]
     req_id: object
-    dst_slots: torch.Tensor
+    verify: bool = False  # chosen for verification (``Verifier.select``)
     status: CopyStatus = CopyStatus.PENDING
-    event: object = None  # torch.cuda.Event on CUDA
-    src_digests: Digests | None = None  # set iff this copy is verified
-    dst_digests: Digests | None = None  # taken right after the scatter, as part of the copy (set with src_digests)
+    event: object = None  # torch.cuda.Event on CUDA: its wave's
+    wave: _Wave | None = None
+    row: int | None = None  # verified: its first move's row in the wave's digests
+    evidence: dict | None = None  # verified and compared: what differed (None: every digest matched)
     released: bool = False
+
+
+@dataclass
+class _Wave:
+    """Copies launched together: one gather and one scatter per storage group for all their moves, copy after
+    copy, and (the verified ones) one source and one destination digest pass, compared in one go."""
+    copies: list[_Copy]
+    dst_slots: torch.Tensor  # every move's destination slot, in the copies' order
+    src_digests: Digests | None = None  # of the verified copies' moves, taken as part of the wave's work
+    dst_digests: Digests | None = None
+    compared: bool = False
     keep: list = field(default_factory=list)  # tensors the relocation stream still reads
 
 
@@ -84,29 +98,35 @@ class TorchCopyEngine(CopyRegistry):
 
     # ---- CopyEngine ----------------------------------------------------------------------------
     def submit(self, moves: Sequence[Move], req_id: object = None) -> CopyHandle:
-        # validated on the host, in Python, before any tensor is built: torch.tensor would round a float
-        # field to some other slot and read a bool as slot 0 or 1
-        moves = check_moves(moves, self.cache.num_blocks, self.cache.block_size, req_id)
-        S = self.cache.block_size
-        m = torch.tensor(moves, dtype=torch.int64).view(-1, 5)
-        src, dst = m[:, 1] * S + m[:, 2], m[:, 3] * S + m[:, 4]
-        c = _Copy(moves, req_id, dst)
-        h = self._add(c)
-        verify = self.verifier.select()
-        try:
-            self._launch(c, src, verify)
-        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
-            # FAILED: the manager aborts the plan and never reads the destinations (the scatter, or the digest
-            # after it, may have raised midway). On CUDA what was enqueued before the error may still run:
-            # wait for it, so the destinations are not handed out while it can write them (I6)
-            if self.cuda:
-                try:
-                    self.stream.synchronize()
-                except RuntimeError:
-                    pass  # a sticky device error: nothing on the stream runs any more
-            c.status = CopyStatus.FAILED
-            c.keep = [repr(e)]
-        return h
+        return self.submit_batch([(moves, req_id)])[0]
+
+    def submit_batch(self, copies: Sequence[tuple[Sequence[Move], object]]) -> list[CopyHandle]:
+        """Submit several copies ((moves, request) each, in order) as few launches as their order allows: one
+        wave of gathers and scatters for all of them unless a copy reads a block an earlier copy of the wave
+        writes (the same request's drill after its densify, say), which starts the next wave. A copy is
+        FAILED on its own only by its digests; a wave that fails to launch fails every copy in it.
+
+        NOTE: a wave gathers all its sources before it scatters, so it equals running its copies one by one
+        exactly when no copy reads what an earlier one of the wave writes: checked per block here, whatever
+        the planners guarantee. Two copies writing one slot in one wave would race; no two plans in flight
+        write one block (I5), and ``check_moves`` refuses it within a copy."""
+        # validated on the host, in Python, before any tensor is built or anything launched: torch.tensor
+        # would round a float field to some other slot and read a bool as slot 0 or 1
+        checked = [check_moves(moves, self.cache.num_blocks, self.cache.block_size, req_id)
+                   for moves, req_id in copies]
+        handles, wave, written = [], [], set()
+        for moves, (_, req_id) in zip(checked, copies):
+            c = _Copy(moves, req_id)
+            handles.append(self._add(c))
+            c.verify = self.verifier.select()
+            if wave and not written.isdisjoint(m.src_block for m in moves):
+                self._launch_wave(wave)
+                wave, written = [], set()
+            wave.append(c)
+            written.update(m.dst_block for m in moves)
+        if wave:
+            self._launch_wave(wave)
+        return handles
 
     def poll(self, handle: CopyHandle) -> CopyStatus:
         c = self._get(handle)
@@ -152,49 +172,97 @@ class TorchCopyEngine(CopyRegistry):
         event.query()
         self.stream.synchronize()
 
-    def _launch(self, c: _Copy, src: torch.Tensor, verify: bool) -> None:
+    def _launch_wave(self, copies: list[_Copy]) -> None:
+        S = self.cache.block_size
+        m = torch.tensor([mv for c in copies for mv in c.moves], dtype=torch.int64).view(-1, 5)
+        src, dst = m[:, 1] * S + m[:, 2], m[:, 3] * S + m[:, 4]
+        w = _Wave(copies, dst)
+        rows, n = [], 0  # the verified copies' moves, by their row in the wave
+        for c in copies:
+            c.wave = w
+            if c.verify:
+                c.row = len(rows)
+                rows.extend(range(n, n + len(c.moves)))
+            n += len(c.moves)
+        try:
+            self._launch(w, src, None if len(rows) == n else rows)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            # FAILED: the manager aborts the plans and never reads the destinations (the scatter, or the digest
+            # after it, may have raised midway). On CUDA what was enqueued before the error may still run:
+            # wait for it, so the destinations are not handed out while it can write them (I6)
+            if self.cuda:
+                try:
+                    self.stream.synchronize()
+                except RuntimeError:
+                    pass  # a sticky device error: nothing on the stream runs any more
+            for c in copies:
+                c.status = CopyStatus.FAILED
+            w.keep = [repr(e)]
+
+    def _launch(self, w: _Wave, src: torch.Tensor, rows: list[int] | None) -> None:
+        """One gather and one scatter per storage group; with verified copies, their digests (``rows``: the
+        verified moves' rows, None for all)."""
+        verify = any(c.verify for c in w.copies)
         if not self.cuda:
             values = self.cache.gather(src)
-            self.cache.scatter(c.dst_slots, values)
+            self.cache.scatter(w.dst_slots, values)
             if verify:
-                self._digest(c, values)
+                self._digest(w, values, rows)
             self.launches += 2 * len(values)
             return  # finished; reported (and compared) at the first poll, wait or before_compute
         dev = self.cache.device
         self.stream.wait_stream(torch.cuda.current_stream(dev))  # the forward that wrote the sources
         with torch.cuda.stream(self.stream):
             src_d = src.pin_memory().to(dev, non_blocking=True)
-            c.dst_slots = c.dst_slots.pin_memory().to(dev, non_blocking=True)
+            w.dst_slots = w.dst_slots.pin_memory().to(dev, non_blocking=True)
             values = self.cache.gather(src_d)
-            self.cache.scatter(c.dst_slots, values)
+            self.cache.scatter(w.dst_slots, values)
             if verify:
-                self._digest(c, values)  # stream-ordered after the scatter, before any later copy or forward
-            c.event = torch.cuda.Event()
-            c.event.record(self.stream)  # covers the digest kernels: complete means digested
-        c.keep = [src_d, *values]
+                self._digest(w, values, rows)  # stream-ordered after the scatter, before any later copy or forward
+            event = torch.cuda.Event()
+            event.record(self.stream)  # covers the digest kernels: complete means digested
+        for c in w.copies:
+            c.event = event
+        w.keep = [src_d, *values]
         self.launches += 2 * len(values)
 
-    def _digest(self, c: _Copy, values: list[torch.Tensor]) -> None:
-        """Both digests of a verified copy, as part of its work (call right after its scatter, on the stream
-        that ran it): the sources' from the gathered values, the destinations' from what the scatter left."""
-        c.src_digests = self.verifier.source_digests(values)
-        c.dst_digests = self.verifier.destination_digests(c.dst_slots)
+    def _digest(self, w: _Wave, values: list[torch.Tensor], rows: list[int] | None) -> None:
+        """Both digests of the wave's verified moves, as part of its work (call right after its scatter, on the
+        stream that ran it): the sources' from the gathered values, the destinations' from what the scatter
+        left. One pass each for every verified copy of the wave."""
+        dst = w.dst_slots
+        if rows is not None:
+            idx = torch.tensor(rows, dtype=torch.int64).to(dst.device, non_blocking=True)
+            values, dst = [v[idx] for v in values], dst[idx]
+        w.src_digests = self.verifier.source_digests(values)
+        w.dst_digests = self.verifier.destination_digests(dst)
 
     def _complete(self, c: _Copy) -> None:
-        """The copy is known complete (its event, which follows its digests, has fired): compare the digests
-        if it was verified, then DONE (or FAILED under quarantine)."""
+        """The copy is known complete (its wave's event, which follows the digests, has fired): compare the
+        wave's digests if that has not happened yet, then DONE (or FAILED under quarantine)."""
         was_ordered_and_committed = c.released
-        c.keep = []
-        if c.src_digests is not None:
-            src, dst, c.src_digests, c.dst_digests = c.src_digests, c.dst_digests, None, None
-            if dst is None:
-                raise InvariantViolation("I1", f"copy of request {c.req_id!r} was selected for verify but "
-                                         f"has no destination digests")
-            # read back on the relocation stream, which computed them (the event has fired, so this waits
-            # for nothing; it keeps the caching allocator's stream bookkeeping of the digests on one stream)
-            with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
-                evidence = self.verifier.compare(c.req_id, c.moves, src, dst)
-            if evidence is not None and not was_ordered_and_committed:
+        w = c.wave
+        w.keep = []
+        if c.verify:
+            if not w.compared:
+                self._compare(w)
+            if c.evidence is not None and not was_ordered_and_committed:
                 c.status = CopyStatus.FAILED
                 return
         c.status = CopyStatus.DONE
+
+    def _compare(self, w: _Wave) -> None:
+        """Every verified copy of the wave against its digests, one device-to-host read per storage group: each
+        copy gets its own evidence (a mismatch is attributed to its request), under ``raise`` the first raises."""
+        w.compared = True
+        src, dst, w.src_digests, w.dst_digests = w.src_digests, w.dst_digests, None, None
+        verified = [c for c in w.copies if c.verify]
+        if dst is None:
+            raise InvariantViolation("I1", f"copies of request(s) {[c.req_id for c in verified][:4]} were selected "
+                                     f"for verify but have no destination digests")
+        # read back on the relocation stream, which computed them (the event has fired, so this waits for
+        # nothing; it keeps the caching allocator's stream bookkeeping of the digests on one stream)
+        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+            found = self.verifier.compare_batch([(c.req_id, c.moves, c.row) for c in verified], src, dst)
+        for c, evidence in zip(verified, found):
+            c.evidence = evidence

@@ -15,6 +15,7 @@ digest. The sum is computed in int64 without overflow for planes of up to 2^16 w
 
 from __future__ import annotations
 
+import bisect
 import enum
 import json
 import random
@@ -158,21 +159,33 @@ class Verifier:
 
     # ---- the check -------------------------------------------------------------------------------
     def compare(self, req_id: object, moves: tuple[Move, ...], src: Digests, dst: Digests) -> dict | None:
-        """None if every digest matches; else the evidence (and, per ``on_mismatch``, raise or quarantine)."""
+        """None if every digest of one copy matches; else the evidence (and, per ``on_mismatch``, raise or
+        quarantine)."""
+        return self.compare_batch([(req_id, moves, 0)], src, dst)[0]
+
+    def compare_batch(self, copies: list[tuple[object, tuple[Move, ...], int]], src: Digests,
+                      dst: Digests) -> list[dict | None]:
+        """Several copies' digests at once, ``copies``: (request, moves, the first move's row), rows ascending and
+        contiguous. One device -> host read per group for all of them (8 bytes per token and plane); per copy,
+        None or its evidence, recorded and acted on (``on_mismatch``) copy by copy."""
         started = time.perf_counter()
-        bad = []
+        S = self.cache.block_size
+        starts = [row for _, _, row in copies]
+        found: list[list[dict]] = [[] for _ in copies]
         for gi, (a, b) in enumerate(zip(src.per_group, dst.per_group)):
-            a_h, b_h = a.cpu(), b.cpu()  # the only device -> host traffic: 8 bytes per token and plane
+            a_h, b_h = a.cpu(), b.cpu()
             for j, p in torch.nonzero(a_h != b_h).tolist():
-                m = moves[j]
-                S = self.cache.block_size
-                bad.append({"token": m.token_id, "plane": self.cache.groups[gi].names[p],
-                            "src_slot": m.src_block * S + m.src_offset, "dst_slot": m.dst_block * S + m.dst_offset,
-                            "src_digest": int(a_h[j, p]), "dst_digest": int(b_h[j, p])})
-        self.counters.verified += 1
+                k = bisect.bisect_right(starts, j) - 1
+                m = copies[k][1][j - starts[k]]
+                found[k].append({"token": m.token_id, "plane": self.cache.groups[gi].names[p],
+                                 "src_slot": m.src_block * S + m.src_offset,
+                                 "dst_slot": m.dst_block * S + m.dst_offset,
+                                 "src_digest": int(a_h[j, p]), "dst_digest": int(b_h[j, p])})
+        self.counters.verified += len(copies)
         self.counters.seconds += time.perf_counter() - started
-        if not bad:
-            return None
+        return [self._mismatch(req_id, moves, bad) if bad else None for (req_id, moves, _), bad in zip(copies, found)]
+
+    def _mismatch(self, req_id: object, moves: tuple[Move, ...], bad: list[dict]) -> dict:
         self.counters.mismatches += 1
         evidence = {"request": repr(req_id), "mismatches": bad,
                     "plan": [list(m) for m in moves], "block_size": self.cache.block_size,

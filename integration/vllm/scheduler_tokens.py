@@ -152,7 +152,8 @@ class SchedulerTokens:
         self.rt = VTokenRuntime(self.allocator, self.engine,
                                 RenamedRequests(policy(), self.policy_names) if policy else None, settings.budget,
                                 reclaim_config(settings), self.read_path, seed=settings.seed,
-                                ordering=Ordering.EVENT if settings.reclaim == "off" else None)
+                                ordering=Ordering.EVENT if settings.reclaim == "off" else None,
+                                evict_every=settings.evict_every)
         self.prompt_len: dict[str, int] = {}
         self._admitted = 0
         self.first_evicted: dict[str, int] = {}

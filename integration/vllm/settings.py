@@ -31,6 +31,7 @@ class SettingsError(ConfigError):
 class VTokenSettings:
     policy: str = "none"  # eviction policy; "none": vtoken on, nothing evicted (indirection only)
     budget: float | int = 1.0  # tokens a request keeps: a ratio in (0, 1] or a count >= 1
+    evict_every: int = 1  # eviction cadence beta: a request evicts once it is beta tokens over its budget
     reclaim: str = "densify"
     read_path: str = "dense"
     theta_f: float = 0.0  # reclaim when the waste ratio F exceeds this (compact only)
@@ -60,7 +61,7 @@ class VTokenSettings:
         if not isinstance(self.score_layers, int) or isinstance(self.score_layers, bool) or self.score_layers < 0:
             raise SettingsError(f"vtoken.score_layers must be an integer >= 0 (the last N layers; 0: all), got "
                                 f"{self.score_layers!r}")
-        for key in ("max_sources", "sample_every"):
+        for key in ("max_sources", "sample_every", "evict_every"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SettingsError(f"vtoken.{key} must be an integer >= 1, got {v!r}")

@@ -9,8 +9,8 @@ Touch points, each named with its vLLM 0.32 file:
   ``v1/worker/block_table.py``  ``BlockTable.add_row`` and ``compute_slot_mapping``, ``slot_mapping``.
 
 Per step (``apply``, called from ``handle_preemptions``, before ``_update_states``):
-  1. run the copies the scheduler planned after the previous forward (device layer, verified per
-     ``strict_verify``); a copy whose verification fails is reported FAILED;
+  1. run the copies the scheduler planned after the previous forward, all requests' as one batch (device layer,
+     ``submit_batch``; verified per ``strict_verify``); a copy whose verification fails is reported FAILED;
   2. install the block lists those copies changed (the worker's list and the block-table row);
   3. remember the step's gaps (and, under strict verify, the table's write slots to audit);
   4. patch each request's read list by the step's change of it (gather path, score policies): only a layout
@@ -88,8 +88,13 @@ class WorkerTokens:
     # ---- handle_preemptions ------------------------------------------------------------------
     def apply(self, orders) -> None:
         t0 = time.perf_counter()
-        for handle, rid, moves in orders.copies:
-            (self.done if self._copy(rid, moves) else self.failed).append(handle)
+        # NOTE: one batch for the step's copies, every request's (as few launches as their order allows, one
+        # digest pass, one read-back); each copy still settles on its own, so a mismatch fails its request only
+        engine = self.engine
+        for (handle, _, _), h in zip(orders.copies, engine.submit_batch([(m, r) for _, r, m in orders.copies])):
+            status = engine.wait(h)  # CPU: already done; a mismatch raises RelocationMismatch under "raise"
+            engine.release(h)
+            (self.done if status is CopyStatus.DONE else self.failed).append(handle)
         for rid, blocks in orders.layouts.items():
             self._install_layout(rid, blocks)
         self.gaps = orders.gaps
@@ -129,12 +134,6 @@ class WorkerTokens:
                 raise InvariantViolation("V2", f"request {rid!r}: the worker's patched read list (ids "
                                                f"{ids[:8].tolist()}..., {len(ids)}) is not the table's (ids "
                                                f"{d.check[1][:8]}..., {len(d.check[1])})")
-
-    def _copy(self, rid: str, moves) -> bool:
-        h = self.engine.submit(moves, req_id=rid)
-        status = self.engine.wait(h)  # CPU: already done; a mismatch raises RelocationMismatch under "raise"
-        self.engine.release(h)
-        return status is CopyStatus.DONE
 
     def _install_layout(self, rid: str, blocks: list[int]) -> None:
         r = self.runner
