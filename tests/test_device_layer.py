@@ -238,6 +238,19 @@ def test_a_copy_reading_what_an_earlier_one_of_the_batch_writes_starts_a_second_
         assert torch.equal(after[n][2 * S], before[n][0]) and not torch.equal(before[n][S], before[n][0])
 
 
+def test_a_copy_writing_what_an_earlier_one_of_the_batch_writes_starts_a_second_launch():
+    """Two copies into one slot: one by one the later one's value stays; a single scatter of both might keep
+    either (a repeated index), so the second goes in a wave of its own."""
+    copies = [([Move(0, 1, 0, 4, 0)], "a"), ([Move(3, 2, 0, 4, 0)], "b")]
+    cache, _ = mixed_cache()
+    before = snapshot(cache)
+    eng = TorchCopyEngine(cache)
+    assert [eng.poll(h) for h in eng.submit_batch(copies)] == [CopyStatus.DONE] * 2
+    assert eng.launches == 2 * 2 * len(cache.groups)
+    after = snapshot(cache)
+    assert all(torch.equal(after[n][4 * S], before[n][2 * S]) for n in after)  # b's, as one by one
+
+
 def test_a_mismatch_in_a_batch_fails_only_its_own_request(tmp_path):
     cache, _ = mixed_cache()
     eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", on_mismatch="quarantine",

@@ -102,14 +102,14 @@ class TorchCopyEngine(CopyRegistry):
 
     def submit_batch(self, copies: Sequence[tuple[Sequence[Move], object]]) -> list[CopyHandle]:
         """Submit several copies ((moves, request) each, in order) as few launches as their order allows: one
-        wave of gathers and scatters for all of them unless a copy reads a block an earlier copy of the wave
-        writes (the same request's drill after its densify, say), which starts the next wave. A copy is
-        FAILED on its own only by its digests; a wave that fails to launch fails every copy in it.
+        wave of gathers and scatters for all of them unless a copy reads or writes a block an earlier copy of
+        the wave writes (the same request's drill after its densify, say), which starts the next wave. A copy
+        is FAILED on its own only by its digests; a wave that fails to launch fails every copy in it.
 
         NOTE: a wave gathers all its sources before it scatters, so it equals running its copies one by one
-        exactly when no copy reads what an earlier one of the wave writes: checked per block here, whatever
-        the planners guarantee. Two copies writing one slot in one wave would race; no two plans in flight
-        write one block (I5), and ``check_moves`` refuses it within a copy."""
+        exactly when no copy reads what an earlier one of the wave writes, and no two copies of it write one
+        slot (a scatter with a repeated index keeps either value): both checked per block here, whatever the
+        planners guarantee. ``check_moves`` refuses both within a copy."""
         # validated on the host, in Python, before any tensor is built or anything launched: torch.tensor
         # would round a float field to some other slot and read a bool as slot 0 or 1
         checked = [check_moves(moves, self.cache.num_blocks, self.cache.block_size, req_id)
@@ -119,7 +119,7 @@ class TorchCopyEngine(CopyRegistry):
             c = _Copy(moves, req_id)
             handles.append(self._add(c))
             c.verify = self.verifier.select()
-            if wave and not written.isdisjoint(m.src_block for m in moves):
+            if wave and not written.isdisjoint(b for m in moves for b in (m.src_block, m.dst_block)):
                 self._launch_wave(wave)
                 wave, written = [], set()
             wave.append(c)
