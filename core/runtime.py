@@ -185,7 +185,8 @@ class VTokenRuntime:
             ordered; a reclaim configuration brings its own (``ConfigError`` if both are given).
         evict_every: the eviction cadence beta >= 1: a request over its budget by fewer than beta tokens waits;
             at beta or more it evicts down to the budget. Each request is then at most beta - 1 tokens over its
-            budget after a step, and its plans and copies come every ~beta steps, beta tokens at a time. 1:
+            budget after a step (as far as its policy can evict), and its plans and copies come every ~beta
+            steps, beta tokens at a time. 1:
             evict every step (victims and plans exactly as without the setting).
     """
 
