@@ -158,11 +158,6 @@ class Verifier:
         return self.source_digests(self.cache.gather(dst_slots))
 
     # ---- the check -------------------------------------------------------------------------------
-    def compare(self, req_id: object, moves: tuple[Move, ...], src: Digests, dst: Digests) -> dict | None:
-        """None if every digest of one copy matches; else the evidence (and, per ``on_mismatch``, raise or
-        quarantine)."""
-        return self.compare_batch([(req_id, moves, 0)], src, dst)[0]
-
     def compare_batch(self, copies: list[tuple[object, tuple[Move, ...], int]], src: Digests,
                       dst: Digests) -> list[dict | None]:
         """Several copies' digests at once, ``copies``: (request, moves, the first move's row), rows ascending and
