@@ -99,15 +99,19 @@ class ReadPath(enum.Enum):
 @dataclass(frozen=True)
 class ReadChanges:
     """How a request's read list (its live slots and their token ids, in logical order) changed since the
-    previous ``read_changes``: unless ``rebuilt`` (the first call, a layout change, or more evictions than the
-    table's log keeps: read the whole list), the tokens in ``evicted`` left it and ``joined`` (at
-    ``joined_slots``) joined it at the end, in order. ``version``: the request's layout version."""
+    previous ``read_changes``: unless ``rebuilt`` (the first call, or more evictions or moves than the table's
+    log keeps: read the whole list), the tokens in ``evicted`` left it, the tokens in ``moved`` (ascending) are
+    now at ``moved_slots``, and ``joined`` (at ``joined_slots``) joined it at the end, in order. ``version``:
+    the request's layout version now; ``since``: at the previous call (a consumer's copy must be at it)."""
 
     version: int
+    since: int
     rebuilt: bool
     evicted: tuple[int, ...] = ()
     joined: tuple[int, ...] = ()
     joined_slots: tuple[int, ...] = ()
+    moved: tuple[int, ...] = ()
+    moved_slots: tuple[int, ...] = ()
 
 
 class StepRequest:
@@ -116,24 +120,31 @@ class StepRequest:
 
     ``new_tokens``/``write_slots`` are this step's appends (NO_SLOT: skip the write). The read list (what
     attention reads, in read order, and the logical token at each read slot) changed since the request's
-    previous step by exactly this, unless ``rebuilt`` (its first step, a relocation committed, or too many
-    evictions to list: re-read the whole list): the tokens in ``evicted`` left it, and the tokens of
-    ``joined`` whose ``joined_slots`` entry is not NO_SLOT joined it at the end, in order (``joined`` is
-    ``new_tokens`` unless the engine also synced between steps). ``version`` is the request's layout
-    version, which changes exactly when its layout does.
+    previous step by exactly this, unless ``rebuilt`` (its first step, more evictions or moves than the
+    table's log keeps, or on the dense path any layout change, which reorders its position-ordered list:
+    re-read the whole list): the tokens in ``evicted`` left it, the tokens in ``moved``
+    (a relocation committed; ascending) are now at ``moved_slots``, and the tokens of ``joined`` whose
+    ``joined_slots`` entry is not NO_SLOT joined it at the end, in order (``joined`` is ``new_tokens`` unless
+    the engine also synced between steps). ``version`` is the request's layout version, which changes exactly
+    when its layout does; ``since`` is the version at its previous step.
 
     ``read_slots`` and ``read_tokens`` are computed on first use (O(L)) from the table, and only while the
     request's table is as ``begin_step`` left it (``StepOrderError`` after it changed, e.g. after
     ``end_step`` evicted): a consumer that reads during the forward gets exactly what the step reads."""
 
-    __slots__ = ("req_id", "new_tokens", "write_slots", "version", "rebuilt", "evicted", "joined", "joined_slots",
-                 "_rt", "_stamp", "_read")
+    __slots__ = ("req_id", "new_tokens", "write_slots", "version", "since", "rebuilt", "evicted", "moved",
+                 "moved_slots", "joined", "joined_slots", "_rt", "_stamp", "_read")
 
     def __init__(self, rt: VTokenRuntime, req_id: object, new_tokens: range, write_slots: list[int]) -> None:
         self.req_id, self.new_tokens, self.write_slots = req_id, new_tokens, write_slots
-        self.version, self.rebuilt, self.evicted, joined_from = rt.table.take_changes(req_id)
-        self.joined = range(joined_from, rt.table.total_len(req_id))
-        self.joined_slots = write_slots if self.joined == new_tokens else rt.table.write_slots(req_id, joined_from)
+        c = rt.table.take_changes(req_id)
+        # NOTE: the dense path reads in position order (a dense prefix), which a move or a block-list rewrite
+        # reorders: any layout change is rebuilt there. The gather path reads in logical order, which they keep
+        reorders = c.version != c.since and rt.read_path is ReadPath.DENSE
+        self.version, self.since, self.rebuilt, self.evicted = c.version, c.since, c.rebuilt or reorders, c.evicted
+        self.moved, self.moved_slots = ((), ()) if reorders else (c.moved, c.moved_slots)
+        self.joined = range(c.joined_from, rt.table.total_len(req_id))
+        self.joined_slots = write_slots if self.joined == new_tokens else rt.table.write_slots(req_id, c.joined_from)
         self._rt, self._stamp = rt, rt._stamp(req_id)
         self._read: tuple[list[int], list[int]] | None = None
 
@@ -160,7 +171,7 @@ class StepRequest:
 
     def __repr__(self) -> str:
         return (f"StepRequest({self.req_id!r}, new_tokens={self.new_tokens}, write_slots={self.write_slots[:8]}, "
-                f"version={self.version}, rebuilt={self.rebuilt}, evicted={self.evicted[:8]})")
+                f"version={self.version}, rebuilt={self.rebuilt}, evicted={self.evicted[:8]}, moved={self.moved[:8]})")
 
 
 @dataclass(frozen=True)
@@ -330,13 +341,14 @@ class VTokenRuntime:
         """How the request's read list changed since the previous call, for an engine that syncs itself and
         keeps its own copy of the list (vLLM's workers). ``begin_step`` takes the same changes for its
         ``StepRequest``: an engine uses one or the other, never both (each take empties the change log).
-        O(evicted + joined)."""
-        version, rebuilt, evicted, joined_from = self.table.take_changes(req_id)
-        if rebuilt:
-            return ReadChanges(version, True)
-        slots = self.table.write_slots(req_id, joined_from)  # NO_SLOT for a joined token already evicted
-        joined = [(t, s) for t, s in enumerate(slots, joined_from) if s != NO_SLOT]
-        return ReadChanges(version, False, evicted, tuple(t for t, _ in joined), tuple(s for _, s in joined))
+        O(evicted + moved + joined)."""
+        c = self.table.take_changes(req_id)
+        if c.rebuilt:
+            return ReadChanges(c.version, c.since, True)
+        slots = self.table.write_slots(req_id, c.joined_from)  # NO_SLOT for a joined token already evicted
+        joined = [(t, s) for t, s in enumerate(slots, c.joined_from) if s != NO_SLOT]
+        return ReadChanges(c.version, c.since, False, c.evicted, tuple(t for t, _ in joined),
+                           tuple(s for _, s in joined), c.moved, c.moved_slots)
 
     def slot_of(self, req_id: object, token_id: int) -> int:
         return self.table.slot_of(req_id, token_id)

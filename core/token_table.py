@@ -82,7 +82,7 @@ def _count_code(block_size: int) -> str:
 
 
 _MAX_SLOTS = 2**31 - 1  # slots are stored as C ints
-_LOG_LIMIT = 4096  # evictions ``take_changes`` lists one by one; beyond, it says "rebuilt"
+_LOG_LIMIT = 4096  # evictions (and moves) ``take_changes`` lists one by one; beyond, it says "rebuilt"
 
 
 class Move(NamedTuple):
@@ -108,11 +108,23 @@ def _as_move(req_id: object, m: object) -> Move:
         ) from None
 
 
+class Changes(NamedTuple):
+    """``take_changes``' answer: how a request's read list changed between two takes."""
+
+    version: int  # the layout version now
+    since: int  # the layout version at the previous take (-1: none)
+    rebuilt: bool
+    evicted: tuple[int, ...]
+    joined_from: int
+    moved: tuple[int, ...]
+    moved_slots: tuple[int, ...]
+
+
 class RequestTokens:
     """One request's entries. Mutated only through ``TokenTable``, which validates first."""
 
     __slots__ = ("slots", "blocks", "counts", "shared", "index_stale", "write_pos", "num_live", "layout_version", "last_sync_start", "live",
-                 "evicted", "taken_version", "taken_len", "run_pos", "run_token")
+                 "evicted", "moved", "taken_version", "taken_len", "run_pos", "run_token")
 
     def __init__(self, count_code: str) -> None:
         self.slots = array("i")  # logical token id -> slot, NO_SLOT when dead
@@ -134,9 +146,10 @@ class RequestTokens:
         self.layout_version = 0  # bumped by every relocation or block-list rewrite: a structural change
         self.last_sync_start = 0  # first token id of the latest sync_new_tokens
         self.live = LiveIndex()  # live ids by rank (maintained by sync_new_tokens and evict_token)
-        # the change log ``take_changes`` hands out: ids evicted since the last take (None: more than the log
-        # keeps, read the whole list), and the layout version at that take
+        # the change log ``take_changes`` hands out: ids evicted and ids moved since the last take (None: more than
+        # the log keeps, read the whole list), and the layout version at that take
         self.evicted: array | None = array("i")  # 4 B an entry: a request nobody takes from keeps <= 16 KiB
+        self.moved: array | None = array("i")  # NOTE: apply_moves is the only mutation that changes a live slot
         self.taken_version = -1  # never taken: the first take is a full list
         self.taken_len = 0  # the synced length at the last take
         # the append run: since the last layout change, position run_pos + i holds token run_token + i (if it
@@ -451,6 +464,10 @@ class TokenTable:
                 self._token_at[m.dst_block * S + m.dst_offset] = m.token_id
             self.occupancy.claim(m.dst_block * S + m.dst_offset)
             r.slots[m.token_id] = m.dst_block * S + m.dst_offset
+        if r.moved is not None:
+            r.moved.extend(m.token_id for m in batch)
+            if len(r.moved) > _LOG_LIMIT:
+                r.moved = None  # bounded, as the eviction log: the next take says "rebuilt"
         r.layout_version += 1
         r.run_pos, r.run_token = r.write_pos, r.total_len
         assert self.occupancy.live_slots == live_slots_after, "a batch of moves miscounted the pool's live slots"
@@ -703,20 +720,28 @@ class TokenTable:
         slots = r.slots
         return tokens, [slots[t] for t in tokens]
 
-    def take_changes(self, req_id: object) -> tuple[int, bool, tuple[int, ...], int]:
-        """What changed in the request's live set since the previous take: (layout version, rebuilt, evicted,
-        joined_from).
+    def take_changes(self, req_id: object) -> Changes:
+        """What changed in the request's read list (live ids and their slots, logical order) since the previous
+        take, O(evicted + moved).
 
-        ``rebuilt``: this is the request's first take, the layout changed (a move or a block-list rewrite) or
-        more tokens were evicted than the log keeps: read the whole list again. Otherwise the tokens of the
-        previous take's list named in ``evicted`` left it, and the tokens from ``joined_from`` (the synced
-        length at the previous take) on that are still live joined it at the end. O(evicted)."""
+        ``rebuilt``: this is the request's first take, or more tokens were evicted or moved than the log keeps:
+        read the whole list again. Otherwise, from the previous take's list: the tokens named in ``evicted`` left
+        it, the tokens in ``moved`` (still live, ascending) are now at ``moved_slots``, and the tokens from
+        ``joined_from`` (the synced length at the previous take) on that are still live joined it at the end.
+        NOTE: only ``apply_moves`` changes a live token's slot; the block-list rewrites (``set_layout``,
+        ``splice``, ``remove_blocks``) bump the layout version but move no live token, so they need no entry."""
         r = self._get(req_id)
-        rebuilt = r.evicted is None or r.layout_version != r.taken_version
-        joined_from = r.taken_len
-        evicted = () if rebuilt else tuple(t for t in r.evicted if t < joined_from)
-        r.evicted, r.taken_version, r.taken_len = array("i"), r.layout_version, r.total_len
-        return r.layout_version, rebuilt, evicted, joined_from
+        rebuilt = r.evicted is None or r.moved is None or r.taken_version == -1
+        joined_from, since = r.taken_len, r.taken_version
+        evicted = moved = moved_slots = ()
+        if not rebuilt:
+            evicted = tuple(t for t in r.evicted if t < joined_from)
+            if r.moved:
+                slots = r.slots
+                moved = tuple(sorted({t for t in r.moved if t < joined_from and slots[t] != NO_SLOT}))
+                moved_slots = tuple(slots[t] for t in moved)
+        r.evicted, r.moved, r.taken_version, r.taken_len = array("i"), array("i"), r.layout_version, r.total_len
+        return Changes(r.layout_version, since, rebuilt, evicted, joined_from, moved, moved_slots)
 
     def live_token_ids(self, req_id: object) -> list[int]:
         """Live logical token ids, ascending: a scan of the slot array (the reference the live index is

@@ -493,12 +493,12 @@ def _take_changes(skip_moves: bool = False, drop_last_eviction: bool = False):
     real = token_table.TokenTable.take_changes
 
     def take_changes(self, req_id):
-        r = self._get(req_id)
-        moved = r.layout_version != r.taken_version and r.taken_version != -1
-        if skip_moves and moved and r.evicted is not None:
-            r.taken_version = r.layout_version  # a move reads as "append only"
-        version, rebuilt, evicted, joined_from = real(self, req_id)
-        return version, rebuilt, evicted[:-1] if drop_last_eviction else evicted, joined_from
+        c = real(self, req_id)
+        if skip_moves:
+            c = c._replace(moved=(), moved_slots=())  # a committed relocation reads as "nothing moved"
+        if drop_last_eviction:
+            c = c._replace(evicted=c.evicted[:-1])
+        return c
 
     return {(token_table.TokenTable, "take_changes"): take_changes}
 
@@ -598,8 +598,8 @@ BUGS: dict[str, PlantedBug] = {
                    "to it since planning", _relocate_ignores_appends),
         PlantedBug("live_index_misses_an_eviction", "the live index keeps odd evicted ids counted (a maintained view "
                    "misses evictions)", _live_index_misses_an_eviction),
-        PlantedBug("delta_misses_a_move", "a step delta after a committed relocation says append-only (a stale "
-                   "version)", lambda: _take_changes(skip_moves=True)),
+        PlantedBug("delta_misses_a_move", "a step delta after a committed relocation leaves out the moved tokens' "
+                   "new slots", lambda: _take_changes(skip_moves=True)),
         PlantedBug("delta_forgets_an_eviction", "a step delta leaves out the latest eviction",
                    lambda: _take_changes(drop_last_eviction=True)),
         PlantedBug("index_misses_a_rewrite", "a removal shifts the blocks after it without marking their recorded "

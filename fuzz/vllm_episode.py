@@ -287,10 +287,22 @@ def _drops_read_evictions(real):
     attention still reads evicted tokens' slots (which later moves and appends reuse)."""
     from dataclasses import replace
 
-    return lambda self, rid, delta: real(self, rid, replace(delta, evicted=()))
+    return lambda self, rid, delta: real(self, rid, replace(delta, changes=replace(delta.changes, evicted=())))
 
 
 _drops_read_evictions.wraps = True  # planted() hands it the method it replaces
+
+
+def _ignores_read_moves(real):
+    """The worker patches a request's read list with what left and joined it, not with a commit's moves: attention
+    (and the score pass) reads moved tokens at their old slots, which the commit freed."""
+    from dataclasses import replace
+
+    return lambda self, rid, delta: real(self, rid, replace(delta, changes=replace(delta.changes, moved=(),
+                                                                                   moved_slots=())))
+
+
+_ignores_read_moves.wraps = True
 
 
 def _hash_at_list_index(self, r, request):
@@ -322,6 +334,10 @@ PLANTED = {  # name -> (what is wrong, (module path, class, attribute, replaceme
                                     "(a dropped delta): gather attention reads evicted tokens' slots",
                                     ("vtoken.integration.vllm.worker_tokens", "WorkerTokens", "_patch_read",
                                      _drops_read_evictions)),
+    "worker_ignores_read_moves": ("the worker's copy of a request's read list keeps moved tokens at their old "
+                                  "slots after a commit (a dropped delta): gather attention reads freed slots",
+                                  ("vtoken.integration.vllm.worker_tokens", "WorkerTokens", "_patch_read",
+                                   _ignores_read_moves)),
     "hash_at_list_index": ("strict verify's B3 matches a hashed block with the chain hash of its list index, so "
                            "it fails the engine once compaction moved hashed blocks down the list",
                            ("vtoken.integration.vllm.scheduler_tokens", "SchedulerTokens", "check_prefix_hashes",

@@ -150,11 +150,14 @@ def test_the_workers_patched_read_lists_equal_the_tables_every_step():
     """Each step the scheduler sends each request's read-list change (``ReadDelta``), and the worker patches its
     tensors; in fuzz episodes every step also carries the whole list, which the patched copy must equal (V2).
     Clean on a run with eviction, relocation, preemption and prefix hits; with the worker dropping the evictions
-    of a change (a dropped delta), the first check after an eviction fails naming the request."""
+    of a change, or its moves (a dropped delta), the first check after one fails naming the request."""
     ep = _read_list_episode()
     res = F.run_episode(ep)
     assert res.stats["evicted"] > 0 and res.stats["plans_committed"] > 0 and res.stats["drill_planned"] > 0
     assert res.preempted and any(res.cached.values())
     with planted("worker_drops_read_evictions"):
+        with pytest.raises(InvariantViolation, match=r"V2: request '[^']+': the worker's patched read list"):
+            F.run_episode(ep)
+    with planted("worker_ignores_read_moves"):  # a commit's moves arrive as changes too, never as a full list
         with pytest.raises(InvariantViolation, match=r"V2: request '[^']+': the worker's patched read list"):
             F.run_episode(ep)

@@ -18,7 +18,7 @@ from vtoken.core.invariants import check_all
 from vtoken.core.plan import PlanKind
 from vtoken.core.policies import H2O, StreamingLLM
 from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
-from vtoken.core.runtime import AdmissionClosedError, ReadPath, VTokenRuntime
+from vtoken.core.runtime import AdmissionClosedError, ReadChanges, ReadPath, VTokenRuntime
 from vtoken.core.token_table import Move
 
 DENSIFY_EVENT = ReclaimConfig(planner=PlanKind.DENSIFY, ordering=Ordering.EVENT)
@@ -538,7 +538,7 @@ def test_a_step_names_what_changed_since_the_previous_one():
     assert second.read_tokens == [0, 3, 4, 5]  # read during its step: kept
 
 
-def test_a_committed_relocation_makes_the_next_delta_a_full_list_at_a_new_version():
+def test_a_committed_relocation_makes_the_next_delta_name_the_moved_tokens_at_a_new_version():
     rt, engine = make(num_blocks=8, block_size=4, headroom=0, budget=1.0)
     rt.admit("a")
     rt.begin_step({"a": 6})
@@ -546,9 +546,12 @@ def test_a_committed_relocation_makes_the_next_delta_a_full_list_at_a_new_versio
     rec = rt.relocate_block("a", 0)
     assert rec.plan.kind is PlanKind.RELOCATE
     req = rt.begin_step({"a": 1}).requests["a"]  # settles: the relocation commits, the layout version moves
-    assert (req.rebuilt, req.evicted, req.version) == (True, (), 3)
+    assert (req.rebuilt, req.evicted, req.since, req.version) == (False, (), 0, 3)
+    assert (req.moved, req.moved_slots, req.joined, req.joined_slots) == ((0, 1, 2, 3), (8, 9, 10, 11), range(6, 7), [6])
     assert rt.block_ids("a") == [2, 1]  # block 0's tokens now live in block 2, each at its own offset
     assert req.read_tokens == list(range(7)) and req.read_slots == [8, 9, 10, 11, 4, 5, 6]
+    rt.end_step()
+    assert rt.read_changes("a") == ReadChanges(3, 3, False)  # nothing since the step took its changes
 
 
 def test_densify_plans_a_steady_step_from_its_evictions_alone(monkeypatch):

@@ -803,17 +803,35 @@ def test_the_live_index_reads_ranks_without_the_scan_and_its_oracle_has_teeth():
         t.check_views("A")
 
 
-def test_take_changes_lists_evictions_since_the_last_take_and_says_rebuilt_after_a_move():
+def test_take_changes_lists_evictions_and_moves_since_the_last_take():
     t = TokenTable(num_blocks=4, block_size=4)
     t.add_request("A")
     t.sync_new_tokens("A", [0, 1], 6)
-    assert t.take_changes("A") == (0, True, (), 0)  # the first take: a full list
+    assert t.take_changes("A") == (0, -1, True, (), 0, (), ())  # the first take: a full list
     t.evict_token("A", 2)
     t.sync_new_tokens("A", [], 7)
     t.evict_token("A", 6)  # joined and left since the last take: not in evicted
-    assert t.take_changes("A") == (0, False, (2,), 6)
-    t.apply_moves("A", [Move(0, 0, 0, 0, 2)])
-    assert t.take_changes("A") == (1, True, (), 7)
+    assert t.take_changes("A") == (0, 0, False, (2,), 6, (), ())
+    t.apply_moves("A", [Move(5, 1, 1, 0, 2)])
+    t.apply_moves("A", [Move(0, 0, 0, 1, 2), Move(5, 0, 2, 1, 1)])  # 5 moved twice: listed once, where it is now
+    t.evict_token("A", 0)  # moved, then evicted: only in evicted
+    t.sync_new_tokens("A", [], 8)
+    t.apply_moves("A", [Move(7, 1, 3, 0, 0)])  # joined since the last take: it is in the joined tokens' slots
+    assert t.take_changes("A") == (3, 0, False, (0,), 7, (5,), (5,))
+    assert t.take_changes("A") == (3, 3, False, (), 8, (), ())
+    assert t.write_slots("A", 7) == [0]
+
+
+def test_take_changes_says_rebuilt_when_more_moves_than_its_log_keeps(monkeypatch):
+    from vtoken.core import token_table
+    monkeypatch.setattr(token_table, "_LOG_LIMIT", 2)
+    t = TokenTable(num_blocks=4, block_size=4)
+    t.add_request("A")
+    t.sync_new_tokens("A", [0, 1], 6)
+    t.take_changes("A")
+    t.evict_token("A", 1)
+    t.apply_moves("A", [Move(2, 0, 2, 0, 1), Move(3, 0, 3, 0, 2), Move(4, 1, 0, 0, 3)])
+    assert t.take_changes("A") == (1, 0, True, (), 6, (), ())
 
 
 def test_a_splice_that_would_drop_a_live_token_is_refused_and_changes_nothing():

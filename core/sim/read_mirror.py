@@ -1,10 +1,10 @@
 """A consumer of ``begin_step``'s deltas, and the oracle that checks them (V2).
 
 An engine's worker keeps each request's read list between steps and patches it with what changed; this
-class does exactly that, from ``StepRequest``'s ``rebuilt``, ``evicted``, ``joined`` and ``joined_slots``
-alone, and ``check`` compares the result with the full lists the step computes from the token table.
+class does exactly that, from ``StepRequest``'s ``rebuilt``, ``since``, ``evicted``, ``moved``,
+``moved_slots``, ``joined`` and ``joined_slots`` alone, and ``check`` compares the result with the full lists the step computes from the token table.
 The simulator checks it after every step and the fuzzer after every ``step`` rule: a delta that forgets an
-eviction, or says "append only" after a relocation changed slots, reads wrong here before it reads wrong
+eviction, or leaves out a token a relocation moved, reads wrong here before it reads wrong
 K/V anywhere.
 """
 
@@ -18,19 +18,34 @@ from ..token_table import NO_SLOT
 class ReadListMirror:
     def __init__(self) -> None:
         self.lists: dict[object, tuple[list[int], list[int]]] = {}  # request -> (read tokens, read slots)
+        self.versions: dict[object, int] = {}  # request -> the layout version its kept list is at
 
     def apply(self, inputs: StepInputs) -> None:
         """Patch every request's kept list with its delta (a request not in the step has left)."""
         for r in [r for r in self.lists if r not in inputs.requests]:
             del self.lists[r]
+            del self.versions[r]
         for r, req in inputs.requests.items():
             if req.rebuilt:
                 self.lists[r] = (list(req.read_tokens), list(req.read_slots))
+                self.versions[r] = req.version
                 continue
             if r not in self.lists:
                 raise InvariantViolation("V2", f"step {inputs.iteration}: request {r!r} is new to the consumer but "
                                          f"its delta is not a full list (rebuilt is False)")
+            if self.versions[r] != req.since:
+                raise InvariantViolation("V2", f"step {inputs.iteration}: request {r!r}: a delta since layout version "
+                                         f"{req.since}, the kept list is at {self.versions[r]}")
+            self.versions[r] = req.version
             tokens, slots = self.lists[r]
+            if req.moved:
+                at = {t: i for i, t in enumerate(tokens)}
+                slots = list(slots)
+                for t, s in zip(req.moved, req.moved_slots):
+                    if t not in at:
+                        raise InvariantViolation("V2", f"step {inputs.iteration}: request {r!r}: moved token {t} is "
+                                                 f"not in its read list")
+                    slots[at[t]] = s
             if req.evicted:
                 gone = set(req.evicted)
                 kept = [i for i, t in enumerate(tokens) if t not in gone]

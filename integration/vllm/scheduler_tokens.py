@@ -39,7 +39,7 @@ from vtoken.core.policies.random_policy import RandomPolicy
 from vtoken.core.policies.scissorhands import Scissorhands
 from vtoken.core.policies.streaming_llm import StreamingLLM
 from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
-from vtoken.core.runtime import ReadPath, VTokenRuntime
+from vtoken.core.runtime import ReadChanges, ReadPath, VTokenRuntime
 from vtoken.core.token_table import Move
 
 from . import manager_hooks
@@ -102,16 +102,13 @@ class StepOrders:
 @dataclass(frozen=True)
 class ReadDelta:
     """What a worker does to its copy of a request's read list (live slots and their token ids, logical order):
-    with ``full``, replace it (a first step, a layout change, or more evictions than the table's log keeps);
-    else drop the tokens in ``evicted`` and append ``joined`` at ``joined_slots``. ``version``: the request's
-    layout version, which a change (not ``full``) must find the copy at. ``check`` (strict verify, every
+    with ``full``, replace it (a first step, or more evictions or moves than the table's log keeps); else patch it
+    with ``changes`` (``VTokenRuntime.read_changes``: drop ``evicted``, set the slots of ``moved``, append
+    ``joined``), which must find the copy at layout version ``changes.since``. ``check`` (strict verify, every
     ``READ_CHECK_EVERY`` steps): the whole list, which the patched copy must equal."""
 
-    version: int
+    changes: ReadChanges
     full: tuple[list[int], list[int]] | None = None  # (slots, ids)
-    evicted: tuple[int, ...] = ()
-    joined: tuple[int, ...] = ()
-    joined_slots: tuple[int, ...] = ()
     check: tuple[list[int], list[int]] | None = None  # (slots, ids)
 
 
@@ -240,15 +237,14 @@ class SchedulerTokens:
 
     def _read_delta(self, r: str, check: bool) -> ReadDelta:
         """The change of ``r``'s read list since its previous step's (``VTokenRuntime.read_changes``): O(what
-        changed), the whole list only after a layout change, or under ``check``."""
+        changed; a commit's moves included), the whole list only on a first step or a log overflow, or under
+        ``check``."""
         c = self.rt.read_changes(r)
         whole = None
         if c.rebuilt or check:
             ids, slots = self.rt.read_lists(r)
             whole = (slots, ids)
-        if c.rebuilt:
-            return ReadDelta(c.version, full=whole)
-        return ReadDelta(c.version, None, c.evicted, c.joined, c.joined_slots, check=whole)
+        return ReadDelta(c, full=whole) if c.rebuilt else ReadDelta(c, check=whole)
 
     def _drill(self, round_no: int, req_ids: list[str]) -> None:
         """Relocation drill (test hook): move block ``round_no mod n`` of each request's n blocks to a fresh

@@ -13,8 +13,8 @@ Per step (``apply``, called from ``handle_preemptions``, before ``_update_states
      ``submit_batch``; verified per ``strict_verify``); a copy whose verification fails is reported FAILED;
   2. install the block lists those copies changed (the worker's list and the block-table row);
   3. remember the step's gaps (and, under strict verify, the table's write slots to audit);
-  4. patch each request's read list by the step's change of it (gather path, score policies): only a layout
-     change resends it whole; strict verify sends it whole every ``READ_CHECK_EVERY`` steps to check the copy.
+  4. patch each request's read list by the step's change of it (gather path, score policies: evictions, a
+     commit's moves, appends): only a first step or a log overflow resends it whole; strict verify sends it whole every ``READ_CHECK_EVERY`` steps to check the copy.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class WorkerTokens:
         self.gaps: dict[str, int] = {}
         # NOTE: each request's read list (live slots, their token ids, logical order) as two int64 tensors and the
         # layout version they are at, patched by the scheduler's per-step changes (``ReadDelta``), never resent
-        # whole except after a layout change: the paper's device-resident lookup cache (§3.2)
+        # whole except on a first step or a log overflow: the paper's device-resident lookup cache (§3.2)
         self.reads: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.reading = False  # this step's orders carried read lists: attention reads through them
         self.read_plan: ReadPlan | None = None  # gather read path: what attention reads this step
@@ -107,27 +107,37 @@ class WorkerTokens:
         self.seconds += time.perf_counter() - t0
 
     def _patch_read(self, rid: str, d) -> None:
-        """Apply one ``ReadDelta`` to the request's read list: O(list) in torch (a mask and a cat), O(changes) in
-        Python. Checked: a change must find the copy at its version, and every evicted id in it."""
+        """Apply one ``ReadDelta`` to the request's read list: O(list) in torch (a mask, a search and a cat),
+        O(changes) in Python. Checked: a change must find the copy at its version, and every evicted and moved id
+        in it."""
+        c = d.changes
         if d.full is not None:
             slots, ids = d.full
-            self.reads[rid] = (torch.tensor(slots, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64), d.version)
+            self.reads[rid] = (torch.tensor(slots, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64), c.version)
         else:
             have = self.reads.get(rid)
-            if have is None or have[2] != d.version:
-                raise InvariantViolation("V2", f"request {rid!r}: a read-list change at layout version {d.version}, "
+            if have is None or have[2] != c.since:
+                raise InvariantViolation("V2", f"request {rid!r}: a read-list change since layout version {c.since}, "
                                                f"the worker's copy is at {None if have is None else have[2]}")
             slots, ids, _ = have
-            if d.evicted:
-                keep = ~torch.isin(ids, torch.tensor(d.evicted, dtype=torch.int64))
-                if int(keep.sum()) != len(ids) - len(d.evicted):
-                    raise InvariantViolation("V2", f"request {rid!r}: evicted tokens {list(d.evicted)[:8]} are not "
+            if c.moved:  # ids ascend: each moved id's place is a binary search
+                moved = torch.tensor(c.moved, dtype=torch.int64)
+                at = torch.searchsorted(ids, moved).clamp_(max=max(len(ids) - 1, 0))
+                if not len(ids) or not torch.equal(ids[at], moved):
+                    raise InvariantViolation("V2", f"request {rid!r}: moved tokens {list(c.moved)[:8]} are not all "
+                                                   f"in the worker's read list")
+                slots = slots.clone()
+                slots[at] = torch.tensor(c.moved_slots, dtype=torch.int64)
+            if c.evicted:
+                keep = ~torch.isin(ids, torch.tensor(c.evicted, dtype=torch.int64))
+                if int(keep.sum()) != len(ids) - len(c.evicted):
+                    raise InvariantViolation("V2", f"request {rid!r}: evicted tokens {list(c.evicted)[:8]} are not "
                                                    f"all in the worker's read list")
                 slots, ids = slots[keep], ids[keep]
-            if d.joined:
-                slots = torch.cat((slots, torch.tensor(d.joined_slots, dtype=torch.int64)))
-                ids = torch.cat((ids, torch.tensor(d.joined, dtype=torch.int64)))
-            self.reads[rid] = (slots, ids, d.version)
+            if c.joined:
+                slots = torch.cat((slots, torch.tensor(c.joined_slots, dtype=torch.int64)))
+                ids = torch.cat((ids, torch.tensor(c.joined, dtype=torch.int64)))
+            self.reads[rid] = (slots, ids, c.version)
         if d.check is not None:
             slots, ids, _ = self.reads[rid]
             if slots.tolist() != d.check[0] or ids.tolist() != d.check[1]:
