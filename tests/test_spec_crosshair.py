@@ -110,8 +110,9 @@ def test_planted_contract_violations_are_found(tmp_path):
     (tmp_path / "vtoken_planted.py").write_text(textwrap.dedent(PLANTED))
     rep = run_crosshair(
         ["vtoken_planted.blocks_needed", "vtoken_planted.PlantedPool.free", "vtoken_planted.plan_compaction"],
-        # plan_compaction's counterexample needs a snapshot with a plan to make: about 5 s of CPU
-        per_condition_timeout=12.0, per_path_timeout=3.0, total_timeout=90.0, extra_paths=[str(tmp_path)],
+        # plan_compaction's counterexample needs a snapshot with a plan to make: about 5 s of CPU on a quiet runner,
+        # several times that on a loaded one (the budget is generous: finding it early ends the search)
+        per_condition_timeout=40.0, per_path_timeout=6.0, total_timeout=150.0, extra_paths=[str(tmp_path)],
     )
     assert not rep.crashed, rep.summary() + "\n" + rep.stderr[-3000:]
     found = {c.message.split(" when calling ")[-1].split("(")[0] for c in rep.counterexamples}
