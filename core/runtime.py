@@ -593,11 +593,10 @@ class VTokenRuntime:
     def _choose_victims(self, req_ids: Sequence[object]) -> dict[object, list[int]]:
         victims: dict[object, list[int]] = {}
         if self.policy is not None:
-            beta, table = self.evict_every, self.table
             for r in req_ids:
                 # NOTE: the cadence: fewer than beta tokens over the budget wait (the policy is not asked, so the
                 # O(L) choice of a score policy runs once per eviction, not once per step); beta = 1 skips nothing
-                if 0 < table.num_live(r) - self.token_budget(table.total_len(r)) < beta:
+                if 0 < self._excess(r) < self.evict_every:
                     continue
                 chosen = self._select(r)
                 if chosen:
@@ -616,15 +615,34 @@ class VTokenRuntime:
         self.manager.launch()
         self.iteration += 1
 
-    def _select(self, r: object) -> list[int]:
-        live = self.table.live_tokens(r)  # a rank view: O(1), not a list
+    def eviction_due(self, req_id: object) -> bool:
+        """Whether the next ``evict_and_reclaim`` naming ``req_id`` asks the policy for victims it must find (an
+        excess past the cadence), as the request stands now (``policy_view`` is then what the policy sees). O(1)."""
+        if req_id not in self.table:
+            raise UnknownRequestError(f"unknown request {req_id!r}")
+        return self.policy is not None and self._excess(req_id) >= self.evict_every
+
+    def policy_view(self, req_id: object) -> RequestView:
+        """The view the policy decides ``req_id``'s victims from, as the request stands now: O(1) (the live
+        tokens are a rank view), plus the dense path's scan for protected tokens when blocks are shared."""
+        if req_id not in self.table:
+            raise UnknownRequestError(f"unknown request {req_id!r}")
+        return self._view(req_id)
+
+    def _excess(self, r: object) -> int:
+        return self.table.num_live(r) - self.token_budget(self.table.total_len(r))
+
+    def _view(self, r: object) -> RequestView:
         total = self.table.total_len(r)
         accumulated, persistence = self.scores.readers(r)  # unchecked: policies sort by them
-        view = RequestView(
-            req_id=r, live=live, total_len=total,
-            budget=self.token_budget(total), accumulated=accumulated, persistence=persistence,
+        return RequestView(
+            req_id=r, live=self.table.live_tokens(r),  # a rank view: O(1), not a list
+            total_len=total, budget=self.token_budget(total), accumulated=accumulated, persistence=persistence,
             seed=self.seed, step=self.iteration, protected=self._protected(r),
         )
+
+    def _select(self, r: object) -> list[int]:
+        view = self._view(r)
         try:
             victims = list(self.policy.select_victims(view))
         except InvariantViolation:
@@ -633,7 +651,7 @@ class VTokenRuntime:
             raise PolicyError(f"policy {self.policy.name!r} failed on request {r!r}: "
                               f"{type(e).__name__}: {e}") from e
         bad = [t for t in victims if t.__class__ is not int and not is_int(t) or t in view.protected
-               or not 0 <= t < total or not self.table.is_live(r, t)]
+               or not 0 <= t < view.total_len or not self.table.is_live(r, t)]
         if bad or len(set(victims)) != len(victims) or len(victims) > view.excess:
             raise PolicyError(
                 f"policy {self.policy.name!r} returned invalid victims for request {r!r}: "

@@ -9,15 +9,15 @@ are windows of a few standard-library modules (``corpus``), fixed for a given Py
 Oracles, every step: strict verify on every copy (raise), the worker's audit of every write slot against the
 scheduler's token tables, and ``SchedulerTokens.check`` (B1: vLLM's block lists equal the tables'; I7: the
 dense prefix; B2: no block a request may still write is prefix-cached or shared; B3: every prefix-cached block
-matches vLLM's hash chain; P1: vLLM's pool). At the end: every block is back in the pool and no token table is
-left. And the differential oracle (``compare_outputs``): an episode drawn with prefix caching on runs a second
-time with it off, same requests, same steps; every request that finished in both runs, and was never
-preempted, and whose victims were never chosen around tokens protected because they were shared (the dense
-path protects those, so caching changes what such a request evicts), must generate the same tokens with the
-same logprobs (up to fp32 roundoff: the cached K/V of
-another request's prefill went through other batch shapes), except after a near tie. It runs where victims
-do not depend on float scores (policies none, StreamingLLM, Random); H2O's and Scissorhands' choices may
-legitimately flip on the same roundoff.
+matches vLLM's hash chain; P1: vLLM's pool), the workers' read lists against the tables' (V2), and for H2O and
+Scissorhands the workers' victims against the core's from the same rows (V4). At the end: every block is back in
+the pool and no token table is left. And the differential oracle (``compare_outputs``): an episode drawn with
+prefix caching on runs a second time with it off, same requests, same steps; every request that finished in both
+runs, and was never preempted, and whose victims were never chosen around tokens protected because they were shared
+(the dense path protects those, so caching changes what such a request evicts), must generate the same tokens with
+the same logprobs (up to fp32 roundoff: the cached K/V of another request's prefill went through other batch
+shapes), except after a near tie. It runs where victims do not depend on float scores (policies none, StreamingLLM,
+Random); H2O's and Scissorhands' choices may legitimately flip on the same roundoff.
 """
 
 from __future__ import annotations
@@ -282,27 +282,32 @@ def _ignore_layout(self, rid, blocks):
     return None
 
 
-def _drops_read_evictions(real):
-    """A dropped delta: the worker patches a request's read list with what joined it, not with what left it, so
-    attention still reads evicted tokens' slots (which later moves and appends reuse)."""
-    from dataclasses import replace
+def _read_changes_without(*fields: str):
+    """A dropped delta: the worker patches a request's read list with a change whose ``fields`` are left out."""
+    def wrap(real):
+        from dataclasses import replace
 
-    return lambda self, rid, delta: real(self, rid, replace(delta, changes=replace(delta.changes, evicted=())))
+        empty = dict.fromkeys(fields, ())
+        return lambda self, rid, delta: real(self, rid, replace(delta, changes=replace(delta.changes, **empty)))
 
-
-_drops_read_evictions.wraps = True  # planted() hands it the method it replaces
-
-
-def _ignores_read_moves(real):
-    """The worker patches a request's read list with what left and joined it, not with a commit's moves: attention
-    (and the score pass) reads moved tokens at their old slots, which the commit freed."""
-    from dataclasses import replace
-
-    return lambda self, rid, delta: real(self, rid, replace(delta, changes=replace(delta.changes, moved=(),
-                                                                                   moved_slots=())))
+    wrap.wraps = True  # planted() hands it the method it replaces
+    return wrap
 
 
-_ignores_read_moves.wraps = True
+# what left the list is not dropped: attention still reads evicted tokens' slots (which moves and appends reuse)
+_drops_read_evictions = _read_changes_without("evicted")
+# a commit's moves are not applied: attention (and the score pass) reads moved tokens at the slots the commit freed
+_ignores_read_moves = _read_changes_without("moved", "moved_slots")
+
+
+def _ranks_into_the_window(real):
+    """The worker's ranking counts the candidates' bound as a candidate (``<=`` for ``<``): the oldest token of
+    the recent window may be chosen, and a newly joined token has the least attention. Every victim is still
+    live and unprotected, so only the comparison with the core's choice can tell."""
+    return lambda self, rid, ids, ranking, bound, *rest, **kw: real(self, rid, ids, ranking, bound + 1, *rest, **kw)
+
+
+_ranks_into_the_window.wraps = True
 
 
 def _hash_at_list_index(self, r, request):
@@ -338,6 +343,10 @@ PLANTED = {  # name -> (what is wrong, (module path, class, attribute, replaceme
                                   "slots after a commit (a dropped delta): gather attention reads freed slots",
                                   ("vtoken.integration.vllm.worker_tokens", "WorkerTokens", "_patch_read",
                                    _ignores_read_moves)),
+    "worker_ranks_into_the_window": ("the workers' ranking of H2O's and Scissorhands' victims counts the oldest "
+                                     "token of the recent window as a candidate: their victims stop being the "
+                                     "core's", ("vtoken.integration.device.scores", "DeviceScores", "rank",
+                                                _ranks_into_the_window)),
     "hash_at_list_index": ("strict verify's B3 matches a hashed block with the chain hash of its list index, so "
                            "it fails the engine once compaction moved hashed blocks down the list",
                            ("vtoken.integration.vllm.scheduler_tokens", "SchedulerTokens", "check_prefix_hashes",

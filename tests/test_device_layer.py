@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from vtoken.core.block_pool import BlockPool, Purpose
 from vtoken.core.copy_engine import CopyStatus
-from vtoken.core.errors import DestinationError, MoveSourceMismatchError, TokenOutOfRangeError
+from vtoken.core.errors import BlockOutOfRangeError, DestinationError, MoveSourceMismatchError, TokenOutOfRangeError
 from vtoken.core.plan import PlanKind
 from vtoken.core.reclamation import ReclaimConfig, ReclamationManager
 from vtoken.core.token_table import Move, TokenTable
@@ -79,6 +79,22 @@ def test_each_layout_puts_a_token_where_vllm_does():
     assert torch.equal(cpu_rows[5, :, :S].reshape(H, D * S)[:, 2::S], want)
     assert torch.equal(cpu_rows[5, :, S + 2], want)
     assert cache.bytes_per_token == (2 * H * D + 2 * D + 2 * H * D) * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_read_through_the_strided_view_equals_the_element_by_element_read(dtype):
+    """``read`` goes through a plane's strided view (two indices per token) where its layout is affine, which
+    every layout here is (vLLM's GPU layouts, stacked MQA, vLLM's CPU layout with K stored dim-major); the
+    gather path's attention reads through it every layer. It must give exactly what gathering each element
+    gives, and a slot past the cache still raises."""
+    cache, _ = mixed_cache(dtype, seed=3)
+    slots = torch.randperm(NB * S, generator=torch.Generator().manual_seed(1))[: NB * S // 2]
+    for name in cache.plane_names():
+        g, a, b = cache._segment(name)
+        assert g.strided(a, b) is not None, name
+        assert torch.equal(cache.read(name, slots), g.flat[g.index(slots, S, a, b)]), name
+    with pytest.raises(BlockOutOfRangeError):
+        cache.read("l2.K", torch.tensor([NB * S]))
 
 
 def test_layout_shapes_are_checked_with_the_layer_named():

@@ -161,3 +161,28 @@ def test_the_workers_patched_read_lists_equal_the_tables_every_step():
     with planted("worker_ignores_read_moves"):  # a commit's moves arrive as changes too, never as a full list
         with pytest.raises(InvariantViolation, match=r"V2: request '[^']+': the worker's patched read list"):
             F.run_episode(ep)
+
+
+# ---- score policies on the workers' device-side scores (issue #20) ----------------------------------------------
+def _score_episode() -> Episode:
+    """H2O on the dense path (densify: every commit resends the read lists whole), three requests at once and one
+    later, strict verify (the workers' rows travel, and the core's scores choose as the reference)."""
+    text = list(F.corpus()[:400])
+    reqs = [{"id": str(i), "prompt": text[40 * i:40 * i + 48 + 16 * i], "max_tokens": 40, "arrive": arrive,
+             "abort": None, "skip_cache": False} for i, arrive in enumerate((0, 0, 0, 5))]
+    vt = {"policy": "h2o", "budget": 0.5, "strict_verify": "strict", "seed": 1, "read_path": "dense",
+          "reclaim": "densify"}
+    return Episode(0, vt, True, None, reqs)
+
+
+def test_the_workers_device_scores_choose_the_cores_victims_every_step():
+    """Each step the workers record the rows into their device-side scores and rank; under strict verify the
+    core's ``TokenScores`` and H2O choose from the same rows, and the two must agree (V4). Clean on a run that
+    evicts and commits every step; with the workers' ranking one token into the recent window (every victim
+    still live and unprotected: only V4 can tell), the first step it matters fails naming the request."""
+    ep = _score_episode()
+    res = F.run_episode(ep)
+    assert res.stats["evicted"] > 100 and res.stats["plans_committed"] > 20 and res.stats["attention_rows"] > 100
+    with planted("worker_ranks_into_the_window"):
+        with pytest.raises(InvariantViolation, match=r"V4: request '[^']+': the workers' scores chose victims"):
+            F.run_episode(ep)

@@ -1087,6 +1087,18 @@ def _detach_refuses_a_request_with_a_plan_in_flight():
 
 
 @case
+def _eviction_due_refuses_an_unknown_request():
+    rt = running()
+    return (rt,), lambda: rt.eviction_due("zz"), UnknownRequestError, "'zz'"
+
+
+@case
+def _policy_view_refuses_an_unhashable_request():
+    rt = running()
+    return (rt,), lambda: rt.policy_view(["a"]), UnknownRequestError, "['a']"
+
+
+@case
 def _preempt_refuses_an_unknown_request():
     rt = running()
     return (rt,), lambda: rt.preempt("zz"), UnknownRequestError, "'zz'"

@@ -441,3 +441,14 @@ def test_scores_taken_back_when_the_policy_fails_after_a_row():
              [rt.scores.persistence("a", t) for t in range(rt.total_len("a"))])
     assert after == before
     assert any(a != 0.0 for a in before[0])
+
+
+def test_a_rankings_bound_is_the_oldest_recent_token_so_candidates_are_the_live_ids_below_it():
+    from vtoken.core.policies.base import Ranking
+    view = RequestView("r", live=[0, 2, 5, 7, 9], total_len=10, budget=2)
+    assert [Ranking(3, k, ("accumulated",)).bound(view) for k in (0, 1, 2, 5, 6)] == [10, 9, 7, 0, 0]
+    for k in range(7):  # the same candidates as view.candidates(k)
+        b = Ranking(3, k, ("accumulated",)).bound(view)
+        assert [t for t in view.live if t < b] == list(view.candidates(keep_recent=k))
+    assert H2O().ranking(view) == Ranking(3, 1, ("accumulated",))
+    assert Scissorhands().ranking(view) == Ranking(3, 1, ("persistence", "accumulated"))

@@ -602,6 +602,30 @@ def run_cadence(beta: int, steps: int = 9) -> tuple[list[dict], list[int], list[
     return victims, [v.excess for v in policy.views], read
 
 
+def test_eviction_due_and_policy_view_say_before_the_step_ends_what_the_policy_will_be_asked():
+    """What vLLM's scheduler relies on to send the workers a ranking before the forward (``WorkerRanked``)."""
+    policy = Scripted(delegate=StreamingLLM(sinks=1))
+    rt = VTokenRuntime(BlockPool(8, 4, 1), InMemoryCopyEngine(TagStore(8, 4)), policy, 4, evict_every=2)
+    rt.admit("a")
+    due, views = [], []
+    for n in [4, 1, 1, 1]:
+        rt.begin_step({"a": n})
+        due.append(rt.eviction_due("a"))
+        if due[-1]:
+            v = rt.policy_view("a")  # its live tokens are a view of the table: read them now
+            views.append((list(v.live), v.total_len, v.budget, v.excess, v.step, v.protected))
+        victims = rt.end_step()
+    assert due == [False, False, True, False]  # within budget; over by 1 < beta (waits); over by 2; evicted to 4
+    assert views == [([0, 1, 2, 3, 4, 5], 6, 4, 2, 2, frozenset())]
+    [asked] = [a for a in policy.views if a.excess]
+    assert (asked.total_len, asked.budget, asked.excess, asked.step) == (6, 4, 2, 2)
+    assert victims == {}  # the last step waits: over by 1
+    no_policy = VTokenRuntime(BlockPool(8, 4, 1), InMemoryCopyEngine(TagStore(8, 4)), None, 2)
+    no_policy.admit("a")
+    no_policy.begin_step({"a": 8})
+    assert no_policy.eviction_due("a") is False  # 6 over its budget, but nothing evicts
+
+
 def test_a_cadence_of_beta_evicts_beta_tokens_at_once_down_to_the_budget():
     victims, asked, read = run_cadence(3)
     # over by 1 and 2: the request waits and the policy is not asked; at 3 the oldest non-sinks go at once

@@ -32,9 +32,9 @@ def test_compact_and_naive_evict_are_bit_identical_and_compact_holds_fewer_block
     assert w["verified"] == w["relocations"] == compact["scheduler"]["copies_done"] > 0 and w["mismatches"] == 0
     for res in (compact, off):
         assert res["scheduler"]["free"] == res["scheduler"]["blocks"] - 1
-        # score-based policies got one row per request and step (prefill included) but the last: a request
-        # that finishes is freed before its last row arrives; the other policies need none
-        assert res["scheduler"]["attention_rows"] == (3 * 39 if policy in ("h2o", "scissorhands") else 0)
+        # score-based policies: the workers recorded one row per request and step (prefill included, and the
+        # last step of each, which the scheduler no longer needs); the other policies need none
+        assert res["scheduler"]["attention_rows"] == (3 * 40 if policy in ("h2o", "scissorhands") else 0)
 
 
 def test_under_an_eviction_cadence_compact_and_naive_evict_stay_bit_identical():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Set
 from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 from ..checks import check_callable, check_int, check_number
 from ..errors import ConfigError, InvalidArgumentError
@@ -81,6 +81,31 @@ class EvictionPolicy(Protocol):
 
     def select_victims(self, view: RequestView) -> list[int]:
         """Token ids to evict now: live, unprotected, distinct; at most ``view.excess``."""
+        ...
+
+
+class Ranking(NamedTuple):
+    """A score policy's choice as data, for a ranker that holds the scores itself (vLLM's workers rank on the
+    device: ``integration/device/scores.py``). The victims are the ``count`` smallest of
+    ``view.candidates(keep_recent)``, ordered by the scores named in ``keys`` (``"persistence"``,
+    ``"accumulated"``; the first most significant), then by token id, smallest first. The policy's own
+    ``select_victims`` is the reference: it returns exactly these, in this order."""
+
+    count: int
+    keep_recent: int
+    keys: tuple[str, ...]
+
+    def bound(self, view: RequestView) -> int:
+        """The candidates are the live ids below this, less ``view.protected``: O(log L) on a ``LiveTokens``."""
+        n = len(view.live)
+        if self.keep_recent == 0:
+            return view.total_len
+        return view.live[n - self.keep_recent] if n > self.keep_recent else 0
+
+
+class RankedPolicy(EvictionPolicy, Protocol):
+    def ranking(self, view: RequestView) -> Ranking:
+        """What ``select_victims(view)`` chooses, as a ``Ranking`` (with ``view.excess`` > 0)."""
         ...
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from .base import RequestView, check_policy_params
+from .base import Ranking, RequestView, check_policy_params
 
 
 @dataclass(frozen=True)
@@ -16,10 +16,13 @@ class H2O:
     def __post_init__(self) -> None:
         check_policy_params(self, fractions=("recent_fraction",))
 
+    def ranking(self, view: RequestView) -> Ranking:
+        return Ranking(view.excess, max(1, int(view.budget * self.recent_fraction)), ("accumulated",))
+
     def select_victims(self, view: RequestView) -> list[int]:
         if not view.excess:
             return []
-        recent = max(1, int(view.budget * self.recent_fraction))
+        rank = self.ranking(view)
         # lowest accumulated attention first, older first among equals: the candidates ascend and nsmallest is
         # stable (a heap of the excess, no full sort; one candidate, the usual decode step: one C min)
-        return heapq.nsmallest(view.excess, view.candidates(keep_recent=recent), key=view.accumulated)
+        return heapq.nsmallest(rank.count, view.candidates(keep_recent=rank.keep_recent), key=view.accumulated)

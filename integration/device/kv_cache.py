@@ -41,6 +41,7 @@ class Group:
     segments: list[tuple[int, int]] = field(default_factory=list)
 
     run: int = 1  # elements per contiguous, aligned run: moves index rows of ``run`` elements, not elements
+    _strided: dict = field(default_factory=dict)  # (a, b) -> the range's strided view, or None (``strided``)
 
     @property
     def elems(self) -> int:
@@ -55,6 +56,38 @@ class Group:
         """Row indices ``[len(slots), E / run]`` into ``flat`` viewed as rows of ``run`` elements."""
         r = self.run
         return (self.offsets[:, ::r][slots % block_size] + (slots // block_size).unsqueeze(1) * self.stride[::r]) // r
+
+    def strided(self, a: int, b: int) -> torch.Tensor | None:
+        """Canonical elements [a, b) of every slot as a strided view ``[blocks, S, rows, cols]`` of ``flat``, if
+        their layout is affine: element e of the token at (block n, offset o) at ``base + n * block_stride +
+        o * token_stride + (e // cols) * row_stride + (e % cols) * col_stride`` (vLLM's layouts are: heads are
+        the rows, head_dim the columns). None if no such factorisation holds. Computed once per range."""
+        key = (a, b)
+        if key not in self._strided:
+            self._strided[key] = self._find_strided(a, b)
+        return self._strided[key]
+
+    def _find_strided(self, a: int, b: int) -> torch.Tensor | None:
+        off, st = self.offsets[:, a:b], self.stride[a:b]
+        S, E = off.shape
+        if E == 0 or not bool((st == st[0]).all()):
+            return None
+        base, g = int(off[0, 0]), off[0] - off[0, 0]
+        token = int(off[1, 0] - off[0, 0]) if S > 1 else 0
+        if not torch.equal(off, off[0] + token * torch.arange(S).unsqueeze(1)):
+            return None
+        e = torch.arange(E)
+        for cols in (d for d in range(E, 0, -1) if E % d == 0):
+            col = int(g[1]) if cols > 1 else 0
+            row = int(g[cols]) if cols < E else 0
+            if torch.equal(g, (e // cols) * row + (e % cols) * col):
+                if min(token, row, col) < 0 or int(st[0]) <= 0:
+                    return None
+                # as many blocks as the storage holds whole (the cache checks its slots; one past them faults)
+                nb = (self.flat.numel() - base - (S - 1) * token - int(g.max()) - 1) // int(st[0]) + 1
+                return self.flat.as_strided((nb, S, E // cols, cols), (int(st[0]), token, row, col),
+                                            self.flat.storage_offset() + base)
+        return None
 
     def row_view(self) -> torch.Tensor:
         """The storage's bits (an integer dtype of the same width: moves are bit-exact and work for every
@@ -239,6 +272,11 @@ class PagedKVCache:
         g.flat[g.index(slots, self.block_size, a, b)] = values.reshape(slots.numel(), b - a).to(g.flat.dtype)
 
     def read(self, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """Plane ``name`` of the tokens at ``slots``, ``[len(slots), heads * head_dim]``: through the plane's
+        strided view where its layout has one (``Group.strided``: every layout vLLM uses), else element by element."""
         g, a, b = self._segment(name)
         slots = self._slots(slots)
+        view = g.strided(a, b)
+        if view is not None:  # two indices per token (block, offset), not one per element
+            return view[slots // self.block_size, slots % self.block_size].reshape(len(slots), b - a)
         return g.flat[g.index(slots, self.block_size, a, b)]

@@ -100,11 +100,14 @@ class VTokenWorkerMeta(KVConnectorWorkerMetadata):
     mismatches: int = 0
     audited: int = 0  # write slots checked against the scheduler's token tables
     seconds: float = 0.0  # worker-side time in vtoken
-    attention: dict = field(default_factory=dict)  # request -> (token ids, weights): H2O / Scissorhands
+    victims: dict = field(default_factory=dict)  # request -> victims ranked on the worker: H2O / Scissorhands
+    scored: int = 0  # attention rows recorded into the workers' scores this step
+    attention: dict = field(default_factory=dict)  # strict verify: request -> (token ids, weights), the reference's
 
     def aggregate(self, other: VTokenWorkerMeta) -> VTokenWorkerMeta:
         return VTokenWorkerMeta(self.done + other.done, self.failed + other.failed, self.verified + other.verified, self.mismatches + other.mismatches,
                                 self.audited + other.audited, max(self.seconds, other.seconds),
+                                {**self.victims, **other.victims}, max(self.scored, other.scored),
                                 {**self.attention, **other.attention})
 
 
@@ -181,7 +184,10 @@ class VTokenConnector(KVConnectorBase_V1):
             w.mismatches += meta.mismatches
             w.audited += meta.audited
             w.seconds += meta.seconds
-        self.tokens.after_step(meta.attention if isinstance(meta, VTokenWorkerMeta) else None)
+        if isinstance(meta, VTokenWorkerMeta):
+            self.tokens.after_step(meta.attention, meta.victims, meta.scored)
+        else:
+            self.tokens.after_step()
         if self.settings.strict_verify == "strict":
             periodic = self.step % POOL_CHECK_EVERY == 0  # O(pool) and O(hashed blocks x S): not every step
             self.tokens.check(pool=periodic, requests=self.scheduler.requests if periodic else None)
@@ -291,11 +297,13 @@ class VTokenConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> VTokenWorkerMeta | None:
         w, c = self._worker(), self.engine.verifier.counters
         done, failed = w.take_reports()
+        victims, rows, scored = w.take_scores() if w.scores is not None else ({}, {}, 0)  # timed in w.seconds
         now = VTokenWorkerMeta(done, failed, c.verified, c.mismatches, w.audited, w.seconds)
         last, self._reported = self._reported, now
         delta = VTokenWorkerMeta(done, failed, now.verified - last.verified, now.mismatches - last.mismatches,
-                                 now.audited - last.audited, now.seconds - last.seconds, w.take_attention())
-        if not (done or failed or delta.verified or delta.mismatches or delta.audited or delta.seconds or delta.attention):
+                                 now.audited - last.audited, now.seconds - last.seconds, victims, scored, rows)
+        if not (done or failed or delta.verified or delta.mismatches or delta.audited or delta.seconds or victims
+                or scored):
             return None  # nothing to report: no per-step traffic
         return delta
 

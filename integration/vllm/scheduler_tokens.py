@@ -10,15 +10,18 @@ drive it (``connector.py``):
                         tables (Algorithm 1 line 1) at each request's cursor, run the relocation
                         drill, and hand the workers: copies planned after step k-1, block lists
                         those copies changed, each request's ``gap``, how its read list changed
-                        (gather path, score policies: ``ReadDelta``), and (strict verify) the
-                        write slots the tables assigned, for the workers to audit.
+                        (gather path, score policies: ``ReadDelta``), (score policies) the
+                        victims to rank for each request due to evict (``Ranking``), and (strict
+                        verify) the write slots the tables assigned, for the workers to audit.
   execute_model k       the workers copy (before ``_prepare_inputs``), rewrite block tables, and
                         map slots through the table: ``seq_len = live + new``, write slot of
                         logical position p = position p - gap; ``positions`` stay logical (RoPE).
   update_connector_output  ``after_step``: the workers' copy reports, then Algorithm 1 lines 2, 3
                         and 5 (choose victims, evict, plan ``densify``) for requests past their
-                        prompt; plans commit at once (``WorkerCopyEngine``: ORDERED) and the
-                        emptied tail blocks go back to vLLM's pool before schedule k+1.
+                        prompt (a score policy's victims are the ones the workers ranked, checked
+                        against the core's choice under strict verify: ``WorkerRanked``); plans
+                        commit at once (``WorkerCopyEngine``: ORDERED) and the emptied tail blocks
+                        go back to vLLM's pool before schedule k+1.
 
 Bridge invariants (asserted every step): for every tracked request the table's block list is a
 prefix of vLLM's ``req_to_blocks`` (equal after sync), and the table's length equals vLLM's
@@ -28,12 +31,12 @@ prefix of vLLM's ``req_to_blocks`` (equal after sync), and the table's length eq
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vtoken.core.block_pool import Purpose
 from vtoken.core.errors import InvariantViolation
 from vtoken.core.plan import PlanKind
-from vtoken.core.policies.base import RenamedRequests
+from vtoken.core.policies.base import RankedPolicy, RenamedRequests, RequestView
 from vtoken.core.policies.h2o import H2O
 from vtoken.core.policies.random_policy import RandomPolicy
 from vtoken.core.policies.scissorhands import Scissorhands
@@ -96,6 +99,9 @@ class StepOrders:
     gaps: dict[str, int] = field(default_factory=dict)  # logical position - physical position (> 0 only)
     write_slots: dict[str, list[int]] = field(default_factory=dict)  # strict verify: the table's write slots
     read: dict[str, ReadDelta] = field(default_factory=dict)  # gather, scores: each request's read list, as a change
+    # score policies: request -> (Ranking, its candidates' id bound, protected ids), for each request due to evict
+    rank: dict[str, tuple] = field(default_factory=dict)
+    rows: bool = False  # strict verify, score policies: the workers send their attention rows too
     forget: list[str] = field(default_factory=list)  # requests that left since the last orders: drop their copies
 
 
@@ -110,6 +116,59 @@ class ReadDelta:
     changes: ReadChanges
     full: tuple[list[int], list[int]] | None = None  # (slots, ids)
     check: tuple[list[int], list[int]] | None = None  # (slots, ids)
+
+
+class WorkerRanked:
+    """The runtime's policy when a score policy's scores live on the workers (H2O, Scissorhands inside vLLM).
+
+    At ``on_schedule`` the scheduler sends each request due to evict the policy's ``Ranking`` (O(1) per request);
+    after the forward the workers record the step's rows into their ``DeviceScores`` and rank, and their victims
+    reach ``victims`` before the runtime asks. This policy answers with them (the runtime's checks of any policy's
+    answer still apply: live, unprotected, distinct, within the excess). With ``check`` (strict verify) the rows
+    travel as well, the core's ``TokenScores`` record them, and the reference policy must choose the same victims
+    in the same order (V4): the core's pure-Python scores stay the oracle of the device's.
+
+    NOTE: a ranking is fixed when it is sent, and only the protected tokens can change before the runtime asks:
+    a request that shared the blocks may finish in the same step, and its blocks stop being shared before
+    ``after_step``. Protection only shrinks then (nothing is admitted in between), so the workers' victims are still
+    unprotected; the reference decides from the protected set the ranking was sent with (found by the vLLM fuzzer:
+    a prefix-sharing request finishing in the step that evicts)."""
+
+    def __init__(self, policy: RankedPolicy, names: dict, check: bool) -> None:
+        self.ranked = policy
+        self.reference = RenamedRequests(policy, names)
+        self.check = check
+        self.victims: dict[str, list[int]] = {}  # this step's, from the workers
+        self.sent: dict[str, frozenset[int]] = {}  # this step's rankings' protected tokens
+
+    @property
+    def name(self) -> str:
+        return self.ranked.name
+
+    def order(self, view: RequestView) -> tuple:
+        """What the workers need to rank ``view``'s request: O(log L), plus the protected ids (dense path, shared
+        blocks only)."""
+        rank = self.ranked.ranking(view)
+        self.sent[view.req_id] = view.protected
+        return rank, rank.bound(view), tuple(sorted(view.protected))
+
+    def select_victims(self, view: RequestView) -> list[int]:
+        if not view.excess:
+            return []
+        got = self.victims.pop(view.req_id, None)
+        if got is None:
+            raise InvariantViolation("V4", f"request {view.req_id!r} is {view.excess} token(s) over its budget, but "
+                                           f"the workers ranked no victims for it")
+        sent = self.sent.get(view.req_id, view.protected)
+        if not view.protected <= sent:
+            raise InvariantViolation("V4", f"request {view.req_id!r}: tokens {sorted(view.protected - sent)[:8]} "
+                                           f"became protected after its ranking was sent to the workers")
+        if self.check:
+            want = self.reference.select_victims(view if sent == view.protected else replace(view, protected=sent))
+            if got != want:
+                raise InvariantViolation("V4", f"request {view.req_id!r}: the workers' scores chose victims {got[:8]}, "
+                                               f"the core's {want[:8]} ({self.name}, {len(view.live)} live tokens)")
+        return got
 
 
 @dataclass
@@ -146,8 +205,11 @@ class SchedulerTokens:
         self.read_path = ReadPath(settings.read_path)
         # the name a policy sees (and seeds with): the arrival order, not vLLM's random request ids
         self.policy_names: dict[str, int] = {}
+        self.ranked = WorkerRanked(policy(), self.policy_names, settings.strict_verify == "strict") \
+            if settings.policy in SCORE_POLICIES else None
         self.rt = VTokenRuntime(self.allocator, self.engine,
-                                RenamedRequests(policy(), self.policy_names) if policy else None, settings.budget,
+                                self.ranked or (RenamedRequests(policy(), self.policy_names) if policy else None),
+                                settings.budget,
                                 reclaim_config(settings), self.read_path, seed=settings.seed,
                                 ordering=Ordering.EVENT if settings.reclaim == "off" else None,
                                 evict_every=settings.evict_every)
@@ -156,6 +218,7 @@ class SchedulerTokens:
         self.first_evicted: dict[str, int] = {}
         self._layouts: dict[str, list[int]] = {}  # changed by commits since the last step's orders
         self._forgotten: list[str] = []  # requests forgotten since the last step's orders (the workers drop them)
+        self._scheduled: set[str] = set()  # score policies: the requests of the step in flight
         self.stats = TokenStats()
         manager_hooks.install(self.manager, self)
 
@@ -229,11 +292,28 @@ class SchedulerTokens:
                 orders.write_slots[r] = slots[len(slots) - scheduled:]  # a prefix hit's tokens are not rewritten
             if reads:
                 orders.read[r] = self._read_delta(r, check)
+        if self.ranked is not None:
+            self._rank_orders(orders, [r for r, _, _ in syncs])
         if self.settings.strict_verify == "strict":
             check_copies_sent(rt, self.engine)
         self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - t0
         return orders
+
+    def _rank_orders(self, orders: StepOrders, scheduled: list[str]) -> None:
+        """Score policies: each scheduled request ``after_step`` will ask victims of (past its prompt and due by
+        the cadence, as it stands after this step's sync; nothing but its protected tokens changes before
+        ``after_step``: ``WorkerRanked``), with its ranking.
+
+        NOTE: only this step's requests: a request vLLM did not schedule has no new row, and the workers' copy of
+        its read list has not seen its last evictions (they travel with its next step's orders), so it is not
+        asked either (``after_step``): its victims wait for its next step."""
+        rt = self.rt
+        self._scheduled = set(scheduled)
+        for r in scheduled:
+            if rt.total_len(r) >= self.prompt_len[r] and rt.eviction_due(r):
+                orders.rank[r] = self.ranked.order(rt.policy_view(r))
+        orders.rows = self.ranked.check
 
     def _read_delta(self, r: str, check: bool) -> ReadDelta:
         """The change of ``r``'s read list since its previous step's (``VTokenRuntime.read_changes``): O(what
@@ -285,15 +365,22 @@ class SchedulerTokens:
         self.stats.copies_failed += len(failed)
         return corrupted
 
-    def after_step(self, attention: dict | None = None) -> dict[str, list[int]]:
-        """Evict and reclaim after a forward; ``attention``: the workers' rows for score-based policies (requests
-        that left meanwhile are dropped). Returns each request's victims."""
+    def after_step(self, attention: dict | None = None, ranked: dict | None = None, scored: int = 0
+                   ) -> dict[str, list[int]]:
+        """Evict and reclaim after a forward. Score policies: ``ranked``, the victims the workers ranked;
+        ``scored``, the rows they recorded; ``attention`` (strict verify), those rows, for the core's reference
+        scores. Requests that left meanwhile are dropped. Returns each request's victims."""
         t0 = time.perf_counter()
         rt = self.rt
         decoding = [r for r in rt.running() if rt.total_len(r) >= self.prompt_len[r]]
         rows = {r: row for r, row in (attention or {}).items() if r in rt}
+        if self.ranked is not None:
+            decoding = [r for r in decoding if r in self._scheduled]  # what was ranked (``_rank_orders``)
+            self.ranked.victims = dict(ranked or {})
         victims = rt.evict_and_reclaim(decoding, rows)
-        self.stats.attention_rows += len(rows)
+        if self.ranked is not None:
+            self.ranked.victims, self.ranked.sent = {}, {}
+        self.stats.attention_rows += scored
         for r, chosen in victims.items():
             self.first_evicted[r] = min(self.first_evicted.get(r, chosen[0]), min(chosen))
             self.stats.evicted += len(chosen)

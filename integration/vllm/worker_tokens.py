@@ -14,7 +14,12 @@ Per step (``apply``, called from ``handle_preemptions``, before ``_update_states
   2. install the block lists those copies changed (the worker's list and the block-table row);
   3. remember the step's gaps (and, under strict verify, the table's write slots to audit);
   4. patch each request's read list by the step's change of it (gather path, score policies: evictions, a
-     commit's moves, appends): only a first step or a log overflow resends it whole; strict verify sends it whole every ``READ_CHECK_EVERY`` steps to check the copy.
+     commit's moves, appends): only a first step or a log overflow resends it whole; strict verify sends it whole
+     every ``READ_CHECK_EVERY`` steps to check the copy. Score policies' statistics (``DeviceScores``) are aligned
+     with the read list and patched with it;
+  5. after the forward (``take_scores``): record the step's attention rows into those statistics and rank the
+     victims the scheduler asked for (``StepOrders.rank``); only the victims go back (and, under strict verify,
+     the rows, for the scheduler's reference scores).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.errors import InvariantViolation
 
 from ..device.copy_engine import TorchCopyEngine
+from ..device.scores import DeviceScores
 from .compat import UnsupportedConfigError
 
 
@@ -77,6 +83,10 @@ class WorkerTokens:
         # whole except on a first step or a log overflow: the paper's device-resident lookup cache (§3.2)
         self.reads: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.reading = False  # this step's orders carried read lists: attention reads through them
+        # H2O, Scissorhands: per-request scores aligned with the read lists, and this step's rankings to run
+        self.scores = DeviceScores() if scored_layers else None
+        self.ranks: dict = {}
+        self.send_rows = False  # strict verify: the rows travel too, for the scheduler's reference scores
         self.read_plan: ReadPlan | None = None  # gather read path: what attention reads this step
         self.audit: dict[str, list[int]] = {}
         self.done: list[int] = []
@@ -101,6 +111,9 @@ class WorkerTokens:
         self.audit = orders.write_slots
         for rid in orders.forget:
             self.reads.pop(rid, None)
+            if self.scores is not None:
+                self.scores.drop(rid)
+        self.ranks, self.send_rows = orders.rank, orders.rows
         for rid, delta in orders.read.items():
             self._patch_read(rid, delta)
         self.reading = bool(orders.read)
@@ -113,7 +126,10 @@ class WorkerTokens:
         c = d.changes
         if d.full is not None:
             slots, ids = d.full
+            old = self.reads.get(rid)
             self.reads[rid] = (torch.tensor(slots, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64), c.version)
+            if self.scores is not None:  # each token keeps its scores, found by id
+                self.scores.realign(rid, None if old is None else old[1], self.reads[rid][1])
         else:
             have = self.reads.get(rid)
             if have is None or have[2] != c.since:
@@ -134,9 +150,13 @@ class WorkerTokens:
                     raise InvariantViolation("V2", f"request {rid!r}: evicted tokens {list(c.evicted)[:8]} are not "
                                                    f"all in the worker's read list")
                 slots, ids = slots[keep], ids[keep]
+                if self.scores is not None:
+                    self.scores.keep(rid, keep)
             if c.joined:
                 slots = torch.cat((slots, torch.tensor(c.joined_slots, dtype=torch.int64)))
                 ids = torch.cat((ids, torch.tensor(c.joined, dtype=torch.int64)))
+                if self.scores is not None:
+                    self.scores.extend(rid, len(c.joined))
             self.reads[rid] = (slots, ids, c.version)
         if d.check is not None:
             slots, ids, _ = self.reads[rid]
@@ -199,16 +219,30 @@ class WorkerTokens:
         rows = [torch.zeros(len(ids), dtype=torch.float64) for _, _, _, ids, _ in reqs] if self.scored_layers else None
         return ReadPlan(self.engine.cache, reqs, rows, self.scored_layers, decode=_decode_batch(reqs))
 
-    def take_attention(self) -> dict[str, tuple[list[int], list[float]]]:
-        """This step's attention rows (token ids read, weights summing to 1), for the scheduler's scores."""
-        plan = self.read_plan
-        if plan is None or plan.rows is None or not plan.layers:
-            return {}
-        batch = self.runner.input_batch
-        out = {rid: (ids.tolist(), (row / plan.layers).tolist())
-               for rid, (_, _, _, ids, _), row in zip(batch.req_ids, plan.requests, plan.rows)}
-        plan.rows, plan.layers = None, 0  # reported once
-        return out
+    def take_scores(self) -> tuple[dict[str, list[int]], dict[str, tuple[list[int], list[float]]], int]:
+        """After the forward: record this step's attention rows (mean over heads and scored layers) into the
+        requests' scores, then rank the victims of every request the scheduler sent a ranking for. Returns (the
+        victims, per request; under strict verify the rows as (token ids, weights), else nothing; how many rows
+        were recorded). Host work: the victims (and the rows only when they travel)."""
+        t0 = time.perf_counter()
+        plan, rows, recorded = self.read_plan, {}, 0
+        if plan is not None and plan.rows is not None and plan.layers:
+            batch = self.runner.input_batch
+            for rid, (_, _, _, ids, _), row in zip(batch.req_ids, plan.requests, plan.rows):
+                row = row / plan.layers if plan.layers > 1 else row  # x / 1 is x: one op less per request
+                self.scores.record(rid, row)
+                recorded += 1
+                if self.send_rows:
+                    rows[rid] = (ids.tolist(), row.tolist())
+            plan.rows, plan.layers = None, 0  # recorded once
+        victims = {}
+        # NOTE: ascending: a read list is in logical order (a full list is; evictions keep the order; joined tokens
+        # are newer than every other; moves change slots only), so the candidates are a prefix of it
+        for rid, (ranking, bound, protected) in self.ranks.items():
+            victims[rid] = self.scores.rank(rid, self.reads[rid][1], ranking, bound, protected, ascending=True)
+        self.ranks = {}
+        self.seconds += time.perf_counter() - t0
+        return victims, rows, recorded
 
     def _audit(self, num_tokens: int) -> None:
         """Strict verify: the write slots vLLM will use are exactly the ones the scheduler's table assigned."""

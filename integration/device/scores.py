@@ -1,0 +1,127 @@
+"""Attention statistics where attention is computed: H2O's and Scissorhands' scores as tensors, and their ranking.
+
+The core's ``TokenScores`` (two ``array('f')`` per request, fed one host-side row per step) is the reference;
+``DeviceScores`` keeps the same two statistics per request as float32 tensors aligned with the worker's copy of
+the request's read list (token ids, the order the list has), and updates them with the same arithmetic:
+
+  accumulated(t)  <- float32(float64(accumulated(t)) + w_t)
+  persistence(t)  <- float32(float64(persistence(t)) * decay + (1 if w_t >= 1/n else 0))
+
+with w the row in float64 and n its length. Each step is two separate float64 operations rounded once to
+float32, as the core's ``acc[t] += w`` and ``per[t] * d + ...`` are in Python (no fused multiply-add), so the
+values are bit for bit the core's. ``rank`` then picks a ``Ranking`` (``core/policies/base.py``) from them: the
+``count`` smallest candidates by the ranking's keys, then by id, which is exactly what the policy's
+``select_victims`` returns over the same scores (oracle: ``tests/test_device_scores.py``; inside vLLM, strict
+verify compares the two every step, V4).
+
+Aligned with the read list, the scores follow relocations for free: a move changes a token's slot, not its
+place in the list. What changes the list changes the scores alongside: evicted tokens' entries are masked out,
+joined tokens get zeros (as ``TokenScores.extend`` gives them), a list resent whole is matched by token id.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vtoken.core.errors import InvariantViolation
+from vtoken.core.policies.base import Ranking
+from vtoken.core.scores import TokenScores
+
+# two keys: each score's float32 bits (31 bits: scores are finite and >= 0), the first key most significant
+_KEY_BITS = 31
+_SCORES = ("accumulated", "persistence")
+
+
+class DeviceScores:
+    def __init__(self, window: int = 32) -> None:
+        self.decay = TokenScores(window).decay  # the core's decay for the same window, computed the same way
+        self._acc: dict[str, torch.Tensor] = {}
+        self._per: dict[str, torch.Tensor] = {}
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._acc
+
+    def drop(self, rid: str) -> None:
+        self._acc.pop(rid, None)
+        self._per.pop(rid, None)
+
+    def values(self, rid: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accumulated, persistence), aligned with the request's read list."""
+        return self._acc[rid], self._per[rid]
+
+    # ---- what changes the read list changes the scores ------------------------------------------------
+    def realign(self, rid: str, old_ids: torch.Tensor | None, new_ids: torch.Tensor) -> None:
+        """The read list was replaced by ``new_ids``: each token keeps its scores, matched by id in the list it
+        replaces (``old_ids``, the ids the scores are aligned with; None for none); a token new to the list starts
+        at zero. O(L log L) in torch."""
+        acc = torch.zeros(len(new_ids), dtype=torch.float32, device=new_ids.device)
+        per = torch.zeros_like(acc)
+        if old_ids is not None and len(old_ids) and len(new_ids) and rid in self._acc:
+            old_acc, old_per = self._acc[rid], self._per[rid]
+            if len(old_acc) != len(old_ids):
+                raise InvariantViolation("V4", f"request {rid!r}: {len(old_acc)} scores for a read list of "
+                                               f"{len(old_ids)} tokens")
+            order = torch.argsort(old_ids)
+            sorted_ids = old_ids[order]
+            at = torch.searchsorted(sorted_ids, new_ids).clamp_(max=len(old_ids) - 1)
+            found = sorted_ids[at] == new_ids
+            src = order[at[found]]
+            acc[found], per[found] = old_acc[src], old_per[src]
+        self._acc[rid], self._per[rid] = acc, per
+
+    def keep(self, rid: str, keep: torch.Tensor) -> None:
+        """Evictions: the read list kept the entries where ``keep`` (bool, aligned) is set."""
+        self._acc[rid], self._per[rid] = self._acc[rid][keep], self._per[rid][keep]
+
+    def extend(self, rid: str, n: int) -> None:
+        """``n`` tokens joined the end of the read list, with no attention yet."""
+        z = torch.zeros(n, dtype=torch.float32, device=self._acc[rid].device)
+        self._acc[rid], self._per[rid] = torch.cat((self._acc[rid], z)), torch.cat((self._per[rid], z))
+
+    # ---- a step's attention, and the victims it ranks ---------------------------------------------------
+    def record(self, rid: str, row: torch.Tensor) -> None:
+        """One attention row (float64, aligned with the read list), as ``TokenScores.record`` takes it."""
+        acc, per = self._acc[rid], self._per[rid]
+        if row.shape != acc.shape:
+            raise InvariantViolation("V4", f"request {rid!r}: an attention row of {tuple(row.shape)} for "
+                                           f"{len(acc)} scored tokens")
+        if not len(row):
+            return
+        above = row >= 1.0 / len(row)  # the mean, computed as TokenScores._apply does
+        self._acc[rid] = acc.to(torch.float64).add_(row).to(torch.float32)
+        self._per[rid] = per.to(torch.float64).mul_(self.decay).add_(above).to(torch.float32)
+
+    def rank(self, rid: str, ids: torch.Tensor, ranking: Ranking, bound: int, protected: tuple[int, ...] = (),
+             ascending: bool = False) -> list[int]:
+        """The victims ``ranking`` picks among the read list's tokens (``ids``, aligned with the scores): those
+        below ``bound`` (``Ranking.bound``) and not ``protected``, the ``ranking.count`` smallest by the keys
+        then by id, in that order. ``ascending``: the caller's promise that ``ids`` ascend (vLLM's read lists are
+        in logical order), so the candidates are a prefix and already in id order. O(L log L) in torch, O(L) for
+        one victim; only the victims reach the host."""
+        if ranking.count <= 0:
+            return []
+        if not 1 <= len(ranking.keys) <= 2 or any(k not in _SCORES for k in ranking.keys):
+            raise InvariantViolation("V4", f"request {rid!r}: cannot rank by {ranking.keys!r} (at most two of "
+                                           f"{_SCORES})")
+        scores = {"accumulated": self._acc[rid], "persistence": self._per[rid]}
+        if len(ranking.keys) == 1:  # the score itself: float order is the core's (-0.0 == 0.0 included)
+            key = scores[ranking.keys[0]]
+        else:  # both scores' float32 bits in one int64 (+ 0.0 turns -0.0 into +0.0, whose bits order as it does)
+            first, second = (scores[k] + 0.0 for k in ranking.keys)
+            key = (first.view(torch.int32).to(torch.int64) << _KEY_BITS) | second.view(torch.int32).to(torch.int64)
+        if ascending:
+            k = int(torch.searchsorted(ids, torch.tensor(bound, dtype=ids.dtype, device=ids.device)))
+            c_ids, c_key = ids[:k], key[:k]
+        else:
+            candidate = ids < bound
+            c_ids, c_key = ids[candidate], key[candidate]
+            by_id = torch.argsort(c_ids, stable=True)  # ties go to the older token: sort by id, then stably by key
+            c_ids, c_key = c_ids[by_id], c_key[by_id]
+        if protected:
+            keep = ~torch.isin(c_ids, torch.tensor(protected, dtype=ids.dtype, device=ids.device))
+            c_ids, c_key = c_ids[keep], c_key[keep]
+        if not len(c_ids):
+            return []
+        if ranking.count == 1:  # argmin returns the first of equal minima: the oldest
+            return [int(c_ids[torch.argmin(c_key)])]
+        return c_ids[torch.sort(c_key, stable=True).indices[: ranking.count]].tolist()

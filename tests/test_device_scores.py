@@ -1,0 +1,126 @@
+"""The device-side scores (``integration/device/scores.py``) against the core's reference, on the same rows.
+
+A seeded episode drives one request's read list the way vLLM's worker sees it: tokens join, some are evicted,
+the list is now and then resent whole in another order (the dense path's position order), and every step an
+attention row arrives. The core's ``TokenScores`` records the same rows by token id. After every step both
+must hold bit-identical scores, and ``DeviceScores.rank`` must return what H2O's and Scissorhands'
+``select_victims`` return, in the same order, for random budgets, windows and protected tokens.
+"""
+
+import random
+import struct
+
+import pytest
+import torch
+
+from vtoken.core.policies.base import RequestView
+from vtoken.core.policies.h2o import H2O
+from vtoken.core.policies.scissorhands import Scissorhands
+from vtoken.core.scores import TokenScores
+from vtoken.integration.device.scores import DeviceScores
+
+POLICIES = [H2O(), H2O(recent_fraction=0.0), H2O(recent_fraction=0.9), Scissorhands(),
+            Scissorhands(recent_fraction=0.0)]
+
+
+def f32_bits(xs) -> list[int]:
+    return [struct.unpack("<I", struct.pack("<f", x))[0] for x in xs]
+
+
+def row_for(rng: random.Random, n: int) -> list[float]:
+    """Softmax-like weights; a third of the rows coarse (many exact ties), some exact zeros."""
+    if rng.random() < 0.33:
+        w = [rng.choice((0.0, 1.0, 1.0, 2.0)) for _ in range(n)]
+    else:
+        w = [rng.random() ** 3 for _ in range(n)]
+    s = sum(w) or 1.0
+    return [x / s for x in w]
+
+
+def episode(seed: int, steps: int = 60, accumulate=None):
+    """Yields (device, reference, ids, live, total) after each step; ``accumulate`` replaces the device's record
+    (a planted arithmetic) when given."""
+    rng = random.Random(seed)
+    dev, ref = DeviceScores(), TokenScores()
+    ref.add_request("r")
+    if accumulate is not None:
+        dev.record = accumulate.__get__(dev)
+    total = rng.randint(1, 40)
+    ids = torch.arange(total, dtype=torch.int64)
+    dev.realign("r", None, ids)
+    ref.extend("r", total)
+    for _ in range(steps):
+        if rng.random() < 0.5 and len(ids) > 2:  # evictions
+            gone = set(rng.sample(ids.tolist(), rng.randint(1, max(1, len(ids) // 4))))
+            keep = torch.tensor([t not in gone for t in ids.tolist()])
+            ids = ids[keep]
+            dev.keep("r", keep)
+        joined = rng.randint(0, 3)  # decode appends one; a prefill chunk several
+        if joined:
+            ids = torch.cat((ids, torch.arange(total, total + joined, dtype=torch.int64)))
+            dev.extend("r", joined)
+            total += joined
+            ref.extend("r", total)
+        if rng.random() < 0.15:  # resent whole, in another order, or in logical order again
+            old = ids
+            ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(rng.randrange(2**31)))]
+            if rng.random() < 0.5:
+                ids = ids.sort().values
+            dev.realign("r", old, ids)
+        w = row_for(rng, len(ids))
+        dev.record("r", torch.tensor(w, dtype=torch.float64))
+        ref.record("r", ids.tolist(), w)
+        yield dev, ref, ids, sorted(ids.tolist()), total, rng
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_device_scores_equal_the_cores_bit_for_bit_and_rank_the_same_victims(seed):
+    ranked = single = fast = 0
+    for dev, ref, ids, live, total, rng in episode(seed):
+        acc, per = dev.values("r")
+        assert f32_bits(acc.tolist()) == f32_bits(ref.accumulated("r", t) for t in ids.tolist())
+        assert f32_bits(per.tolist()) == f32_bits(ref.persistence("r", t) for t in ids.tolist())
+        a, p = ref.readers("r")
+        protected = frozenset(rng.sample(live, rng.randint(0, 2)) if live and rng.random() < 0.3 else ())
+        view = RequestView("r", live, total, budget=rng.randint(1, max(1, len(live))), accumulated=a,
+                           persistence=p, protected=protected)
+        if not view.excess:
+            continue
+        for policy in POLICIES:
+            rk = policy.ranking(view)
+            want = policy.select_victims(view)
+            assert dev.rank("r", ids, rk, rk.bound(view), tuple(sorted(protected))) == want, (seed, policy)
+            if ids.tolist() == live:  # vLLM's lists are in logical order: the prefix fast path
+                assert dev.rank("r", ids, rk, rk.bound(view), tuple(sorted(protected)), ascending=True) == want
+                fast += 1
+            ranked += bool(want)
+            single += len(want) == 1
+    assert ranked > 20 and single > 2 and fast > 20  # the comparison ran on real choices, both paths, one and many
+
+
+def test_a_float32_accumulation_is_not_the_cores_arithmetic():
+    """Teeth: adding the row in float32 (rounding each weight first) drifts from the reference."""
+    def float32_record(self, rid, row):
+        self._acc[rid] = self._acc[rid] + row.to(torch.float32)
+        self._per[rid] = self._per[rid] * self.decay + (row >= 1.0 / len(row)).to(torch.float32)
+
+    drifted = 0
+    for seed in range(4):
+        for dev, ref, ids, *_ in episode(seed, accumulate=float32_record):
+            acc = dev.values("r")[0].tolist()
+            drifted += f32_bits(acc) != f32_bits(ref.accumulated("r", t) for t in ids.tolist())
+    assert drifted > 0
+
+
+def test_ranking_breaks_ties_by_the_older_token_and_keeps_the_recent_window():
+    dev = DeviceScores()
+    ids = torch.tensor([5, 1, 3, 0, 4, 2], dtype=torch.int64)  # a position order
+    dev.realign("r", None, ids)
+    dev.record("r", torch.tensor([0.5, 0.0, 0.25, 0.0, 0.25, 0.0], dtype=torch.float64))
+    view = RequestView("r", list(range(6)), 6, budget=2)
+    rk = H2O(recent_fraction=0.5).ranking(view)  # excess 4, keep the newest 1 (id 5)
+    assert (rk.count, rk.keep_recent, rk.bound(view)) == (4, 1, 5)
+    assert dev.rank("r", ids, rk, rk.bound(view)) == [0, 1, 2, 3]  # zeros by id, then 3 (0.25) before 4
+    assert dev.rank("r", ids, rk, rk.bound(view), protected=(1,)) == [0, 2, 3, 4]
+    one = rk._replace(count=1)
+    assert dev.rank("r", ids, one, rk.bound(view)) == [0]  # the oldest of equal minima
