@@ -304,7 +304,7 @@ def _ranks_into_the_window(real):
     """The worker's ranking counts the candidates' bound as a candidate (``<=`` for ``<``): the oldest token of
     the recent window may be chosen, and a newly joined token has the least attention. Every victim is still
     live and unprotected, so only the comparison with the core's choice can tell."""
-    return lambda self, rid, ids, ranking, bound, *rest, **kw: real(self, rid, ids, ranking, bound + 1, *rest, **kw)
+    return lambda self, rid, ids, ranking, bound, protected=(): real(self, rid, ids, ranking, bound + 1, protected)
 
 
 _ranks_into_the_window.wraps = True

@@ -91,13 +91,16 @@ class DeviceScores:
         self._acc[rid] = acc.to(torch.float64).add_(row).to(torch.float32)
         self._per[rid] = per.to(torch.float64).mul_(self.decay).add_(above).to(torch.float32)
 
-    def rank(self, rid: str, ids: torch.Tensor, ranking: Ranking, bound: int, protected: tuple[int, ...] = (),
-             ascending: bool = False) -> list[int]:
+    def rank(self, rid: str, ids: torch.Tensor, ranking: Ranking, bound: int, protected: tuple[int, ...] = ()
+             ) -> list[int]:
         """The victims ``ranking`` picks among the read list's tokens (``ids``, aligned with the scores): those
         below ``bound`` (``Ranking.bound``) and not ``protected``, the ``ranking.count`` smallest by the keys
-        then by id, in that order. ``ascending``: the caller's promise that ``ids`` ascend (vLLM's read lists are
-        in logical order), so the candidates are a prefix and already in id order. O(L log L) in torch, O(L) for
-        one victim; only the victims reach the host."""
+        then by id, in that order. O(L) for one victim, O(L log L) for several, in torch; only the victims
+        reach the host.
+
+        NOTE: ``ids`` ascend (a read list is in logical order: a full list is, evictions keep the order, joined
+        tokens are newer than every other, moves change slots only), so the candidates are a prefix of the list,
+        already in id order, and a stable order on the keys breaks ties by id."""
         if ranking.count <= 0:
             return []
         if not 1 <= len(ranking.keys) <= 2 or any(k not in _SCORES for k in ranking.keys):
@@ -109,14 +112,8 @@ class DeviceScores:
         else:  # both scores' float32 bits in one int64 (+ 0.0 turns -0.0 into +0.0, whose bits order as it does)
             first, second = (scores[k] + 0.0 for k in ranking.keys)
             key = (first.view(torch.int32).to(torch.int64) << _KEY_BITS) | second.view(torch.int32).to(torch.int64)
-        if ascending:
-            k = int(torch.searchsorted(ids, torch.tensor(bound, dtype=ids.dtype, device=ids.device)))
-            c_ids, c_key = ids[:k], key[:k]
-        else:
-            candidate = ids < bound
-            c_ids, c_key = ids[candidate], key[candidate]
-            by_id = torch.argsort(c_ids, stable=True)  # ties go to the older token: sort by id, then stably by key
-            c_ids, c_key = c_ids[by_id], c_key[by_id]
+        k = int(torch.searchsorted(ids, torch.tensor(bound, dtype=ids.dtype, device=ids.device)))
+        c_ids, c_key = ids[:k], key[:k]
         if protected:
             keep = ~torch.isin(c_ids, torch.tensor(protected, dtype=ids.dtype, device=ids.device))
             c_ids, c_key = c_ids[keep], c_key[keep]

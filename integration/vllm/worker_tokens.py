@@ -236,10 +236,8 @@ class WorkerTokens:
                     rows[rid] = (ids.tolist(), row.tolist())
             plan.rows, plan.layers = None, 0  # recorded once
         victims = {}
-        # NOTE: ascending: a read list is in logical order (a full list is; evictions keep the order; joined tokens
-        # are newer than every other; moves change slots only), so the candidates are a prefix of it
-        for rid, (ranking, bound, protected) in self.ranks.items():
-            victims[rid] = self.scores.rank(rid, self.reads[rid][1], ranking, bound, protected, ascending=True)
+        for rid, (ranking, bound, protected) in self.ranks.items():  # read lists ascend: DeviceScores.rank's NOTE
+            victims[rid] = self.scores.rank(rid, self.reads[rid][1], ranking, bound, protected)
         self.ranks = {}
         self.seconds += time.perf_counter() - t0
         return victims, rows, recorded
