@@ -2,7 +2,7 @@
 
 The core's ``TokenScores`` (two ``array('f')`` per request, fed one host-side row per step) is the reference;
 ``DeviceScores`` keeps the same two statistics per request as float32 tensors aligned with the worker's copy of
-the request's read list (token ids, the order the list has), and updates them with the same arithmetic:
+the request's read list (token ids in logical order), and updates them with the same arithmetic:
 
   accumulated(t)  <- float32(float64(accumulated(t)) + w_t)
   persistence(t)  <- float32(float64(persistence(t)) * decay + (1 if w_t >= 1/n else 0))
@@ -37,9 +37,6 @@ class DeviceScores:
         self.decay = TokenScores(window).decay  # the core's decay for the same window, computed the same way
         self._acc: dict[str, torch.Tensor] = {}
         self._per: dict[str, torch.Tensor] = {}
-
-    def __contains__(self, rid: str) -> bool:
-        return rid in self._acc
 
     def drop(self, rid: str) -> None:
         self._acc.pop(rid, None)
