@@ -23,7 +23,7 @@ from .planted import BUGS
 
 VLLM_BUGS = ("cursor_block_keeps_hash", "moved_into_block_keeps_hash", "worker_ignores_layouts",
              "worker_drops_read_evictions", "worker_ignores_read_moves", "worker_ranks_into_the_window",
-             "hash_at_list_index")  # vllm_episode.PLANTED
+             "gather_kernel_stops_a_key_early", "hash_at_list_index")  # vllm_episode.PLANTED
 
 if TYPE_CHECKING:
     from .campaign import CampaignConfig

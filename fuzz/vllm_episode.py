@@ -310,6 +310,22 @@ def _ranks_into_the_window(real):
 _ranks_into_the_window.wraps = True
 
 
+def _kernel_stops_a_key_early(real):
+    """The attention kernel stops one key early (an off-by-one in its loop): every query leaves its own token,
+    the newest it may attend, unattended unless it is the only one. Nothing is read out of bounds and the weights
+    still sum to one, so only the comparison with the torch reference (V5) can tell."""
+    def wrong(cache, layer, q, slots, ids, query_request, query_pos, scale, values=True, weights_of=None,
+              in_torch=None):
+        import torch
+        first = ids[query_request, 0]
+        query_pos = torch.where(query_pos - 1 >= first, query_pos - 1, query_pos)
+        return real(cache, layer, q, slots, ids, query_request, query_pos, scale, values, weights_of, in_torch)
+    return wrong
+
+
+_kernel_stops_a_key_early.wraps = True
+
+
 def _hash_at_list_index(self, r, request):
     """The B3 check before #17: block i of the list must carry chain hash i. Compaction releases emptied blocks,
     so a hashed block further down moves up the list with its content intact; this check then fails the
@@ -324,7 +340,7 @@ def _hash_at_list_index(self, r, request):
                                            f"that is not the request's chain hash {i}")
 
 
-PLANTED = {  # name -> (what is wrong, (module path, class, attribute, replacement))
+PLANTED = {  # name -> (what is wrong, (module path, class or None for the module, attribute, replacement))
     "cursor_block_keeps_hash": ("densify rewinds the cursor into a prefix-cached block and keeps its hash: the "
                                 "next appends overwrite K/V a later request's prefix hit reads",
                                 ("vtoken.integration.vllm.scheduler_tokens", "SchedulerTokens",
@@ -347,6 +363,10 @@ PLANTED = {  # name -> (what is wrong, (module path, class, attribute, replaceme
                                      "token of the recent window as a candidate: their victims stop being the "
                                      "core's", ("vtoken.integration.device.scores", "DeviceScores", "rank",
                                                 _ranks_into_the_window)),
+    "gather_kernel_stops_a_key_early": ("the attention kernel of the gather path (and of the dense path's score "
+                                        "pass) stops one key early: each query leaves its own token unattended",
+                                        ("vtoken.integration.vllm.gather_backend", None, "attention",
+                                         _kernel_stops_a_key_early)),
     "hash_at_list_index": ("strict verify's B3 matches a hashed block with the chain hash of its list index, so "
                            "it fails the engine once compaction moved hashed blocks down the list",
                            ("vtoken.integration.vllm.scheduler_tokens", "SchedulerTokens", "check_prefix_hashes",
@@ -359,7 +379,7 @@ def planted(name: str):
     """Plant one bug in this process (the scheduler and, in-process, the worker) while the block runs."""
     import importlib
     module, cls, attr, replacement = PLANTED[name][1]
-    owner = getattr(importlib.import_module(module), cls)
+    owner = importlib.import_module(module) if cls is None else getattr(importlib.import_module(module), cls)
     original = owner.__dict__[attr]
     setattr(owner, attr, replacement(original) if getattr(replacement, "wraps", False) else replacement)
     try:

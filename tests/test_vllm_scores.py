@@ -6,6 +6,7 @@ recomputes only that row, on the last ``score_layers`` layers. Both must feed th
 """
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -48,8 +49,8 @@ def test_a_score_pass_on_the_wrong_query_is_caught():
 
     def first_query(self, layer, query, *args, **kw):
         plan = gather_backend.current_plan()
-        if plan is not None:
-            plan.requests = [(qs, qs + 1, slots, ids, qpos) for qs, qe, slots, ids, qpos in plan.requests]
+        if plan is not None:  # each request's first query token instead of its newest
+            plan.newest = torch.searchsorted(plan.query_request, torch.arange(len(plan.req_ids)))
         return real(self, layer, query, *args, **kw)
 
     gathered = rows({"read_path": "gather", "reclaim": "off"})

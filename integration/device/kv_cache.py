@@ -130,6 +130,7 @@ class PagedKVCache:
         self.block_size, self.num_blocks = S, nb
         self.device = planes[0].tensor.device
         self.aliases: dict[str, str] = {}  # layer -> the layer whose buffer it shares
+        self._heads_views: dict[tuple, torch.Tensor | None] = {}  # (plane, head_dim) -> heads_view's answer
         self.planes: list[Plane] = []
         seen: dict[tuple, str] = {}
         for p in planes:
@@ -270,6 +271,38 @@ class PagedKVCache:
                 f"write {name!r}: values must be a [{slots.numel()}, {b - a}] tensor on {self.device}, got "
                 f"{tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__}")
         g.flat[g.index(slots, self.block_size, a, b)] = values.reshape(slots.numel(), b - a).to(g.flat.dtype)
+
+    def heads_view(self, name: str, head_dim: int) -> torch.Tensor | None:
+        """Plane ``name`` as a strided view ``[blocks, S, heads, head_dim]`` of its storage (element d of head h of
+        the token at (block n, offset o) at ``[n, o, h, d]``), if its layout is affine in head and element (every
+        layout vLLM uses); else None. For kernels that read K/V in place (``gather_attention``), every layer of
+        every step: computed once per (plane, head_dim)."""
+        if not isinstance(name, str):
+            self._segment(name)  # raises LayoutError, naming what it got
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1:
+            return None
+        key = (name, head_dim)
+        if key not in self._heads_views:
+            self._heads_views[key] = self._heads_view(name, head_dim)
+        return self._heads_views[key]
+
+    def _heads_view(self, name: str, head_dim: int) -> torch.Tensor | None:
+        g, a, b = self._segment(name)
+        view = g.strided(a, b)
+        E = b - a
+        if view is None or E % head_dim:
+            return None
+        _, S, rows, cols = view.shape
+        s0, s1, s2, s3 = view.stride()
+        e = torch.arange(E)
+        at = (e // cols) * s2 + (e % cols) * s3  # element e's offset inside its token
+        heads = E // head_dim
+        hs = int(at[head_dim]) if heads > 1 else 0
+        ds = int(at[1]) if head_dim > 1 else 0
+        if not torch.equal(at, (e // head_dim) * hs + (e % head_dim) * ds):
+            return None
+        # NOTE: the cache's blocks only: a strided view may run on into another plane's storage
+        return view.as_strided((self.num_blocks, S, heads, head_dim), (s0, s1, hs, ds), view.storage_offset())
 
     def read(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         """Plane ``name`` of the tokens at ``slots``, ``[len(slots), heads * head_dim]``: through the plane's

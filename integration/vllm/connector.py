@@ -281,7 +281,8 @@ class VTokenConnector(KVConnectorBase_V1):
         layers = sorted(self._layer_names, key=extract_layer_index)  # the model's attention layers, in order
         scored = frozenset(layers[-s.score_layers:] if s.score_layers else layers) if s.policy in SCORE_POLICIES \
             else frozenset()
-        self.worker = WorkerTokens(runner, self.engine, self.block_size, scored)
+        self.worker = WorkerTokens(runner, self.engine, self.block_size, scored,
+                                   check_attention=s.strict_verify == "strict")
 
     def _worker(self):
         if self.worker is None:

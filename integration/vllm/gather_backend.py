@@ -9,8 +9,7 @@ Score-based policies need the newest query's attention weights per token, which 
 return. vtoken records them on the last ``score_layers`` layers (mean over heads and those layers):
   * gather path: a by-product of the attention it computes anyway;
   * dense path (``VTokenScoreImpl``): the stock kernel runs unchanged, then a bounded score pass computes
-    softmax(q_newest · K_live) for each request on the scored layers only: one K gather and one
-    (heads x live tokens) product per request and scored layer; no V, no other queries.
+    softmax(q_newest · K_live) for each request on the scored layers only: one query per request, no V.
 The workers send the rows to the scheduler's ``TokenScores``.
 
 Touch points (vllm 0.32): ``v1/attention/backends/registry.py`` (``register_backend`` overrides
@@ -19,9 +18,10 @@ written by its ``do_kv_cache_update`` through the slot mapping, which vtoken map
 The override is registered in every vLLM process, but the impl is the stock one unless the engine's
 ``additional_config`` selects the gather path or a score-based policy, so plain vLLM is unaffected.
 
-Correctness first, in torch: per layer, one gather of the decode requests' live K/V through the device
-layer's ``PagedKVCache`` (the kernel's own in-block order), padded to the longest, and one batched product;
-prefill chunks (several queries) one request at a time.
+Per layer, every query of the step (decode and prefill chunks alike) is one call of the device layer's
+``attention``: its C kernel reads each request's live K/V in place, in logical order (the torch reference
+for the prompt tokens of long prompts, and where the kernel does not apply; under strict verify both,
+compared: V5).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
+from ..device.gather_attention import attention, check_agreement
 from .settings import SCORE_POLICIES, VTokenSettings
 
 CLASS_PATH = "vtoken.integration.vllm.gather_backend.VTokenCPUAttentionBackend"
@@ -64,30 +65,15 @@ def current_plan():
     return None if worker is None else worker.read_plan
 
 
-def _batched_decode(impl, layer, query, plan, with_output: bool):
-    """Attention of the step's decode requests over their live slots: one K (and V) gather and one batched
-    product per layer. Returns (outputs [R, H*D] or None, weights [R, H, N])."""
-    b = plan.decode
-    H, KVH, D = impl.num_heads, impl.num_kv_heads, impl.head_size
-    R, N = b.slots.shape
-    flat = b.slots.flatten()
-    k = plan.cache.read(f"{layer.layer_name}.K", flat).view(R, N, KVH, D)
-    q = query[b.rows].reshape(R, KVH, H // KVH, D)  # heads grouped by their KV head (GQA)
-    s = torch.einsum("rkgd,rnkd->rkgn", q, k) * impl.scale
-    s.masked_fill_(~b.valid.view(R, 1, 1, N), float("-inf"))  # padding, and causal by logical id
-    w = torch.softmax(s, dim=-1)
-    out = None
-    if with_output:
-        v = plan.cache.read(f"{layer.layer_name}.V", flat).view(R, N, KVH, D)
-        out = torch.einsum("rkgn,rnkd->rkgd", w, v).reshape(R, H * D)
-    return out, w.reshape(R, H, N)
-
-
-def _add_rows(plan, index: list[int], w: torch.Tensor) -> None:
-    """Add the newest queries' weights, mean over heads, to the requests' score rows."""
-    mean = w.mean(dim=1).to(torch.float64)
-    for b, i in enumerate(index):
-        plan.rows[i] += mean[b, : plan.rows[i].numel()]
+def _attention(impl, layer, q, plan, query_request, query_pos, values: bool, weights_of, in_torch):
+    """The device layer's ``attention`` of queries ``q`` over their requests' live slots (its kernel reads K/V in
+    place; ``in_torch`` in the reference), and under strict verify the torch reference too, which must agree
+    within the fp32 bound (V5)."""
+    args = (plan.cache, layer.layer_name, q, plan.slots, plan.ids, query_request, query_pos, impl.scale)
+    got = attention(*args, values, weights_of, in_torch)
+    if plan.check:
+        check_agreement(*args, got, weights_of, plan.req_ids)
+    return got
 
 
 class VTokenGatherImpl(CPUAttentionBackendImpl):
@@ -97,35 +83,21 @@ class VTokenGatherImpl(CPUAttentionBackendImpl):
         if attn_metadata is None or plan is None:  # warm-up and profiling runs: nothing is evicted yet
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
-        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_size
-        group = H // KVH
-        cache = plan.cache
-        k_name, v_name = f"{layer.layer_name}.K", f"{layer.layer_name}.V"
+        T = plan.query_pos.numel()
         scored = plan.scores(layer.layer_name)
-        if plan.decode is not None:
-            out, w = _batched_decode(self, layer, query, plan, with_output=True)
-            output[plan.decode.rows] = out.view((out.shape[0],) + output.shape[1:]).to(output.dtype)
-            if scored:
-                _add_rows(plan, plan.decode.index, w)
-        for i, (qs, qe, slots, ids, qpos) in plan.multi_query():
-            k = cache.read(k_name, slots).view(-1, KVH, D)
-            v = cache.read(v_name, slots).view(-1, KVH, D)
-            if group > 1:
-                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            q = query[qs:qe].reshape(-1, H, D)
-            s = torch.einsum("mhd,nhd->hmn", q, k) * self.scale
-            s.masked_fill_(ids.view(1, 1, -1) > qpos.view(1, -1, 1), float("-inf"))  # causal, by logical id
-            w = torch.softmax(s, dim=-1)
-            o = torch.einsum("hmn,nhd->mhd", w, v)
-            output[qs:qe] = o.reshape(output[qs:qe].shape).to(output.dtype)
-            if scored:  # the newest query's weights, mean over heads
-                plan.rows[i] += w[:, -1, :].mean(dim=0).to(torch.float64)
+        q = query[:T].reshape(T, self.num_heads, self.head_size)
+        out, w = _attention(self, layer, q, plan, plan.query_request, plan.query_pos, True,
+                            plan.newest if scored else None, plan.in_torch)
+        output[:T] = out.view((T,) + output.shape[1:]).to(output.dtype)
+        if scored:  # the newest query's weights, mean over heads
+            plan.rows += w.mean(dim=1).to(torch.float64)
         plan.layers += scored
         return output
 
 
 class VTokenScoreImpl(CPUAttentionBackendImpl):
-    """Dense path with H2O or Scissorhands: the stock kernel, then the score pass on the scored layers."""
+    """Dense path with H2O or Scissorhands: the stock kernel, then the score pass on the scored layers: each
+    request's newest query over its live tokens, weights only."""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None) -> torch.Tensor:
@@ -134,15 +106,10 @@ class VTokenScoreImpl(CPUAttentionBackendImpl):
         plan = current_plan()
         if attn_metadata is None or plan is None or not plan.scores(layer.layer_name):
             return out
-        if plan.decode is not None:
-            _add_rows(plan, plan.decode.index, _batched_decode(self, layer, query, plan, with_output=False)[1])
-        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_size
-        k_name = f"{layer.layer_name}.K"
-        for i, (_, qe, slots, ids, qpos) in plan.multi_query():
-            k = plan.cache.read(k_name, slots).view(-1, KVH, D)
-            q = query[qe - 1].reshape(KVH, H // KVH, D)  # the newest query, heads grouped by their KV head
-            s = torch.einsum("kgd,nkd->kgn", q, k) * self.scale
-            s.masked_fill_(ids.view(1, 1, -1) > qpos[-1], float("-inf"))
-            plan.rows[i] += torch.softmax(s, dim=-1).reshape(H, -1).mean(dim=0).to(torch.float64)
+        everyone = torch.arange(len(plan.req_ids))
+        q = query[plan.newest].reshape(len(everyone), self.num_heads, self.head_size)
+        _, w = _attention(self, layer, q, plan, everyone, plan.query_pos[plan.newest], False, everyone,
+                          plan.in_torch[plan.newest])
+        plan.rows += w.mean(dim=1).to(torch.float64)
         plan.layers += 1
         return out

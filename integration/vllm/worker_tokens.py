@@ -29,46 +29,49 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.errors import InvariantViolation
 
 from ..device.copy_engine import TorchCopyEngine
+from ..device.gather_attention import PAD
 from ..device.scores import DeviceScores
 from .compat import UnsupportedConfigError
 
 
-@dataclass
-class DecodeBatch:
-    """The step's one-query (decode) requests, padded to the longest live list, so attention over them is
-    one gather and one batched product per layer instead of one per request."""
-    index: list[int]  # their positions in ``ReadPlan.requests``
-    rows: torch.Tensor  # int64 [R]: their query rows in the step's batch
-    slots: torch.Tensor  # int64 [R, N]: live slots in logical order, padded with slot 0 (never attended)
-    valid: torch.Tensor  # bool [R, N]: a live token at or before the query's position
+# Prompt tokens of a prompt longer than this are attended in torch (gather_attention.reference_attention): its
+# queries share one K/V read and BLAS products there, which beat the kernel's one query at a time (64 x 64 query-key
+# pairs is where they cross on the byte-llama: docs/results.md, "Hot path II, part 4"). Every other query, every
+# generated token included, goes to the kernel.
+LONG_PROMPT = 64
 
 
 @dataclass
 class ReadPlan:
+    """What attention reads this step (the gather path, and the dense path's score pass): each request's live
+    slots and their logical ids in logical order, padded into one batch (rows in batch order), and each of the
+    step's query tokens' request and logical position. One attention call per layer covers every query."""
     cache: object  # PagedKVCache
-    requests: list  # (query start, query end, live slots, their token ids, query positions), batch order
-    rows: list | None = None  # score-based policies: per request, attention summed over layers (float64)
+    slots: torch.Tensor  # int64 [R, N]: live slots in logical order, padded with slot 0
+    ids: torch.Tensor  # int64 [R, N]: their logical ids, padded with PAD (never attended)
+    query_request: torch.Tensor  # int64 [T]: each query token's request (row)
+    query_pos: torch.Tensor  # int64 [T]: its logical position; it attends the ids at or before it
+    newest: torch.Tensor  # int64 [R]: each request's newest query token, whose attention feeds the scores
+    in_torch: torch.Tensor  # bool [T]: the queries torch attends (prompt tokens of long prompts), not the kernel
+    req_ids: list  # batch order
+    rows: torch.Tensor | None = None  # score-based policies: [R, N] float64, attention summed over scored layers
     scored_layers: frozenset = frozenset()  # names of the layers whose attention feeds the rows
     layers: int = 0
-    decode: DecodeBatch | None = None  # the one-query requests, batched; the others are read one by one
+    check: bool = False  # strict verify: the kernel's attention against the reference (V5)
 
     def scores(self, layer_name: str) -> bool:
         return self.rows is not None and layer_name in self.scored_layers
 
-    def multi_query(self):
-        """(index, request) of the requests not in the decode batch (prefill chunks)."""
-        batched = set(self.decode.index) if self.decode is not None else set()
-        return [(i, r) for i, r in enumerate(self.requests) if i not in batched]
-
 
 class WorkerTokens:
     def __init__(self, runner, engine: TorchCopyEngine, block_size: int,
-                 scored_layers: frozenset = frozenset()) -> None:
+                 scored_layers: frozenset = frozenset(), check_attention: bool = False) -> None:
         groups = len(runner.input_batch.block_table.block_tables)
         if groups != 1:
             raise UnsupportedConfigError(f"vtoken supports one KV cache group (full attention); this model has "
@@ -76,6 +79,7 @@ class WorkerTokens:
         self.runner = runner
         self.engine = engine
         self.scored_layers = scored_layers  # H2O, Scissorhands: the layers whose attention rows are recorded
+        self.check_attention = check_attention  # strict verify: V5 on every attention the kernel computes
         self.block_size = block_size
         self.gaps: dict[str, int] = {}
         # NOTE: each request's read list (live slots, their token ids, logical order) as two int64 tensors and the
@@ -206,18 +210,26 @@ class WorkerTokens:
         batch.block_table.compute_slot_mapping(n, r.query_start_loc.gpu[: n + 1], physical)
 
     def _read_plan(self, num_tokens: int) -> ReadPlan:
-        """Per request in batch order: its query rows, live slots and their logical ids, query positions."""
+        """The requests' read lists padded into one batch, and every query token's request and position."""
         r = self.runner
         batch = r.input_batch
-        starts = r.query_start_loc.np[: batch.num_reqs + 1].tolist()
-        positions = r.positions[:num_tokens]
-        reqs = []
-        for i, rid in enumerate(batch.req_ids[: batch.num_reqs]):
-            slots, ids, _ = self.reads[rid]
-            qs, qe = starts[i], starts[i + 1]
-            reqs.append((qs, qe, slots, ids, positions[qs:qe].to(torch.int64)))
-        rows = [torch.zeros(len(ids), dtype=torch.float64) for _, _, _, ids, _ in reqs] if self.scored_layers else None
-        return ReadPlan(self.engine.cache, reqs, rows, self.scored_layers, decode=_decode_batch(reqs))
+        n = batch.num_reqs
+        req_ids = list(batch.req_ids[:n])
+        lists = [self.reads[rid] for rid in req_ids]
+        slots = pad_sequence([s for s, _, _ in lists], batch_first=True, padding_value=0)
+        ids = pad_sequence([t for _, t, _ in lists], batch_first=True, padding_value=-1)  # ids are >= 0
+        ids[ids < 0] = PAD
+        starts = torch.from_numpy(r.query_start_loc.np[: n + 1].astype(np.int64))
+        query_request = torch.repeat_interleave(torch.arange(n), starts[1:] - starts[:-1])
+        positions = r.positions[:num_tokens].to(torch.int64)
+        prompt = torch.from_numpy(batch.num_prompt_tokens[:n].astype(np.int64))[query_request]
+        # NOTE: which implementation attends a query depends on the query alone (is it a token of a prompt longer
+        # than LONG_PROMPT?), never on how its request was chunked, cached or recomputed: the kernel and torch
+        # differ in their last bits, and prefix caching on and off must stay bit-identical on the gather path.
+        in_torch = (positions < prompt) & (prompt > LONG_PROMPT)
+        rows = torch.zeros(ids.shape, dtype=torch.float64) if self.scored_layers else None
+        return ReadPlan(self.engine.cache, slots, ids, query_request, positions, starts[1:] - 1, in_torch, req_ids,
+                        rows, self.scored_layers, check=self.check_attention)
 
     def take_scores(self) -> tuple[dict[str, list[int]], dict[str, tuple[list[int], list[float]]], int]:
         """After the forward: record this step's attention rows (mean over heads and scored layers) into the
@@ -227,8 +239,9 @@ class WorkerTokens:
         t0 = time.perf_counter()
         plan, rows, recorded = self.read_plan, {}, 0
         if plan is not None and plan.rows is not None and plan.layers:
-            batch = self.runner.input_batch
-            for rid, (_, _, _, ids, _), row in zip(batch.req_ids, plan.requests, plan.rows):
+            for i, rid in enumerate(plan.req_ids):
+                ids = self.reads[rid][1]
+                row = plan.rows[i, : len(ids)]
                 row = row / plan.layers if plan.layers > 1 else row  # x / 1 is x: one op less per request
                 self.scores.record(rid, row)
                 recorded += 1
@@ -260,19 +273,3 @@ class WorkerTokens:
         done, failed = self.done, self.failed
         self.done, self.failed = [], []
         return done, failed
-
-
-def _decode_batch(reqs: list) -> DecodeBatch | None:
-    index = [i for i, (qs, qe, _, _, _) in enumerate(reqs) if qe - qs == 1]
-    if not index:
-        return None
-    n = max(len(reqs[i][2]) for i in index)
-    slots = torch.zeros(len(index), n, dtype=torch.int64)
-    ids = torch.full((len(index), n), torch.iinfo(torch.int64).max, dtype=torch.int64)
-    for b, i in enumerate(index):
-        _, _, s, t, _ = reqs[i]
-        slots[b, : len(s)] = s
-        ids[b, : len(t)] = t
-    qpos = torch.stack([reqs[i][4][0] for i in index])
-    return DecodeBatch(index, torch.tensor([reqs[i][0] for i in index], dtype=torch.int64), slots,
-                       ids <= qpos.view(-1, 1))
