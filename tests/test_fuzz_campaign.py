@@ -1,14 +1,19 @@
 """The campaign runner: deterministic reports, failure artefacts that replay, a working CLI."""
 
+import contextlib
+import copy
 import json
 import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
+from hypothesis.internal.conjecture import providers
+
+from vtoken.fuzz import campaign
 
 from vtoken.core.cli import main as vtoken_main
-from vtoken.fuzz.campaign import CampaignConfig, batch_seed, replay, run_campaign
+from vtoken.fuzz.campaign import CampaignConfig, batch_seed, replay, run_batch, run_campaign
 from vtoken.fuzz.planted import planted
 
 
@@ -29,6 +34,31 @@ def test_same_seed_gives_a_byte_identical_report_minus_timings(tmp_path):
     assert a.failures == [] and ra["events"]["steps"] > 0
     c = run_campaign(replace(cfg, seed=8, out_dir=str(tmp_path / "c")), progress=None)
     assert c.events != a.events, "different seeds explored identically"
+
+
+def test_a_batch_depends_on_its_seed_alone_not_on_what_the_process_imported(tmp_path, monkeypatch):
+    """Hypothesis draws literals from the pool of every local module imported so far; the campaign pins that pool,
+    so a batch runs the same programs whatever the process had imported. Without the pin, the same two pools give
+    two different batches (the check has teeth). Hypothesis's module-level pool is restored afterwards."""
+    cfg = CampaignConfig(out_dir=str(tmp_path), use_database=False, shrink=False, examples=10, steps=40)
+    empty = copy.deepcopy(providers._local_constants)
+    for values in vars(empty).values():
+        values.clear()
+    small = copy.deepcopy(empty)
+    small.integers.update(range(0, 65))
+
+    def batch(pool, pinned):
+        monkeypatch.setattr(providers, "_local_constants", pool)
+        monkeypatch.setattr(providers, "_sys_modules_len", len(sys.modules))  # no rescan: the pool is the process's
+        providers.CONSTANTS_CACHE.cache.clear()
+        with monkeypatch.context() as m:
+            if not pinned:
+                m.setattr(campaign, "seed_only_generation", contextlib.nullcontext)
+            return run_batch(cfg, 3).events
+
+    assert batch(empty, pinned=True) == batch(small, pinned=True)
+    assert batch(empty, pinned=False) != batch(small, pinned=False), "the process's pool did not reach Hypothesis"
+    providers.CONSTANTS_CACHE.cache.clear()
 
 
 def test_batch_seeds_are_stable_and_distinct():
