@@ -82,9 +82,6 @@ class BlockPool:
         self.headroom = headroom
         self._ref = array("I", bytes(4 * num_blocks))
         self._free: deque[int] = deque(range(num_blocks))
-        # NOTE: blocks with ref count > 1, kept exactly by share and free: 0 says in O(1) that no block is
-        # shared (the runtime's dense path then protects nothing without scanning a block list)
-        self.num_shared = 0
 
     # ---- queries -------------------------------------------------------------
     @property
@@ -163,8 +160,6 @@ class BlockPool:
         if self._ref[block_id] == 0:
             raise DoubleFreeError(f"cannot share block {block_id}: it is free")
         self._ref[block_id] += 1
-        if self._ref[block_id] == 2:
-            self.num_shared += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference per listed id; a block whose count reaches 0 joins the free queue.
@@ -188,8 +183,6 @@ class BlockPool:
                     f"block {b} freed {k} time(s) but holds {self._ref[b]} reference(s)"
                 )
         for b in ids:
-            if self._ref[b] == 2:
-                self.num_shared -= 1
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 self._free.append(b)
@@ -222,9 +215,6 @@ class BlockPool:
         for b in range(self.num_blocks):
             if self._ref[b] == 0 and b not in seen:
                 raise InvariantViolation("P1", f"block {b} has ref count 0 but is not in the free queue")
-        shared = sum(1 for n in self._ref if n > 1)
-        if self.num_shared != shared:
-            raise InvariantViolation("P2", f"the pool counts {self.num_shared} shared blocks, its ref counts {shared}")
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

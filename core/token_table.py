@@ -761,6 +761,10 @@ class TokenTable:
         r = self._get(req_id)
         return r.slots[r.last_sync_start if since is None else since:].tolist()
 
+    def shared_blocks(self, req_id: object) -> list[int]:
+        """The blocks of the request's list that other requests list too (shared prefix blocks): O(shared)."""
+        return list(self._get(req_id).shared)
+
     def block_mask(self, req_id: object, block_id: int) -> int:
         """The bitmask of this request's live offsets in one block of its list (0 for a block not in it)."""
         r = self._get(req_id)

@@ -53,6 +53,7 @@ from vtoken.core.policies.random_policy import RandomPolicy
 from vtoken.core.policies.scissorhands import Scissorhands
 from vtoken.core.policies.streaming_llm import StreamingLLM
 from vtoken.core.reclamation import PlanRecord, PlanState
+from vtoken.core.runtime import ReadPath
 
 
 class OracleViolation(AssertionError):
@@ -399,6 +400,19 @@ class Oracles:
                                                    f"counts {w}")
 
     # ---- reads ----------------------------------------------------------------------------------
+    def check_protected(self, req, view: RequestView) -> None:
+        """``protected``: the tokens a policy must spare are, on the dense path, the request's live tokens in
+        blocks the pool counts more than one reference to (a scan of its block list against the pool, the
+        definition the runtime's O(shared) listing replaced); elsewhere none."""
+        want: frozenset = frozenset()
+        if self.rt.read_path is ReadPath.DENSE:
+            shared = {b for b in self.table.block_ids(req) if self.pool.ref_count(b) > 1}
+            want = frozenset(t for t in self.table.live_token_ids(req) if self.table.slot_of(req, t) // self.S in shared)
+        if view.protected != want:
+            raise OracleViolation("protected", f"request {req!r}: the policy was told to spare "
+                                               f"{sorted(view.protected)[:12]}, the pool's shared blocks hold the "
+                                               f"live tokens {sorted(want)[:12]}")
+
     def _free(self) -> int:
         return sum(self.pool.ref_count(b) == 0 for b in range(self.pool.num_blocks))
 

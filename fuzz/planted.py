@@ -350,6 +350,13 @@ def _commit_keeps_copy_handle():
     return {(reclamation.ReclamationManager, "_commit"): _commit}
 
 
+def _shared_blocks_drops_the_last():
+    def shared_blocks(self, req_id):
+        return sorted(self._get(req_id).shared)[:-1]  # the deepest shared prefix block is forgotten
+
+    return {(token_table.TokenTable, "shared_blocks"): shared_blocks}
+
+
 def _copies_on_two_streams():
     def _drain_before(self, handle):
         for h in sorted(self._copies):  # only ordered copies run first: as if each copy had its own stream
@@ -617,6 +624,9 @@ BUGS: dict[str, PlantedBug] = {
                    _share_forgets_the_holders_mask),
         PlantedBug("densify_tail_misses_a_hole", "densify's fast path sends its last mover into the hole before "
                    "its own (two moves share a destination, a hole stays)", _densify_tail_misses_a_hole),
+        PlantedBug("shared_blocks_drops_the_last", "the table's listing of a request's shared blocks leaves out the "
+                   "last one, so the dense path protects too few tokens (a maintained view misses a block)",
+                   _shared_blocks_drops_the_last),
         PlantedBug("cadence_waits_at_beta", "a request exactly evict_every tokens over its budget waits one more step "
                    "(off by one in the eviction cadence)", _cadence_waits_at_beta),
         PlantedBug("compact_underfills_destinations", "compact leaves a slot of a destination empty and spills into "

@@ -306,21 +306,3 @@ def test_check_names_a_block_queued_twice():
 )
 def test_blocks_needed_is_the_ceiling(num_tokens, block_size, expected):
     assert blocks_needed(num_tokens, block_size) == expected
-
-
-def test_the_shared_block_count_follows_share_and_free_and_its_check_has_teeth():
-    from vtoken.core.errors import InvariantViolation
-
-    pool = BlockPool(4, 2)
-    [b] = pool.allocate(1, Purpose.ADMISSION)
-    pool.share(b)
-    pool.share(b)
-    assert pool.num_shared == 1
-    pool.free([b])
-    assert pool.num_shared == 1
-    pool.free([b])
-    assert pool.num_shared == 0 and pool.ref_count(b) == 1
-    pool.check()
-    pool.num_shared = 1  # planted
-    with pytest.raises(InvariantViolation, match="P2: the pool counts 1 shared blocks, its ref counts 0"):
-        pool.check()

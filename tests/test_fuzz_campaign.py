@@ -39,7 +39,7 @@ def test_same_seed_gives_a_byte_identical_report_minus_timings(tmp_path):
 def test_a_batch_depends_on_its_seed_alone_not_on_what_the_process_imported(tmp_path, monkeypatch):
     """Hypothesis draws literals from the pool of every local module imported so far; the campaign pins that pool,
     so a batch runs the same programs whatever the process had imported. Without the pin, the same two pools give
-    two different batches (the check has teeth). Hypothesis's module-level pool is restored afterwards."""
+    two different batches (the check has teeth). Hypothesis's pool is restored afterwards."""
     cfg = CampaignConfig(out_dir=str(tmp_path), use_database=False, shrink=False, examples=10, steps=40)
     empty = copy.deepcopy(providers._local_constants)
     for values in vars(empty).values():
@@ -48,8 +48,7 @@ def test_a_batch_depends_on_its_seed_alone_not_on_what_the_process_imported(tmp_
     small.integers.update(range(0, 65))
 
     def batch(pool, pinned):
-        monkeypatch.setattr(providers, "_local_constants", pool)
-        monkeypatch.setattr(providers, "_sys_modules_len", len(sys.modules))  # no rescan: the pool is the process's
+        monkeypatch.setattr(providers, "_get_local_constants", lambda: pool)  # the process's pool (conftest pins it)
         providers.CONSTANTS_CACHE.cache.clear()
         with monkeypatch.context() as m:
             if not pinned:

@@ -235,6 +235,9 @@ OUT_OF_SCOPE = {
     "token_map_misses_a_move": "the token map is a view of the slot arrays, which the abstraction reads; V1's "
                                "oracle (check_views), the planner's executed check (live_in_blocks) and the fuzzer "
                                "catch it",
+    "shared_blocks_drops_the_last": "which tokens a policy must spare is the runtime's protection, not a state "
+                                    "change: T3 allows evicting any live token; the fuzzer's protected oracle "
+                                    "checks it against the pool's counts",
     "counts_miss_a_move": "the per-block counts are a view of the masks, which the abstraction reads; V1's oracle "
                           "(check_views), V3 (the compact fast path against choose_sources) and the fuzzer catch it",
     "densify_tail_misses_a_hole": "the fast path is checked against plan_densify (V3, the fuzzer's "

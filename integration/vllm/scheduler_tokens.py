@@ -469,6 +469,12 @@ class SchedulerTokens:
             held = [b.block_id for b in self.manager.req_to_blocks.get(r, [])]
             if held != t.block_ids(r):
                 raise InvariantViolation("B1", f"request {r!r}: vLLM holds blocks {held}, its token table {t.block_ids(r)}")
+            # the dense path protects the tokens of the blocks the table lists as shared (``_protected``'s NOTE):
+            # every block vLLM counts twice must be one of them
+            unlisted = sorted({b for b in held if blocks[b].ref_cnt > 1} - set(t.shared_blocks(r)))
+            if unlisted:
+                raise InvariantViolation("B1", f"request {r!r}: vLLM shares its blocks {unlisted}, which its token "
+                                               f"table does not list as shared")
             if self.read_path is ReadPath.DENSE and t.write_pos(r) != t.num_live(r):
                 raise InvariantViolation("I7", f"request {r!r}: {t.num_live(r)} live tokens but cursor {t.write_pos(r)}")
             for b in writable_blocks(t, r, self.block_size):

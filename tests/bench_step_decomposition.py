@@ -1,0 +1,112 @@
+"""Where vtoken's per-step cost inside vLLM goes as context grows: steady steps against eviction bursts.
+
+    python tests/bench_step_decomposition.py [--contexts 128 512 1536] [--runs 2] [--out FILE.json]
+
+Q7's context axis reports vtoken's microseconds per request per step averaged over a whole generate. With a budget
+of half the prompt, a request's first decode step evicts half its prompt at once (O(L) changes), and every later
+step evicts about one token. The average mixes the two, so its growth with L says nothing about whether the
+per-step machinery follows what changed. This bench steps the engine itself (8 requests, 32 generated tokens, the
+byte-llama; the configurations of ``bench_context_step.py``), reads vtoken's scheduler and worker seconds and the
+tokens evicted after every step, and splits each run into:
+
+  * **steady**: the median over the decode steps that evicted at most one token per request (µs per request);
+  * **burst**: the steps that evicted more, as µs per evicted token (their cost less one steady step each);
+  * **mean**: Q7's number (every step, prefill included).
+
+If steady barely grows with L while mean does, what grows is the burst, whose cost is per evicted token: O(changes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from vtoken.integration.bench.vllm_engine import engine_args, engine_environment, heldout_windows
+
+CONFIGS = {"random, densify": {"policy": "random", "budget": 0.5},
+           "random, gather, compact": {"policy": "random", "budget": 0.5, "read_path": "gather", "reclaim": "compact"},
+           "h2o, densify": {"policy": "h2o", "budget": 0.5},
+           "h2o, gather, compact": {"policy": "h2o", "budget": 0.5, "read_path": "gather", "reclaim": "compact"}}
+REQUESTS, NEW_TOKENS, BLOCK = 8, 32, 32
+
+
+def one_run(vtoken: dict, context: int, seed: int) -> dict:
+    """One engine, one batch of REQUESTS prompts of ``context`` tokens, stepped to the end: per step vtoken's
+    seconds (scheduler + worker) and the tokens it evicted, split as the module docstring says."""
+    with engine_environment(1):
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [p for p, _ in heldout_windows(REQUESTS, context, NEW_TOKENS, seed)]
+        llm = LLM(**engine_args(vtoken, context + NEW_TOKENS, REQUESTS, BLOCK))
+        try:
+            engine = llm.llm_engine
+            conn = engine.engine_core.engine_core.scheduler.connector
+            params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+            warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], warm, use_tqdm=False)  # untimed
+            for i, p in enumerate(prompts):
+                engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=p), params)
+            steps = []
+            last = (conn.tokens.stats.seconds, conn.workers.seconds, conn.tokens.stats.evicted)
+            while engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                engine.step()
+                wall = time.perf_counter() - t0
+                now = (conn.tokens.stats.seconds, conn.workers.seconds, conn.tokens.stats.evicted)
+                steps.append({"vtoken_s": (now[0] - last[0]) + (now[1] - last[1]), "evicted": now[2] - last[2],
+                              "wall_s": wall})
+                last = now
+        finally:
+            del llm
+    return split(steps)
+
+
+def split(steps: list[dict]) -> dict:
+    """The steady / burst / mean decomposition of one run's steps (docstring). A prefill step evicts nothing and
+    counts in the mean only: steady steps are those after the first eviction."""
+    first = next((i for i, s in enumerate(steps) if s["evicted"]), len(steps))
+    steady = [s["vtoken_s"] for s in steps[first:] if s["evicted"] <= REQUESTS]
+    steady_s = statistics.median(steady) if steady else float("nan")
+    bursts = [s for s in steps[first:] if s["evicted"] > REQUESTS]
+    burst_tokens = sum(s["evicted"] for s in bursts)
+    burst_extra = sum(s["vtoken_s"] - steady_s for s in bursts)
+    return {"steps": len(steps), "steady_steps": len(steady), "burst_steps": len(bursts),
+            "steady_us_per_request": 1e6 * steady_s / REQUESTS,
+            "burst_us_per_evicted_token": 1e6 * burst_extra / burst_tokens if burst_tokens else None,
+            "burst_evicted": burst_tokens,
+            "mean_us_per_request": 1e6 * sum(s["vtoken_s"] for s in steps) / len(steps) / REQUESTS,
+            "step_ms": 1e3 * statistics.median(s["wall_s"] for s in steps[first:])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1536])
+    ap.add_argument("--runs", type=int, default=2, help="seeds per cell (0, 1, ...)")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--out", help="write every run as JSON here")
+    a = ap.parse_args()
+    out = {}
+    for name in a.configs:
+        for ctx in a.contexts:
+            runs = [one_run(CONFIGS[name], ctx, seed) for seed in range(a.runs)]
+            out[f"{name} {ctx}"] = runs
+            med = lambda k: statistics.median(r[k] for r in runs if r[k] is not None)  # noqa: E731
+            print(f"{name:26s} {ctx:5d}: steady {med('steady_us_per_request'):7.1f} us/request/step, burst "
+                  f"{med('burst_us_per_evicted_token'):6.2f} us/evicted token ({runs[0]['burst_evicted']} tokens in "
+                  f"{runs[0]['burst_steps']} steps), mean {med('mean_us_per_request'):7.1f}, step {med('step_ms'):.1f} ms",
+                  flush=True)
+    for name in a.configs:
+        lo, hi = out[f"{name} {min(a.contexts)}"], out[f"{name} {max(a.contexts)}"]
+        g = {k: statistics.median(r[k] for r in hi) / statistics.median(r[k] for r in lo)
+             for k in ("steady_us_per_request", "mean_us_per_request")}
+        print(f"{name:26s} growth {min(a.contexts)} -> {max(a.contexts)}: steady x{g['steady_us_per_request']:.2f}, "
+              f"mean x{g['mean_us_per_request']:.2f}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
