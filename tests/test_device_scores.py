@@ -140,3 +140,50 @@ def test_ranking_breaks_ties_by_the_older_token_and_keeps_the_recent_window():
     assert dev.rank("r", ids, rk, rk.bound(view), protected=(1,)) == [0, 2, 3, 4]
     one = rk._replace(count=1)
     assert dev.rank("r", ids, one, rk.bound(view)) == [0]  # the oldest of equal minima
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_batch_of_rows_records_bit_for_bit_what_each_row_records_alone(seed):
+    """``record_all`` (the worker's one batch per step) against ``record`` request by request (itself checked
+    against ``TokenScores`` above): requests of different lengths, empty ones included, that shrink and grow
+    between steps, with random garbage in the padding, which must reach no score."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    alone, batch = DeviceScores(), DeviceScores()
+    rids = [f"r{i}" for i in range(rng.randint(1, 6))]
+    lengths = {r: rng.randint(0, 30) for r in rids}
+    for d in (alone, batch):
+        for r in rids:
+            d.realign(r, None, torch.arange(lengths[r]))
+    for _ in range(20):
+        for r in rids:
+            if lengths[r] and rng.random() < 0.3:
+                keep = torch.tensor([rng.random() < 0.7 for _ in range(lengths[r])])
+                alone.keep(r, keep)
+                batch.keep(r, keep)
+                lengths[r] = int(keep.sum())
+            if rng.random() < 0.5:
+                j = rng.randint(1, 3)
+                alone.extend(r, j)
+                batch.extend(r, j)
+                lengths[r] += j
+        rows = torch.rand(len(rids), max(lengths.values()) + rng.randint(0, 3), dtype=torch.float64, generator=gen)
+        for i, r in enumerate(rids):
+            rows[i, :lengths[r]] = torch.tensor(row_for(rng, lengths[r]), dtype=torch.float64)
+            alone.record(r, rows[i, :lengths[r]].clone())
+        batch.record_all(rids, rows, [lengths[r] for r in rids])
+        for r in rids:
+            for a, b in zip(alone.values(r), batch.values(r)):
+                assert f32_bits(a.tolist()) == f32_bits(b.tolist()), r
+
+
+def test_a_batch_whose_rows_do_not_fit_the_scores_is_refused_and_changes_nothing():
+    d = DeviceScores()
+    d.realign("a", None, torch.arange(3))
+    d.realign("b", None, torch.arange(2))
+    before = [t.clone() for r in ("a", "b") for t in d.values(r)]
+    with pytest.raises(Exception, match="V4: request 'b': an attention row of 3 tokens for 2 scored tokens"):
+        d.record_all(["a", "b"], torch.full((2, 3), 0.5, dtype=torch.float64), [3, 3])
+    with pytest.raises(Exception, match=r"V4: attention rows of shape \(1, 3\) for 2 requests"):
+        d.record_all(["a", "b"], torch.full((1, 3), 0.5, dtype=torch.float64), [3, 2])
+    assert all(torch.equal(x, y) for x, y in zip(before, [t for r in ("a", "b") for t in d.values(r)]))

@@ -22,6 +22,7 @@ joined tokens get zeros (as ``TokenScores.extend`` gives them), a list resent wh
 from __future__ import annotations
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from vtoken.core.errors import InvariantViolation
 from vtoken.core.policies.base import Ranking
@@ -78,15 +79,33 @@ class DeviceScores:
     # ---- a step's attention, and the victims it ranks ---------------------------------------------------
     def record(self, rid: str, row: torch.Tensor) -> None:
         """One attention row (float64, aligned with the read list), as ``TokenScores.record`` takes it."""
-        acc, per = self._acc[rid], self._per[rid]
-        if row.shape != acc.shape:
-            raise InvariantViolation("V4", f"request {rid!r}: an attention row of {tuple(row.shape)} for "
-                                           f"{len(acc)} scored tokens")
-        if not len(row):
+        self.record_all([rid], row.unsqueeze(0), [len(row)])
+
+    def record_all(self, rids: list[str], rows: torch.Tensor, lengths: list[int]) -> None:
+        """One step's rows of several requests at once, bit for bit what ``record`` one by one gives: ``rows``
+        float64 ``[R, N]``, request i's row its first ``lengths[i]`` entries (aligned with its read list), the rest
+        padding. A few operations over the padded batch, then a view per request: the per-request work is two
+        slices, not the arithmetic."""
+        if rows.dim() != 2 or rows.shape[0] != len(rids) or len(lengths) != len(rids) \
+                or max(lengths, default=0) > rows.shape[1]:
+            raise InvariantViolation("V4", f"attention rows of shape {tuple(rows.shape)} for {len(rids)} requests "
+                                           f"of up to {max(lengths, default=0)} tokens")
+        for rid, n in zip(rids, lengths):
+            if len(self._acc[rid]) != n:
+                raise InvariantViolation("V4", f"request {rid!r}: an attention row of {n} tokens for "
+                                               f"{len(self._acc[rid])} scored tokens")
+        width = max(lengths, default=0)
+        if not width:
             return
-        above = row >= 1.0 / len(row)  # the mean, computed as TokenScores._apply does
-        self._acc[rid] = acc.to(torch.float64).add_(row).to(torch.float32)
-        self._per[rid] = per.to(torch.float64).mul_(self.decay).add_(above).to(torch.float32)
+        acc = pad_sequence([self._acc[r] for r in rids], batch_first=True)
+        per = pad_sequence([self._per[r] for r in rids], batch_first=True)
+        rows = rows[:, :width]
+        # each row's mean as TokenScores._apply computes it (1 / n in float64; a padded entry is never kept)
+        above = rows >= 1.0 / torch.tensor(lengths, dtype=torch.float64, device=rows.device).unsqueeze(1)
+        acc = acc.to(torch.float64).add_(rows).to(torch.float32)
+        per = per.to(torch.float64).mul_(self.decay).add_(above).to(torch.float32)
+        for i, (rid, n) in enumerate(zip(rids, lengths)):
+            self._acc[rid], self._per[rid] = acc[i, :n], per[i, :n]
 
     def rank(self, rid: str, ids: torch.Tensor, ranking: Ranking, bound: int, protected: tuple[int, ...] = ()
              ) -> list[int]:

@@ -13,8 +13,8 @@ Per step (``apply``, called from ``handle_preemptions``, before ``_update_states
      ``submit_batch``; verified per ``strict_verify``); a copy whose verification fails is reported FAILED;
   2. install the block lists those copies changed (the worker's list and the block-table row);
   3. remember the step's gaps (and, under strict verify, the table's write slots to audit);
-  4. patch each request's read list by the step's change of it (gather path, score policies: evictions, a
-     commit's moves, appends): only a first step or a log overflow resends it whole; strict verify sends it whole
+  4. patch each request's read list (numpy arrays) by the step's change of it (gather path, score policies:
+     evictions, a commit's moves, appends): only a first step or a log overflow resends it whole; strict verify sends it whole
      every ``READ_CHECK_EVERY`` steps to check the copy. Score policies' statistics (``DeviceScores``) are aligned
      with the read list and patched with it;
   5. after the forward (``take_scores``): record the step's attention rows into those statistics and rank the
@@ -45,6 +45,14 @@ from .compat import UnsupportedConfigError
 # pairs is where they cross on the byte-llama: docs/results.md, "Hot path II, part 4"). Every other query, every
 # generated token included, goes to the kernel.
 LONG_PROMPT = 64
+
+
+def _places(ids: np.ndarray, wanted: np.ndarray) -> np.ndarray | None:
+    """Where each of ``wanted`` lies in the ascending ``ids``, or None when one is not there."""
+    at = np.searchsorted(ids, wanted)
+    if len(wanted) and (int(at.max()) >= len(ids) or not np.array_equal(ids[at], wanted)):
+        return None
+    return at
 
 
 @dataclass
@@ -82,10 +90,12 @@ class WorkerTokens:
         self.check_attention = check_attention  # strict verify: V5 on every attention the kernel computes
         self.block_size = block_size
         self.gaps: dict[str, int] = {}
-        # NOTE: each request's read list (live slots, their token ids, logical order) as two int64 tensors and the
+        # NOTE: each request's read list (live slots, their token ids, logical order) as two int64 arrays and the
         # layout version they are at, patched by the scheduler's per-step changes (``ReadDelta``), never resent
-        # whole except on a first step or a log overflow: the paper's device-resident lookup cache (§3.2)
-        self.reads: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        # whole except on a first step or a log overflow: the paper's lookup cache (§3.2). numpy arrays in host
+        # memory, which is the device's on vLLM's CPU backend (``_patch_read``'s NOTE); a CUDA port would keep
+        # them on the device, where a patch is one launch for the whole batch
+        self.reads: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
         self.reading = False  # this step's orders carried read lists: attention reads through them
         # H2O, Scissorhands: per-request scores aligned with the read lists, and this step's rankings to run
         self.scores = DeviceScores() if scored_layers else None
@@ -124,41 +134,49 @@ class WorkerTokens:
         self.seconds += time.perf_counter() - t0
 
     def _patch_read(self, rid: str, d) -> None:
-        """Apply one ``ReadDelta`` to the request's read list: O(list) in torch (a mask, a search and a cat),
-        O(changes) in Python. Checked: a change must find the copy at its version, and every evicted and moved id
-        in it."""
+        """Apply one ``ReadDelta`` to the request's read list: O(list) in numpy (a copy), O(changes) in Python.
+        Checked: a change must find the copy at its version, and every evicted and moved id in it.
+
+        NOTE: the lists are numpy arrays, not tensors: a step's patch is a handful of small operations per
+        request, and numpy's cost per operation here is a third of torch's (docs/results.md, "Hot path II,
+        part 5"); attention and the scores read them through ``torch.from_numpy``, which copies nothing. Ids
+        ascend (a full list is in logical order, evictions keep it, joined tokens are newer than every other,
+        moves change slots only), so every id is found by binary search."""
         c = d.changes
         if d.full is not None:
             slots, ids = d.full
             old = self.reads.get(rid)
-            self.reads[rid] = (torch.tensor(slots, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64), c.version)
+            self.reads[rid] = (np.array(slots, dtype=np.int64), np.array(ids, dtype=np.int64), c.version)
             if self.scores is not None:  # each token keeps its scores, found by id
-                self.scores.realign(rid, None if old is None else old[1], self.reads[rid][1])
+                self.scores.realign(rid, None if old is None else torch.from_numpy(old[1]),
+                                    torch.from_numpy(self.reads[rid][1]))
         else:
             have = self.reads.get(rid)
             if have is None or have[2] != c.since:
                 raise InvariantViolation("V2", f"request {rid!r}: a read-list change since layout version {c.since}, "
                                                f"the worker's copy is at {None if have is None else have[2]}")
             slots, ids, _ = have
-            if c.moved:  # ids ascend: each moved id's place is a binary search
-                moved = torch.tensor(c.moved, dtype=torch.int64)
-                at = torch.searchsorted(ids, moved).clamp_(max=max(len(ids) - 1, 0))
-                if not len(ids) or not torch.equal(ids[at], moved):
+            if c.moved:
+                moved = np.array(c.moved, dtype=np.int64)
+                at = _places(ids, moved)
+                if at is None:
                     raise InvariantViolation("V2", f"request {rid!r}: moved tokens {list(c.moved)[:8]} are not all "
                                                    f"in the worker's read list")
-                slots = slots.clone()
-                slots[at] = torch.tensor(c.moved_slots, dtype=torch.int64)
+                slots = slots.copy()
+                slots[at] = c.moved_slots
             if c.evicted:
-                keep = ~torch.isin(ids, torch.tensor(c.evicted, dtype=torch.int64))
-                if int(keep.sum()) != len(ids) - len(c.evicted):
+                at = _places(ids, np.array(c.evicted, dtype=np.int64))
+                if at is None or len(np.unique(at)) != len(at):
                     raise InvariantViolation("V2", f"request {rid!r}: evicted tokens {list(c.evicted)[:8]} are not "
                                                    f"all in the worker's read list")
-                slots, ids = slots[keep], ids[keep]
+                slots, ids = np.delete(slots, at), np.delete(ids, at)
                 if self.scores is not None:
-                    self.scores.keep(rid, keep)
+                    keep = np.ones(len(have[1]), dtype=bool)
+                    keep[at] = False
+                    self.scores.keep(rid, torch.from_numpy(keep))
             if c.joined:
-                slots = torch.cat((slots, torch.tensor(c.joined_slots, dtype=torch.int64)))
-                ids = torch.cat((ids, torch.tensor(c.joined, dtype=torch.int64)))
+                slots = np.concatenate((slots, np.array(c.joined_slots, dtype=np.int64)))
+                ids = np.concatenate((ids, np.array(c.joined, dtype=np.int64)))
                 if self.scores is not None:
                     self.scores.extend(rid, len(c.joined))
             self.reads[rid] = (slots, ids, c.version)
@@ -216,8 +234,8 @@ class WorkerTokens:
         n = batch.num_reqs
         req_ids = list(batch.req_ids[:n])
         lists = [self.reads[rid] for rid in req_ids]
-        slots = pad_sequence([s for s, _, _ in lists], batch_first=True, padding_value=0)
-        ids = pad_sequence([t for _, t, _ in lists], batch_first=True, padding_value=-1)  # ids are >= 0
+        slots = pad_sequence([torch.from_numpy(s) for s, _, _ in lists], batch_first=True, padding_value=0)
+        ids = pad_sequence([torch.from_numpy(t) for _, t, _ in lists], batch_first=True, padding_value=-1)  # >= 0
         ids[ids < 0] = PAD
         starts = torch.from_numpy(r.query_start_loc.np[: n + 1].astype(np.int64))
         query_request = torch.repeat_interleave(torch.arange(n), starts[1:] - starts[:-1])
@@ -239,18 +257,17 @@ class WorkerTokens:
         t0 = time.perf_counter()
         plan, rows, recorded = self.read_plan, {}, 0
         if plan is not None and plan.rows is not None and plan.layers:
-            for i, rid in enumerate(plan.req_ids):
-                ids = self.reads[rid][1]
-                row = plan.rows[i, : len(ids)]
-                row = row / plan.layers if plan.layers > 1 else row  # x / 1 is x: one op less per request
-                self.scores.record(rid, row)
-                recorded += 1
-                if self.send_rows:
-                    rows[rid] = (ids.tolist(), row.tolist())
+            batch = plan.rows / plan.layers if plan.layers > 1 else plan.rows  # x / 1 is x: one op less
+            lengths = [len(self.reads[rid][1]) for rid in plan.req_ids]
+            self.scores.record_all(plan.req_ids, batch, lengths)  # every request's row in one batch
+            recorded = len(plan.req_ids)
+            if self.send_rows:
+                for i, (rid, n) in enumerate(zip(plan.req_ids, lengths)):
+                    rows[rid] = (self.reads[rid][1].tolist(), batch[i, :n].tolist())
             plan.rows, plan.layers = None, 0  # recorded once
         victims = {}
         for rid, (ranking, bound, protected) in self.ranks.items():  # read lists ascend: DeviceScores.rank's NOTE
-            victims[rid] = self.scores.rank(rid, self.reads[rid][1], ranking, bound, protected)
+            victims[rid] = self.scores.rank(rid, torch.from_numpy(self.reads[rid][1]), ranking, bound, protected)
         self.ranks = {}
         self.seconds += time.perf_counter() - t0
         return victims, rows, recorded
