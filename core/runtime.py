@@ -628,7 +628,7 @@ class VTokenRuntime:
 
     def policy_view(self, req_id: object) -> RequestView:
         """The view the policy decides ``req_id``'s victims from, as the request stands now: O(1) (the live
-        tokens are a rank view), plus, on the dense path, the live tokens of the blocks it shares (O(shared blocks x S))."""
+        tokens are a rank view), plus, on the dense path, the live tokens of the blocks it shares (O(shared x S))."""
         if req_id not in self.table:
             raise UnknownRequestError(f"unknown request {req_id!r}")
         return self._view(req_id)

@@ -407,7 +407,8 @@ class Oracles:
         want: frozenset = frozenset()
         if self.rt.read_path is ReadPath.DENSE:
             shared = {b for b in self.table.block_ids(req) if self.pool.ref_count(b) > 1}
-            want = frozenset(t for t in self.table.live_token_ids(req) if self.table.slot_of(req, t) // self.S in shared)
+            want = frozenset(t for t in self.table.live_token_ids(req)
+                             if self.table.slot_of(req, t) // self.S in shared)
         if view.protected != want:
             raise OracleViolation("protected", f"request {req!r}: the policy was told to spare "
                                                f"{sorted(view.protected)[:12]}, the pool's shared blocks hold the "

@@ -95,7 +95,8 @@ def main() -> None:
             med = lambda k: statistics.median(r[k] for r in runs if r[k] is not None)  # noqa: E731
             print(f"{name:26s} {ctx:5d}: steady {med('steady_us_per_request'):7.1f} us/request/step, burst "
                   f"{med('burst_us_per_evicted_token'):6.2f} us/evicted token ({runs[0]['burst_evicted']} tokens in "
-                  f"{runs[0]['burst_steps']} steps), mean {med('mean_us_per_request'):7.1f}, step {med('step_ms'):.1f} ms",
+                  f"{runs[0]['burst_steps']} steps), mean {med('mean_us_per_request'):7.1f}, "
+                  f"step {med('step_ms'):.1f} ms",
                   flush=True)
     for name in a.configs:
         lo, hi = out[f"{name} {min(a.contexts)}"], out[f"{name} {max(a.contexts)}"]

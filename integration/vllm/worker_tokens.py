@@ -14,8 +14,8 @@ Per step (``apply``, called from ``handle_preemptions``, before ``_update_states
   2. install the block lists those copies changed (the worker's list and the block-table row);
   3. remember the step's gaps (and, under strict verify, the table's write slots to audit);
   4. patch each request's read list (numpy arrays) by the step's change of it (gather path, score policies:
-     evictions, a commit's moves, appends): only a first step or a log overflow resends it whole; strict verify sends it whole
-     every ``READ_CHECK_EVERY`` steps to check the copy. Score policies' statistics (``DeviceScores``) are aligned
+     evictions, a commit's moves, appends): only a first step or a log overflow resends it whole; strict verify
+     sends it whole every ``READ_CHECK_EVERY`` steps to check the copy. Score policies' statistics (``DeviceScores``) are aligned
      with the read list and patched with it;
   5. after the forward (``take_scores``): record the step's attention rows into those statistics and rank the
      victims the scheduler asked for (``StepOrders.rank``); only the victims go back (and, under strict verify,
