@@ -130,11 +130,25 @@ def evict_killed_one_token(old, new, req_id, token_id: int) -> bool:
             and new.num_live(req_id) == old.num_live(req_id) - 1 == len(new.live_token_ids(req_id)))
 
 
-def evict_moved_nothing(old, new, req_id, token_id: int) -> bool:
-    """Metadata only: every other token keeps its slot, the block list and cursor stay."""
+def evict_killed_the_tokens(old, new, req_id, token_ids) -> bool:
+    """The tokens are dead and no longer counted (T1)."""
+    ids = set(token_ids)
+    return (not any(new.is_live(req_id, t) for t in ids)
+            and new.num_live(req_id) == old.num_live(req_id) - len(ids) == len(new.live_token_ids(req_id)))
+
+
+def evict_moved_nothing(old, new, req_id, token_ids) -> bool:
+    """Metadata only: every other token keeps its slot, the block list and cursor stay. ``token_ids``: the one
+    evicted token, or the evicted tokens."""
+    gone = {token_ids} if isinstance(token_ids, int) else set(token_ids)
     return (new.block_ids(req_id) == old.block_ids(req_id) and new.write_pos(req_id) == old.write_pos(req_id)
             and all(new.slot_of(req_id, t) == old.slot_of(req_id, t) for t in range(new.total_len(req_id))
-                    if t != token_id))
+                    if t not in gone))
+
+
+def evicted_where_they_were(old, req_id, token_ids, positions) -> bool:
+    """Each returned position is the one its token held before the call."""
+    return list(positions) == [old.position_of(req_id, t) for t in token_ids]
 
 
 def moves_kept_liveness_and_layout(old, new, req_id, moves) -> bool:

@@ -512,14 +512,16 @@ class ReclamationManager:
         if self.is_stale(plan):
             self._abort(rec, "layout changed since the snapshot (I4)")
             return
-        moves = [m for m in plan.moves if t.is_live(req, m.token_id)]  # evicted in flight: stay dead
+        held = t.slots_of(req, [m.token_id for m in plan.moves])
+        moves = [m for m, slot in zip(plan.moves, held) if slot != NO_SLOT]  # evicted in flight: stay dead
         if plan.kind is PlanKind.DENSIFY:
             self._commit_densify(rec, moves)
             return
         if plan.kind is PlanKind.COMPACT:
             self._commit_compact(rec, moves)
             return
-        dsts = plan.kept_destinations(lambda m: t.is_live(req, m.token_id))
+        landing = {m.token_id for m in moves}
+        dsts = plan.kept_destinations(lambda m: m.token_id in landing)
         unused = [b for b in plan.dst_blocks if b not in dsts]
         blocks, write_pos = t.block_ids(req), t.write_pos(req)
         live_before = t.num_live(req)
@@ -540,8 +542,8 @@ class ReclamationManager:
         t.set_layout(req, final_blocks, final_pos)
         # online I1/I2 postcondition, O(moves): a relocation moves tokens, never kills or revives one (the full
         # comparison of the ordered live ids is check_i2's and V1's, off the hot path)
-        if t.num_live(req) != live_before or any(t.slot_of(req, m.token_id) != m.dst_block * S + m.dst_offset
-                                                 for m in moves):
+        if t.num_live(req) != live_before or t.slots_of(req, [m.token_id for m in moves]) != [
+                m.dst_block * S + m.dst_offset for m in moves]:
             raise InvariantViolation("I2", f"request {req!r}: committing plan changed its ordered live token ids")
         self._release_handle(rec)
         self.pool.free(list(plan.src_blocks) + unused)
@@ -559,7 +561,8 @@ class ReclamationManager:
         ``verify_fast_paths`` compared with it, V3). Not stale, so the sources are where they were planned."""
         plan, t, S = rec.plan, self.table, self.pool.block_size
         req = plan.req_id
-        dsts = plan.kept_destinations(lambda m: t.is_live(req, m.token_id))
+        landing = {m.token_id for m in moves}
+        dsts = plan.kept_destinations(lambda m: m.token_id in landing)
         unused = [b for b in plan.dst_blocks if b not in dsts]
         pos, live_before = t.write_pos(req), t.num_live(req)
         src_at = [t.index_in_list(req, b) for b in plan.src_blocks]
@@ -574,8 +577,8 @@ class ReclamationManager:
         t.remove_blocks(req, [i + len(dsts) for i in src_at], final_pos)
         # online I1/I2 postcondition, O(moves): a relocation moves tokens, never kills or revives one (the full
         # comparison of the ordered live ids is check_i2's and V1's, off the hot path)
-        if t.num_live(req) != live_before or any(t.slot_of(req, m.token_id) != m.dst_block * S + m.dst_offset
-                                                 for m in moves):
+        if t.num_live(req) != live_before or t.slots_of(req, [m.token_id for m in moves]) != [
+                m.dst_block * S + m.dst_offset for m in moves]:
             raise InvariantViolation("I2", f"request {req!r}: committing plan changed its ordered live token ids")
         if want is not None and (t.block_ids(req), t.write_pos(req)) != want:
             raise InvariantViolation("V3", f"request {req!r}: the compact commit left blocks {t.block_ids(req)} and "
@@ -666,8 +669,8 @@ class ReclamationManager:
         self.stats.moves_dropped += len(plan.moves) - len(moves)
         t.apply_moves(req, moves)
         t.splice(req, at, len(plan.src_blocks), (), n)
-        if t.num_live(req) != live_before or any(t.slot_of(req, m.token_id) != m.dst_block * S + m.dst_offset
-                                                 for m in moves):
+        if t.num_live(req) != live_before or t.slots_of(req, [m.token_id for m in moves]) != [
+                m.dst_block * S + m.dst_offset for m in moves]:
             raise InvariantViolation("I2", f"request {req!r}: committing plan changed its ordered live token ids")
         self._release_handle(rec)
         self.pool.free(list(plan.src_blocks))
@@ -717,13 +720,18 @@ class ReclamationManager:
         """
         plan, t, S = rec.plan, self.table, self.pool.block_size
         req = plan.req_id
-        listed = (lambda b: t.index_in_list(req, b) is not None) if plan.kind is PlanKind.DENSIFY else \
-            set(plan.dst_blocks).__contains__
         n, written = t.total_len(req), set()
         for m in plan.moves:
             if not (is_int(m.token_id) and 0 <= m.token_id < n):
                 raise InvariantViolation("I4", f"request {req!r}: move {m} names a token outside [0, {n})")
-            slot = t.slot_of(req, m.token_id)
+        if plan.kind is PlanKind.DENSIFY:  # the request's own blocks, each looked up once
+            index: dict[int, bool] = {}
+
+            def listed(b: int) -> bool:
+                return index[b] if b in index else index.setdefault(b, t.index_in_list(req, b) is not None)
+        else:
+            listed = set(plan.dst_blocks).__contains__
+        for m, slot in zip(plan.moves, t.slots_of(req, [m.token_id for m in plan.moves])):
             if slot != NO_SLOT and slot != m.src_block * S + m.src_offset:  # evicted since planning: dropped at commit
                 raise InvariantViolation("I4", f"request {req!r}: move {m} reads ({m.src_block}, {m.src_offset}) "
                                          f"but the token lives at slot {slot}")
@@ -770,13 +778,15 @@ class ReclamationManager:
         it) before ``cursor``; no token moves twice. Returns the masks the moves leave on the blocks they
         touch (all sources vacated, then all claims), from ``mask_of(block)``. O(moves)."""
         t, S = self.table, self.pool.block_size
-        sources = [t.slot_of(req, m.token_id) for m in moves]
+        sources = t.slots_of(req, [m.token_id for m in moves])
         vacated, claimed = set(sources), set()
+        index: dict[int, int | None] = {}  # index_of once per block
         for m, src in zip(moves, sources):
             if src != m.src_block * S + m.src_offset:
                 fail(f"move {m} reads a slot token {m.token_id} does not hold")
             dst = m.dst_block * S + m.dst_offset
-            i = index_of(m.dst_block)
+            b = m.dst_block
+            i = (index[b] if b in index else index.setdefault(b, index_of(b))) if is_int(b) else None
             if i is None or i * S + m.dst_offset >= cursor:
                 fail(f"move {m} writes outside {listed} or at or after its cursor {cursor}")
             if dst in claimed or t.occupancy.holders(dst) - (dst in vacated):

@@ -610,11 +610,8 @@ class VTokenRuntime:
     def _evict_and_reclaim(self, victims: Mapping[object, list[int]]) -> None:
         dense = self.read_path is ReadPath.DENSE and self.reclaim is not None
         # on the dense path, where each victim was: densify then plans only the holes this step made
-        positions = {r: [self.table.position_of(r, t) for t in chosen] for r, chosen in victims.items()} if dense else {}
-        for r, chosen in victims.items():
-            for t in chosen:
-                self.table.evict_token(r, t)
-        self._victim_positions = positions
+        positions = {r: self.table.evict_tokens(r, chosen) for r, chosen in victims.items()}
+        self._victim_positions = positions if dense else {}
         self._reclaim()
         self.manager.launch()
         self.iteration += 1
@@ -655,7 +652,9 @@ class VTokenRuntime:
             raise PolicyError(f"policy {self.policy.name!r} failed on request {r!r}: "
                               f"{type(e).__name__}: {e}") from e
         bad = [t for t in victims if t.__class__ is not int and not is_int(t) or t in view.protected
-               or not 0 <= t < view.total_len or not self.table.is_live(r, t)]
+               or not 0 <= t < view.total_len]
+        if not bad:  # ids in range: their liveness in one read
+            bad = [t for t, slot in zip(victims, self.table.slots_of(r, victims)) if slot == NO_SLOT]
         if bad or len(set(victims)) != len(victims) or len(victims) > view.excess:
             raise PolicyError(
                 f"policy {self.policy.name!r} returned invalid victims for request {r!r}: "

@@ -145,7 +145,7 @@ class RequestTokens:
         self.num_live = 0
         self.layout_version = 0  # bumped by every relocation or block-list rewrite: a structural change
         self.last_sync_start = 0  # first token id of the latest sync_new_tokens
-        self.live = LiveIndex()  # live ids by rank (maintained by sync_new_tokens and evict_token)
+        self.live = LiveIndex()  # live ids by rank (maintained by sync_new_tokens and evict_tokens)
         # the change log ``take_changes`` hands out: ids evicted and ids moved since the last take (None: more than
         # the log keeps, read the whole list), and the layout version at that take
         self.evicted: array | None = array("i")  # 4 B an entry: a request nobody takes from keeps <= 16 KiB
@@ -289,18 +289,22 @@ class TokenTable:
             self._listed[b] += 1
         r.live.append(r.total_len, n_new)
         r.last_sync_start = r.total_len
-        out = []
-        for p in range(r.write_pos, r.write_pos + n_new):
-            b, o = r.blocks[p // S], p % S
-            slot = b * S + o
-            r.counts[p // S] += 1
+        out: list[int] = []
+        p, end = r.write_pos, r.write_pos + n_new
+        while p < end:  # a block's run of new positions at a time: slices, not a Python step per token
+            k, o = divmod(p, S)
+            n = min(S - o, end - p)
+            b = r.blocks[k]
+            first, token = b * S + o, len(r.slots)
+            r.counts[k] += n
             if b in r.shared:
-                r.shared[b] |= 1 << o
+                r.shared[b] |= ((1 << n) - 1) << o
             else:
-                self._token_at[slot] = len(r.slots)
-            self.occupancy.claim(slot)
-            r.slots.append(slot)
-            out.append(slot)
+                self._token_at[first:first + n] = array("i", range(token, token + n))
+            self.occupancy.claim_run(first, n)
+            r.slots.extend(range(first, first + n))
+            out.extend(range(first, first + n))
+            p += n
         r.write_pos += n_new
         r.num_live += n_new
         assert r.total_len == total_len and len(r.blocks) == listed_before + len(new_ids)
@@ -369,22 +373,53 @@ class TokenTable:
         post: contracts.evict_killed_one_token(__old__.self, self, req_id, token_id)  # T1
         post: contracts.evict_moved_nothing(__old__.self, self, req_id, token_id)  # metadata only
         """
+        self.evict_tokens(req_id, (token_id,))
+
+    def evict_tokens(self, req_id: object, token_ids: Sequence[int]) -> list[int]:
+        """Mark several tokens dead, all or none: ``evict_token`` for each in turn, validated once (a policy's
+        victims of one step). Returns the position each held (index in the block list x S + offset), in the
+        order given: where densify's holes are, read before the slots are forgotten.
+
+        pre: req_id in self
+        raises: TokenOutOfRangeError, TokenAlreadyEvictedError
+        post: contracts.evict_killed_the_tokens(__old__.self, self, req_id, __old__.token_ids)  # T1
+        post: contracts.evict_moved_nothing(__old__.self, self, req_id, __old__.token_ids)  # metadata only
+        post: contracts.evicted_where_they_were(__old__.self, req_id, __old__.token_ids, __return__)
+        """
         r = self._get(req_id)
-        slot = self._live_slot(req_id, r, token_id)
-        b, o = divmod(slot, self.block_size)
-        if b in r.shared:
-            assert r.shared[b] >> o & 1, f"live token {token_id} of {req_id!r} at slot {slot}, unmarked in block {b}"
-            r.shared[b] &= ~(1 << o)
-        r.counts[self._index_listed(r, b)] -= 1
-        self.occupancy.release(slot)
-        r.slots[token_id] = NO_SLOT
-        r.num_live -= 1
-        r.live.remove(token_id)
+        ids = as_list(f"request {req_id!r}: tokens to evict", token_ids, TokenOutOfRangeError)
+        slots = self.slots_of(req_id, ids)
+        if NO_SLOT in slots:
+            raise TokenAlreadyEvictedError(f"request {req_id!r}: token {ids[slots.index(NO_SLOT)]} is already evicted")
+        if len(set(slots)) != len(slots):  # live tokens have distinct slots (I2): a slot twice is a token twice
+            seen: set[int] = set()
+            twice = next(t for t, s in zip(ids, slots) if s in seen or seen.add(s))
+            raise TokenAlreadyEvictedError(f"request {req_id!r}: token {twice} is named twice in one eviction")
+        # NOTE: everything is validated; nothing below raises, so a refused call changed nothing
+        S, shared, counts, live, occupancy = self.block_size, r.shared, r.counts, r.live, self.occupancy
+        index: dict[int, int] = {}  # block -> its index in r's list, looked up once per block
+        positions = []
+        for t, slot in zip(ids, slots):
+            b, o = divmod(slot, S)
+            i = index.get(b)
+            if i is None:
+                i = index[b] = self._index_listed(r, b)
+            if b in shared:
+                assert shared[b] >> o & 1, f"live token {t} of {req_id!r} at slot {slot}, unmarked in block {b}"
+                shared[b] &= ~(1 << o)
+            counts[i] -= 1
+            occupancy.release(slot)
+            r.slots[t] = NO_SLOT
+            live.remove(t)
+            positions.append(i * S + o)
+            assert not shared[b] >> o & 1 if b in shared else not occupancy.holders(slot)
+        r.num_live -= len(ids)
         if r.evicted is not None:
-            r.evicted.append(token_id)
+            r.evicted.extend(ids)
             if len(r.evicted) > _LOG_LIMIT:
                 r.evicted = None  # nobody is reading the log: bounded, the next take says "rebuilt"
-        assert r.num_live >= 0 and (not r.shared[b] >> o & 1 if b in r.shared else not self.occupancy.holders(slot))
+        assert r.num_live >= 0
+        return positions
 
     def apply_moves(self, req_id: object, moves: Iterable[Move]) -> None:
         """Atomically relocate live tokens whose K/V has been copied (I2).
@@ -406,6 +441,7 @@ class TokenTable:
             return  # nothing moves, so the layout (and any plan's snapshot of it) stays valid
         tokens: set[int] = set()
         vacated: set[int] = set()
+        sources = []
         for m in batch:
             slot = self._live_slot(req_id, r, m.token_id)
             if m.token_id in tokens:
@@ -418,20 +454,23 @@ class TokenTable:
                     f"= ({slot // S}, {slot % S})"
                 )
             vacated.add(slot)
+            sources.append(slot)
         claimed: set[int] = set()
+        index: dict[int, int | None] = {}  # block -> its index in r's list (None: not listed), once per block
+        holders = self.occupancy.holders
         for m in batch:
-            if not (is_int(m.dst_block) and 0 <= m.dst_block < self.num_blocks
-                    and is_int(m.dst_offset) and 0 <= m.dst_offset < S):
+            b = m.dst_block
+            if not (is_int(b) and 0 <= b < self.num_blocks and is_int(m.dst_offset) and 0 <= m.dst_offset < S):
                 raise DestinationError(
-                    f"request {req_id!r}: token {m.token_id} destination ({m.dst_block}, {m.dst_offset}) "
+                    f"request {req_id!r}: token {m.token_id} destination ({b}, {m.dst_offset}) "
                     f"is outside the pool ({self.num_blocks} blocks of {S})"
                 )
-            i = self._index_in(r, m.dst_block)
+            i = index[b] if b in index else index.setdefault(b, self._index_in(r, b))
             if i is None:
                 raise BlockNotOwnedError(
-                    f"request {req_id!r}: token {m.token_id} destination block {m.dst_block} is not in its block list"
+                    f"request {req_id!r}: token {m.token_id} destination block {b} is not in its block list"
                 )
-            dst = m.dst_block * S + m.dst_offset
+            dst = b * S + m.dst_offset
             if i * S + m.dst_offset >= r.write_pos:
                 raise DestinationError(
                     f"request {req_id!r}: token {m.token_id} destination slot {dst} is at or after "
@@ -439,31 +478,33 @@ class TokenTable:
                 )
             if dst in claimed:
                 raise DestinationError(f"request {req_id!r}: slot {dst} is the destination of two moves")
-            holders = self.occupancy.holders(dst) - (1 if dst in vacated else 0)
-            if holders:
+            if holders(dst) - (dst in vacated):
                 raise DestinationError(
                     f"request {req_id!r}: token {m.token_id} destination slot {dst} "
-                    f"({m.dst_block}, {m.dst_offset}) is occupied by a live token"
+                    f"({b}, {m.dst_offset}) is occupied by a live token"
                 )
             claimed.add(dst)
         assert len(vacated) == len(claimed) == len(batch)
         # a source another request still holds (a shared prefix slot) stays live: each such move adds a slot
-        live_slots_after = self.occupancy.live_slots + sum(1 for s in vacated if self.occupancy.holders(s) > 1)
+        live_slots_after = self.occupancy.live_slots + sum(1 for s in vacated if holders(s) > 1)
         # -- validated; mutate atomically --
+        shared, counts, occupancy = r.shared, r.counts, self.occupancy
+        for slot in sources:
+            b = slot // S
+            if b in shared:
+                shared[b] &= ~(1 << (slot % S))
+            i = index[b] if b in index else index.setdefault(b, self._index_listed(r, b))
+            counts[i] -= 1
+            occupancy.release(slot)
         for m in batch:
-            slot = r.slots[m.token_id]
-            if slot // S in r.shared:
-                r.shared[slot // S] &= ~(1 << (slot % S))
-            r.counts[self._index_listed(r, slot // S)] -= 1
-            self.occupancy.release(slot)
-        for m in batch:
-            r.counts[self._index_listed(r, m.dst_block)] += 1
-            if m.dst_block in r.shared:
-                r.shared[m.dst_block] |= 1 << m.dst_offset
+            b, dst = m.dst_block, m.dst_block * S + m.dst_offset
+            counts[index[b]] += 1
+            if b in shared:
+                shared[b] |= 1 << m.dst_offset
             else:
-                self._token_at[m.dst_block * S + m.dst_offset] = m.token_id
-            self.occupancy.claim(m.dst_block * S + m.dst_offset)
-            r.slots[m.token_id] = m.dst_block * S + m.dst_offset
+                self._token_at[dst] = m.token_id
+            occupancy.claim(dst)
+            r.slots[m.token_id] = dst
         if r.moved is not None:
             r.moved.extend(m.token_id for m in batch)
             if len(r.moved) > _LOG_LIMIT:
@@ -677,6 +718,17 @@ class TokenTable:
         r = self._get(req_id)
         self._check_token(req_id, r, token_id)
         return r.slots[token_id]
+
+    def slots_of(self, req_id: object, token_ids: Sequence[int]) -> list[int]:
+        """``slot_of`` of each token, in order (NO_SLOT for an evicted one), validated once: a plan's or a
+        policy's tokens read in one call, not one call each."""
+        r = self._get(req_id)
+        ids = as_list(f"request {req_id!r}: token ids", token_ids, TokenOutOfRangeError)
+        if ids and (not all(t.__class__ is int for t in ids) or min(ids) < 0 or max(ids) >= r.total_len):
+            for t in ids:
+                self._check_token(req_id, r, t)  # raises for the first bad one (an int subclass passes here)
+        slots = r.slots
+        return [slots[t] for t in ids]
 
     def num_blocks_of(self, req_id: object) -> int:
         """Blocks in the request's block list (O(1); ``block_ids`` copies them)."""

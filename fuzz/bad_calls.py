@@ -30,7 +30,7 @@ from .events import EVENTS
 BAD_CALLS = tuple(
     f"{group}:{what}"
     for group, whats in [
-        ("evict", ["dead", "out_of_range", "unknown"]),
+        ("evict", ["dead", "out_of_range", "unknown", "twice", "live_then_dead", "not_a_sequence"]),
         ("move", ["stale", "occupied", "twice", "unlisted", "cursor", "malformed", "same_dst"]),
         ("pool", ["free", "over", "admit_headroom", "evacuate"]),
         ("request", ["range", "listed", "shrink", "short", "conflict", "duplicate"]),
@@ -227,7 +227,17 @@ class BadCalls:
             return
         if kind == "out_of_range":
             return self._rejected(E.TokenOutOfRangeError, self.table.evict_token, req, self.table.total_len(req) + index % 3)
+        if kind == "not_a_sequence":
+            return self._rejected(E.TokenOutOfRangeError, self.table.evict_tokens, req, index)
+        live = self._live(req)
+        if kind == "twice" and live:  # a batch naming a live token twice evicts none of the batch
+            t = live[index % len(live)]
+            return self._rejected(E.TokenAlreadyEvictedError, self.table.evict_tokens, req,
+                                  [t] + [u for u in live[:2] if u != t] + [t])
         dead = [t for t in range(self.table.total_len(req)) if t not in self.shadow[req]]
+        if dead and kind == "live_then_dead":  # the live ones before it stay live: all or none
+            return self._rejected(E.TokenAlreadyEvictedError, self.table.evict_tokens, req,
+                                  live[:3] + [dead[index % len(dead)]])
         if dead:
             self._rejected(E.TokenAlreadyEvictedError, self.table.evict_token, req, dead[index % len(dead)])
 

@@ -568,6 +568,24 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
         del self.shadow[req][t]
         EVENTS["evictions"] += 1
 
+    @precondition(lambda self: self.rt is not None and self.profile.read_path is ReadPath.GATHER)
+    @rule(req=requests, index=st.integers(0, 2**16), count=st.integers(2, 40))
+    def evict_several(self, req, index, count):
+        """Evict several live tokens in one call (a policy's victims of one step): each returned position is the
+        one ``position_of`` gave its token before. Gather path only, as ``evict_now`` (the dense path's
+        evictions go through the policy, so densify fills their holes)."""
+        if not self._running(req) or not self.shadow[req]:
+            return
+        live = self._live(req)
+        chosen = [live[(index + 7 * k) % len(live)] for k in range(min(count, len(live)))]
+        chosen = list(dict.fromkeys(chosen))  # distinct, in the order drawn
+        expected = [self.table.position_of(req, t) for t in chosen]
+        positions = self.table.evict_tokens(req, chosen)
+        assert positions == expected, f"evict_tokens({req}, {chosen}) returned {positions}, held {expected}"
+        for t in chosen:
+            del self.shadow[req][t]
+        EVENTS["evictions"] += len(chosen)
+
     @rule(req=requests, index=st.integers(0, 2**16))
     def queue_victim(self, req, index):
         """Make the next end_step evict this token through the policy path."""

@@ -124,15 +124,16 @@ def _resurrect_evicted_mid_copy():
 
 
 def _forget_live_count_decrement():
-    original = token_table.TokenTable.evict_token
+    original = token_table.TokenTable.evict_tokens
 
-    def evict_token(self, req_id, token_id):
-        slot = self.slot_of(req_id, token_id)
-        original(self, req_id, token_id)
-        # NOTE: the block's live count keeps the token (for a private block it is the request's count, T1)
-        self.occupancy._block_live[slot // self.block_size] += 1
+    def evict_tokens(self, req_id, token_ids):
+        slots = [self.slot_of(req_id, t) for t in token_ids]
+        positions = original(self, req_id, token_ids)
+        for slot in slots:  # NOTE: the block's live count keeps the token (for a private block it is the request's count, T1)
+            self.occupancy._block_live[slot // self.block_size] += 1
+        return positions
 
-    return {(token_table.TokenTable, "evict_token"): evict_token}
+    return {(token_table.TokenTable, "evict_tokens"): evict_tokens}
 
 
 def _relocate_shared_block():
@@ -556,7 +557,7 @@ BUGS: dict[str, PlantedBug] = {
                    _free_destination_of_pending_copy),
         PlantedBug("resurrect_evicted_mid_copy", "a token evicted while its move was in flight comes back at commit",
                    _resurrect_evicted_mid_copy),
-        PlantedBug("forget_live_count_decrement", "evict_token leaves the block's live count unchanged",
+        PlantedBug("forget_live_count_decrement", "an eviction leaves the block's live count unchanged",
                    _forget_live_count_decrement),
         PlantedBug("relocate_shared_block", "planning ignores ref counts and relocates shared-prefix blocks",
                    _relocate_shared_block),

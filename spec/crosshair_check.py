@@ -37,7 +37,7 @@ from .obligations import BOUNDED, COUNTEREXAMPLE, UNKNOWN, Obligation, Outcome
 
 # Every module here holds contracts; CrossHair checks each contracted function and method in it:
 #   block_pool   blocks_needed, BlockPool.can_allocate / allocate / share / free
-#   token_table  TokenTable.sync_new_tokens / evict_token / apply_moves
+#   token_table  TokenTable.sync_new_tokens / evict_token / evict_tokens / apply_moves
 #   compact      eligible_sources, choose_sources, plan_compaction
 #   densify      plan_densify
 #   relocate     plan_relocation
@@ -50,7 +50,7 @@ DEFAULT_TARGETS: tuple[str, ...] = (
     "vtoken.core.relocate",
     "vtoken.core.plan",
 )
-# CPU seconds (CrossHair's timeouts count process CPU time). 21 postconditions x 1.5 s is ~32 s of
+# CPU seconds (CrossHair's timeouts count process CPU time). 25 postconditions x 1.5 s is ~38 s of
 # CPU, 45-60 s of wall clock on a loaded 2-core machine; TOTAL_TIMEOUT (wall clock) kills the run
 # beyond that, and the obligation then reports "unknown".
 PER_CONDITION_TIMEOUT = 1.5

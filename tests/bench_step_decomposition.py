@@ -9,11 +9,16 @@ per-step machinery follows what changed. This bench steps the engine itself (8 r
 byte-llama; the configurations of ``bench_context_step.py``), reads vtoken's scheduler and worker seconds and the
 tokens evicted after every step, and splits each run into:
 
-  * **steady**: the median over the decode steps that evicted at most one token per request (µs per request);
+  * **steady**: the median over the decode steps that evicted at most one token per request and committed at most
+    one relocation move per request (µs per request);
   * **burst**: the steps that evicted more, as µs per evicted token (their cost less one steady step each);
-  * **mean**: Q7's number (every step, prefill included).
+  * **reclaim**: the steps that evicted little but committed more than one relocation move per request (the
+    reclamation working through what a burst left), as µs per moved token (less one steady step each);
+  * **mean**: Q7's number (every step, prefill included), and its parts: the steady cost, and what the prefill,
+    burst and reclaim steps cost beyond a steady step, spread over every step.
 
-If steady barely grows with L while mean does, what grows is the burst, whose cost is per evicted token: O(changes).
+If steady barely grows with L while mean does, what grows is the bursts and the reclamation after them, whose costs
+are per evicted and per moved token: O(changes).
 """
 from __future__ import annotations
 
@@ -49,14 +54,16 @@ def one_run(vtoken: dict, context: int, seed: int) -> dict:
             for i, p in enumerate(prompts):
                 engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=p), params)
             steps = []
-            last = (conn.tokens.stats.seconds, conn.workers.seconds, conn.tokens.stats.evicted)
+            reclaim = conn.tokens.rt.reclaim_stats
+            last = (conn.tokens.stats.seconds, conn.workers.seconds, conn.tokens.stats.evicted, reclaim.moves_committed)
             while engine.has_unfinished_requests():
                 t0 = time.perf_counter()
                 engine.step()
                 wall = time.perf_counter() - t0
-                now = (conn.tokens.stats.seconds, conn.workers.seconds, conn.tokens.stats.evicted)
+                now = (conn.tokens.stats.seconds, conn.workers.seconds, conn.tokens.stats.evicted,
+                       reclaim.moves_committed)
                 steps.append({"vtoken_s": (now[0] - last[0]) + (now[1] - last[1]), "evicted": now[2] - last[2],
-                              "wall_s": wall})
+                              "moved": now[3] - last[3], "wall_s": wall})
                 last = now
         finally:
             del llm
@@ -64,20 +71,32 @@ def one_run(vtoken: dict, context: int, seed: int) -> dict:
 
 
 def split(steps: list[dict]) -> dict:
-    """The steady / burst / mean decomposition of one run's steps (docstring). A prefill step evicts nothing and
-    counts in the mean only: steady steps are those after the first eviction."""
+    """The decomposition of one run's steps (docstring). A prefill step (before the first eviction) counts in the
+    mean only. After it: a *burst* step evicts more than one token per request; a *reclaim* step evicts at most
+    that but commits more than one relocation move per request (compaction or densify working through what a
+    burst left); the rest are *steady*. ``parts`` splits the mean (µs per request per step, over every step)
+    into what each kind of step cost beyond a steady step."""
     first = next((i for i, s in enumerate(steps) if s["evicted"]), len(steps))
-    steady = [s["vtoken_s"] for s in steps[first:] if s["evicted"] <= REQUESTS]
+    after = steps[first:]
+    bursts = [s for s in after if s["evicted"] > REQUESTS]
+    reclaims = [s for s in after if s["evicted"] <= REQUESTS and s["moved"] > REQUESTS]
+    steady = [s["vtoken_s"] for s in after if s["evicted"] <= REQUESTS and s["moved"] <= REQUESTS]
     steady_s = statistics.median(steady) if steady else float("nan")
-    bursts = [s for s in steps[first:] if s["evicted"] > REQUESTS]
-    burst_tokens = sum(s["evicted"] for s in bursts)
-    burst_extra = sum(s["vtoken_s"] - steady_s for s in bursts)
+    burst_tokens, moved = sum(s["evicted"] for s in bursts), sum(s["moved"] for s in reclaims)
+    extra = lambda kind: sum(s["vtoken_s"] - steady_s for s in kind)  # noqa: E731
+    per_request_step = 1e6 / len(steps) / REQUESTS
     return {"steps": len(steps), "steady_steps": len(steady), "burst_steps": len(bursts),
+            "reclaim_steps": len(reclaims),
             "steady_us_per_request": 1e6 * steady_s / REQUESTS,
-            "burst_us_per_evicted_token": 1e6 * burst_extra / burst_tokens if burst_tokens else None,
+            "burst_us_per_evicted_token": 1e6 * extra(bursts) / burst_tokens if burst_tokens else None,
             "burst_evicted": burst_tokens,
+            "reclaim_us_per_moved_token": 1e6 * extra(reclaims) / moved if moved else None,
+            "reclaim_moved": moved, "moves_committed": sum(s["moved"] for s in steps),
             "mean_us_per_request": 1e6 * sum(s["vtoken_s"] for s in steps) / len(steps) / REQUESTS,
-            "step_ms": 1e3 * statistics.median(s["wall_s"] for s in steps[first:])}
+            "parts": {"steady": 1e6 * steady_s / REQUESTS,
+                      "prefill": per_request_step * sum(s["vtoken_s"] - steady_s for s in steps[:first]),
+                      "burst": per_request_step * extra(bursts), "reclaim": per_request_step * extra(reclaims)},
+            "step_ms": 1e3 * statistics.median(s["wall_s"] for s in after)}
 
 
 def main() -> None:
@@ -92,11 +111,14 @@ def main() -> None:
         for ctx in a.contexts:
             runs = [one_run(CONFIGS[name], ctx, seed) for seed in range(a.runs)]
             out[f"{name} {ctx}"] = runs
-            med = lambda k: statistics.median(r[k] for r in runs if r[k] is not None)  # noqa: E731
+            med = lambda k: statistics.median([r[k] for r in runs if r[k] is not None] or [float("nan")])  # noqa: E731
+            parts = {k: statistics.median(r["parts"][k] for r in runs) for k in runs[0]["parts"]}
             print(f"{name:26s} {ctx:5d}: steady {med('steady_us_per_request'):7.1f} us/request/step, burst "
                   f"{med('burst_us_per_evicted_token'):6.2f} us/evicted token ({runs[0]['burst_evicted']} tokens in "
-                  f"{runs[0]['burst_steps']} steps), mean {med('mean_us_per_request'):7.1f}, "
-                  f"step {med('step_ms'):.1f} ms",
+                  f"{runs[0]['burst_steps']} steps), reclaim {med('reclaim_us_per_moved_token'):6.2f} us/moved "
+                  f"token ({runs[0]['reclaim_moved']} in {runs[0]['reclaim_steps']} steps; "
+                  f"{runs[0]['moves_committed']} moves in all), mean {med('mean_us_per_request'):7.1f} = "
+                  + " + ".join(f"{k} {v:.0f}" for k, v in parts.items()) + f", step {med('step_ms'):.1f} ms",
                   flush=True)
     for name in a.configs:
         lo, hi = out[f"{name} {min(a.contexts)}"], out[f"{name} {max(a.contexts)}"]

@@ -97,6 +97,35 @@ def test_a_read_through_the_strided_view_equals_the_element_by_element_read(dtyp
         cache.read("l2.K", torch.tensor([NB * S]))
 
 
+@pytest.mark.parametrize("dtype", DTYPES + fp8_dtypes())
+def test_moves_through_token_views_equal_moves_through_rows(dtype):
+    """A move (``gather`` + ``scatter``) goes through a group's strided token views where its rows are short
+    (vLLM's CPU layout: K stored dim-major, runs of one element) and through rows of ``run`` elements elsewhere.
+    The row move is the reference: forced on a second cache, both must move the same bits."""
+    fast, _ = mixed_cache(dtype, seed=3)
+    ref, _ = mixed_cache(dtype, seed=3)
+    for g in ref.groups:
+        g._strided["tokens"] = None  # the reference: every group moves rows
+    assert [g.token_views() is not None for g in fast.groups] == [g.run == 1 for g in fast.groups]
+    assert any(g.token_views() is not None for g in fast.groups)  # the CPU layer's group takes the views
+    perm = torch.randperm(NB * S, generator=torch.Generator().manual_seed(1))
+    src, dst = perm[:12], perm[12:24]
+    got, want = fast.gather(src), ref.gather(src)
+    assert [v.dtype for v in got] == [v.dtype for v in want]
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    fast.scatter(dst, got)
+    ref.scatter(dst, want)
+    after_fast, after_ref = snapshot(fast), snapshot(ref)
+    assert all(torch.equal(after_fast[n].view(torch.uint8), after_ref[n].view(torch.uint8)) for n in after_ref)
+    assert [tuple(v.shape) for v in fast.gather(src[:0])] == [tuple(v.shape) for v in want_empty(ref)]
+    with pytest.raises(BlockOutOfRangeError):
+        fast.gather(torch.tensor([NB * S]))
+
+
+def want_empty(cache):
+    return cache.gather(torch.zeros(0, dtype=torch.int64))
+
+
 def test_layout_shapes_are_checked_with_the_layer_named():
     with pytest.raises(LayoutError, match="layer 'x'.*stacked"):
         gpu_planes("x", torch.zeros(3, NB, S, H, D))

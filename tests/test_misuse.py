@@ -533,6 +533,25 @@ def _table_evict_unknown_request():
 
 
 @case
+def _table_evict_tokens_refuses_a_token_named_twice():
+    t = table_ab()
+    return (t,), lambda: t.evict_tokens("a", [0, 3, 0]), TokenAlreadyEvictedError, "token 0 is named twice"
+
+
+@case
+def _table_evict_tokens_evicts_none_when_one_is_dead():
+    t = table_ab()
+    t.evict_token("a", 2)
+    return (t,), lambda: t.evict_tokens("a", [0, 1, 2]), TokenAlreadyEvictedError, "token 2"
+
+
+@case
+def _table_evict_tokens_refuses_a_lone_int():
+    t = table_ab()
+    return (t,), lambda: t.evict_tokens("a", 3), TokenOutOfRangeError, "must be a sequence"
+
+
+@case
 def _table_true_does_not_name_request_1():
     t = TokenTable(8, 4)
     t.add_request(1)

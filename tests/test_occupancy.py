@@ -6,7 +6,7 @@ checker's branches for stray holders, stray blocks and the live total survived t
 
 import pytest
 
-from vtoken.core.errors import InvariantViolation
+from vtoken.core.errors import BlockOutOfRangeError, InvariantViolation
 from vtoken.core.occupancy import SlotOccupancy, waste_ratio
 
 
@@ -27,6 +27,26 @@ def test_claims_count_distinct_slots_per_block_and_in_total():
     assert o.holders(5) == 1 and o.block_live(1) == 1 and o.live_slots == 3
     o.release(5)
     assert o.block_live(1) == 0 and o.live_slots == 2
+
+
+def test_claim_run_is_claim_of_each_slot_of_the_run():
+    o, each = occ(), occ()
+    for first, n in ((8, 4), (4, 3), (2, 2), (1, 2), (12, 0)):  # free; 5 held; free; all held; empty
+        o.claim_run(first, n)
+        for slot in range(first, first + n):
+            each.claim(slot)
+        assert o.state() == each.state(), (first, n)
+    assert [o.holders(s) for s in range(12)] == [1, 2, 2, 1, 1, 3, 1, 0, 1, 1, 1, 1]
+    assert [o.block_live(b) for b in range(4)] == [4, 3, 4, 0] and o.live_slots == 11
+
+
+@pytest.mark.parametrize("first, n", [(2, 3), (-1, 1), (14, 3), (16, 1), (0, -1), (0.0, 1), (True, 1)])
+def test_claim_run_refuses_a_run_outside_one_block_and_changes_nothing(first, n):
+    o = occ()
+    before = o.state()
+    with pytest.raises(BlockOutOfRangeError, match="not a run within one block"):
+        o.claim_run(first, n)
+    assert o.state() == before
 
 
 def test_check_against_accepts_the_matching_tables():

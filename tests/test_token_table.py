@@ -273,6 +273,51 @@ def test_double_eviction_is_rejected():
     assert_rejected(t, TokenAlreadyEvictedError, "request 'A': token 2 is already evicted", t.evict_token, "A", 2)
 
 
+def test_evict_tokens_returns_the_positions_they_held_and_equals_evicting_them_one_by_one():
+    """Blocks listed out of pool order (3, 1, 5) so a position is not a slot; tokens in any order."""
+    batch, one_by_one = table_with(blocks=(3, 1, 5), total_len=11), table_with(blocks=(3, 1, 5), total_len=11)
+    victims = [9, 0, 5, 4, 10]
+    assert batch.evict_tokens("A", victims) == [9, 0, 5, 4, 10]  # positions, not slots (9 sits at slot 21)
+    for tok in victims:
+        one_by_one.evict_token("A", tok)
+    assert batch.state() == one_by_one.state()
+    assert batch.live_token_ids("A") == [1, 2, 3, 6, 7, 8]
+    assert batch.block_live_counts("A") == {3: 3, 1: 2, 5: 1}
+    assert batch.take_changes("A").evicted == one_by_one.take_changes("A").evicted
+    batch.check_views("A")
+
+
+def test_evict_tokens_in_a_shared_block_clears_only_the_evicting_requests_mask(fig3):
+    t, _ = fig3
+    assert t.evict_tokens("A", [5, 1, 2]) == [5, 1, 2]
+    assert t.block_mask("A", 0) == 0b1001 and t.block_mask("B", 0) == 0b1111
+    assert [t.occupancy.holders(s) for s in range(4)] == [2, 1, 1, 2]  # B still holds 1 and 2
+    assert t.num_live("A") == 3 and t.live_token_ids("A") == [0, 3, 4]
+    t.check_views("A")
+
+
+def test_evict_tokens_is_all_or_none():
+    t = table_with(total_len=6)
+    t.evict_token("A", 2)
+    assert_rejected(t, TokenAlreadyEvictedError, "request 'A': token 2 is already evicted",
+                    t.evict_tokens, "A", [0, 1, 2])
+    assert_rejected(t, TokenAlreadyEvictedError, "request 'A': token 1 is named twice",
+                    t.evict_tokens, "A", [1, 3, 1])
+    assert_rejected(t, TokenOutOfRangeError, r"request 'A': token 6 outside its synced tokens \[0, 6\)",
+                    t.evict_tokens, "A", [0, 6])
+    assert t.evict_tokens("A", []) == [] and t.num_live("A") == 5
+
+
+def test_slots_of_is_slot_of_each_token_read_in_one_call():
+    t = table_with(blocks=(3, 1), total_len=6)
+    t.evict_token("A", 4)
+    assert t.slots_of("A", [5, 0, 4, 0]) == [5, 12, NO_SLOT, 12]
+    assert t.slots_of("A", []) == []
+    for bad in ([0, 6], [-1], [0, 1.0], [True], ["1"]):
+        assert_rejected(t, TokenOutOfRangeError, "outside its synced tokens", t.slots_of, "A", bad)
+    assert_rejected(t, TokenOutOfRangeError, "must be a sequence", t.slots_of, "A", 3)
+
+
 @pytest.mark.parametrize("token", [-1, 6, 99, 1.0, "1", None])
 def test_evicting_a_token_outside_the_synced_range_is_rejected(token):
     t = table_with(total_len=6)
