@@ -300,7 +300,9 @@ class TokenTable:
             if b in r.shared:
                 r.shared[b] |= ((1 << n) - 1) << o
             else:
-                self._token_at[first:first + n] = array("i", range(token, token + n))
+                token_at = self._token_at
+                for i in range(n):  # NOTE: a loop, not a slice: CrossHair cannot assign its symbolic arrays
+                    token_at[first + i] = token + i
             self.occupancy.claim_run(first, n)
             r.slots.extend(range(first, first + n))
             out.extend(range(first, first + n))
