@@ -542,9 +542,7 @@ class ReclamationManager:
         t.set_layout(req, final_blocks, final_pos)
         # online I1/I2 postcondition, O(moves): a relocation moves tokens, never kills or revives one (the full
         # comparison of the ordered live ids is check_i2's and V1's, off the hot path)
-        if t.num_live(req) != live_before or t.slots_of(req, [m.token_id for m in moves]) != [
-                m.dst_block * S + m.dst_offset for m in moves]:
-            raise InvariantViolation("I2", f"request {req!r}: committing plan changed its ordered live token ids")
+        self._check_moved_as_planned(req, moves, live_before)
         self._release_handle(rec)
         self.pool.free(list(plan.src_blocks) + unused)
         rec.state = PlanState.COMMITTED
@@ -553,6 +551,13 @@ class ReclamationManager:
         self.stats.plans_committed += 1
         self.stats.moves_committed += len(moves)
         self.stats.blocks_released += len(plan.src_blocks) - len(dsts)
+
+    def _check_moved_as_planned(self, req: object, moves: list, live_before: int) -> None:
+        """Every commit's postcondition: no token died or revived, and each moved token sits at its destination."""
+        t, S = self.table, self.pool.block_size
+        if t.num_live(req) != live_before or t.slots_of(req, [m.token_id for m in moves]) != [
+                m.dst_block * S + m.dst_offset for m in moves]:
+            raise InvariantViolation("I2", f"request {req!r}: committing plan changed its ordered live token ids")
 
     def _commit_compact(self, rec: PlanRecord, moves: list) -> None:
         """A compact commit in O(moves + sources + destinations), plus the C copy and the index refresh of the
@@ -577,9 +582,7 @@ class ReclamationManager:
         t.remove_blocks(req, [i + len(dsts) for i in src_at], final_pos)
         # online I1/I2 postcondition, O(moves): a relocation moves tokens, never kills or revives one (the full
         # comparison of the ordered live ids is check_i2's and V1's, off the hot path)
-        if t.num_live(req) != live_before or t.slots_of(req, [m.token_id for m in moves]) != [
-                m.dst_block * S + m.dst_offset for m in moves]:
-            raise InvariantViolation("I2", f"request {req!r}: committing plan changed its ordered live token ids")
+        self._check_moved_as_planned(req, moves, live_before)
         if want is not None and (t.block_ids(req), t.write_pos(req)) != want:
             raise InvariantViolation("V3", f"request {req!r}: the compact commit left blocks {t.block_ids(req)} and "
                                      f"cursor {t.write_pos(req)}, Plan.final_layout says {want[0]} and {want[1]}")
@@ -669,9 +672,7 @@ class ReclamationManager:
         self.stats.moves_dropped += len(plan.moves) - len(moves)
         t.apply_moves(req, moves)
         t.splice(req, at, len(plan.src_blocks), (), n)
-        if t.num_live(req) != live_before or t.slots_of(req, [m.token_id for m in moves]) != [
-                m.dst_block * S + m.dst_offset for m in moves]:
-            raise InvariantViolation("I2", f"request {req!r}: committing plan changed its ordered live token ids")
+        self._check_moved_as_planned(req, moves, live_before)
         self._release_handle(rec)
         self.pool.free(list(plan.src_blocks))
         rec.state = PlanState.COMMITTED

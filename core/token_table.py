@@ -394,8 +394,7 @@ class TokenTable:
         if NO_SLOT in slots:
             raise TokenAlreadyEvictedError(f"request {req_id!r}: token {ids[slots.index(NO_SLOT)]} is already evicted")
         if len(set(slots)) != len(slots):  # live tokens have distinct slots (I2): a slot twice is a token twice
-            seen: set[int] = set()
-            twice = next(t for t, s in zip(ids, slots) if s in seen or seen.add(s))
+            twice = next(t for k, t in enumerate(ids) if t in ids[:k])
             raise TokenAlreadyEvictedError(f"request {req_id!r}: token {twice} is named twice in one eviction")
         # NOTE: everything is validated; nothing below raises, so a refused call changed nothing
         S, shared, counts, live, occupancy = self.block_size, r.shared, r.counts, r.live, self.occupancy

@@ -243,14 +243,15 @@ class PagedKVCache:
         group's): a copy, so later writes cannot change it."""
         slots = self._slots(slots)
         n, S = slots.numel(), self.block_size
-        at = (slots // S, slots % S)
-        out = []
+        out, at = [], None
         for g in self.groups:
             views = g.token_views()
             if views is None:
                 out.append(g.row_view().index_select(0, g.rows(slots, S).flatten()).view(n, g.elems))
-            else:  # NOTE: the segments tile [0, E) in order (token_views checks), so this is canonical order
-                out.append(torch.cat([v[at].reshape(n, v.shape[2] * v.shape[3]) for v in views], 1))
+                continue
+            at = at or (slots // S, slots % S)
+            # NOTE: the segments tile [0, E) in order (token_views checks), so this is canonical order
+            out.append(torch.cat([v[at].reshape(n, v.shape[2] * v.shape[3]) for v in views], 1))
         return out
 
     def scatter(self, slots: torch.Tensor, values: list[torch.Tensor]) -> None:
@@ -268,12 +269,13 @@ class PagedKVCache:
                     f"scatter: values of group {i} ({g.names[0]}...) must be {want} [{n}, {g.elems}] on {self.device}, "
                     f"got {v.dtype if isinstance(v, torch.Tensor) else type(v).__name__} "
                     f"{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}")
-        at = (slots // self.block_size, slots % self.block_size)
+        at = None
         for g, v in zip(self.groups, values):
             views = g.token_views()
             if views is None:
                 g.row_view().index_copy_(0, g.rows(slots, self.block_size).flatten(), v.view(-1, g.run))
                 continue
+            at = at or (slots // self.block_size, slots % self.block_size)
             v, a = v.view(n, g.elems), 0
             for view in views:  # NOTE: the segments tile [0, E) in order (token_views checks)
                 rows, cols = view.shape[2], view.shape[3]
