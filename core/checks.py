@@ -110,14 +110,22 @@ def check_member(what: str, value: object, cls: type[E], error: type[VTokenError
     return value
 
 
-def as_list(what: str, value: object, error: type[VTokenError] = InvalidArgumentError) -> list:
-    """``list(value)`` for an iterable that is neither a string, bytes, nor a mapping."""
+_PLAIN_SEQUENCES = frozenset((list, tuple, range))
+
+
+def as_list(what: str, value: object, error: type[VTokenError] = InvalidArgumentError, *about: object) -> list:
+    """``list(value)`` for an iterable that is neither a string, bytes, nor a mapping.
+
+    ``what`` names the argument in the refusal; with ``about`` it is a format string of them (``"request {!r}:
+    moves"``), formatted only when refusing: a hot path's call builds no message."""
+    if value.__class__ in _PLAIN_SEQUENCES:  # the hot paths' case: no ABC checks (each costs ~0.3 us)
+        return list(value)
     if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
-        raise error(f"{what} must be a sequence, got {value!r}")
+        raise error(f"{what.format(*about) if about else what} must be a sequence, got {value!r}")
     try:
         return list(value)
     except TypeError:  # an __iter__ that is not one
-        raise error(f"{what} must be a sequence, got {value!r}") from None
+        raise error(f"{what.format(*about) if about else what} must be a sequence, got {value!r}") from None
 
 
 def check_mapping(what: str, value: object, error: type[VTokenError] = InvalidArgumentError) -> Mapping:

@@ -60,7 +60,8 @@ class LiveIndex:
 
     def _add(self, c: int, delta: int) -> None:
         tree, i = self.tree, c + 1
-        while i < len(tree):
+        n = len(tree)
+        while i < n:
             tree[i] += delta
             i += i & -i
 

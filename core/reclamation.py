@@ -874,7 +874,7 @@ class ReclamationManager:
         return ids
 
     def _check_block_list(self, req_id: object, blocks: object) -> list[int]:
-        ids = as_list(f"request {req_id!r}: blocks", blocks, BlockOutOfRangeError)  # as BlockPool.free refuses
+        ids = as_list("request {!r}: blocks", blocks, BlockOutOfRangeError, req_id)  # as BlockPool.free refuses
         for b in ids:
             if not is_int(b) or not 0 <= b < self.pool.num_blocks:
                 raise BlockOutOfRangeError(f"request {req_id!r}: block {b!r} outside the pool "

@@ -303,7 +303,10 @@ class TokenTable:
                 token_at = self._token_at
                 for i in range(n):  # NOTE: a loop, not a slice: CrossHair cannot assign its symbolic arrays
                     token_at[first + i] = token + i
-            self.occupancy.claim_run(first, n)
+            if n == 1:  # a decode step's one append: claim is cheaper than a run's slices
+                self.occupancy.claim(first)
+            else:
+                self.occupancy.claim_run(first, n)
             r.slots.extend(range(first, first + n))
             out.extend(range(first, first + n))
             p += n
@@ -326,7 +329,7 @@ class TokenTable:
                 f"request {req_id!r}: total_len {total_len!r} is below the synced length {r.total_len}"
                 if is_int(total_len) else f"request {req_id!r}: total_len {total_len!r} is not an int"
             )
-        new_ids = as_list(f"request {req_id!r}: new blocks", block_ids, BlockOutOfRangeError)
+        new_ids = as_list("request {!r}: new blocks", block_ids, BlockOutOfRangeError, req_id)
         seen: set[int] = set()
         for b in new_ids:
             self._check_block(b)
@@ -389,22 +392,19 @@ class TokenTable:
         post: contracts.evicted_where_they_were(__old__.self, req_id, __old__.token_ids, __return__)
         """
         r = self._get(req_id)
-        ids = as_list(f"request {req_id!r}: tokens to evict", token_ids, TokenOutOfRangeError)
-        slots = self.slots_of(req_id, ids)
+        ids = as_list("request {!r}: tokens to evict", token_ids, TokenOutOfRangeError, req_id)
+        slots = self._slots_of(req_id, r, ids)
         if NO_SLOT in slots:
             raise TokenAlreadyEvictedError(f"request {req_id!r}: token {ids[slots.index(NO_SLOT)]} is already evicted")
-        if len(set(slots)) != len(slots):  # live tokens have distinct slots (I2): a slot twice is a token twice
+        if len(slots) > 1 and len(set(slots)) != len(slots):  # live tokens have distinct slots (I2): a slot twice is a token twice
             twice = next(t for k, t in enumerate(ids) if t in ids[:k])
             raise TokenAlreadyEvictedError(f"request {req_id!r}: token {twice} is named twice in one eviction")
         # NOTE: everything is validated; nothing below raises, so a refused call changed nothing
         S, shared, counts, live, occupancy = self.block_size, r.shared, r.counts, r.live, self.occupancy
-        index: dict[int, int] = {}  # block -> its index in r's list, looked up once per block
         positions = []
         for t, slot in zip(ids, slots):
             b, o = divmod(slot, S)
-            i = index.get(b)
-            if i is None:
-                i = index[b] = self._index_listed(r, b)
+            i = self._index_listed(r, b)  # O(1) for a private block; a shared one is near the front
             if b in shared:
                 assert shared[b] >> o & 1, f"live token {t} of {req_id!r} at slot {slot}, unmarked in block {b}"
                 shared[b] &= ~(1 << o)
@@ -437,7 +437,7 @@ class TokenTable:
         """
         r = self._get(req_id)
         S = self.block_size
-        batch = [_as_move(req_id, m) for m in as_list(f"request {req_id!r}: moves", moves, MoveSourceMismatchError)]
+        batch = [_as_move(req_id, m) for m in as_list("request {!r}: moves", moves, MoveSourceMismatchError, req_id)]
         if not batch:
             return  # nothing moves, so the layout (and any plan's snapshot of it) stays valid
         tokens: set[int] = set()
@@ -524,7 +524,7 @@ class TokenTable:
         """
         r = self._get(req_id)
         S = self.block_size
-        new = as_list(f"request {req_id!r}: new block list", blocks, BlockOutOfRangeError)
+        new = as_list("request {!r}: new block list", blocks, BlockOutOfRangeError, req_id)
         for b in new:
             self._check_block(b)
         if len(set(new)) != len(new):
@@ -639,7 +639,7 @@ class TokenTable:
                 fail(message)
             raise error(f"request {req_id!r}: {message}")
 
-        at = as_list(f"request {req_id!r}: block indices to remove", indices, BlockListTooShortError)
+        at = as_list("request {!r}: block indices to remove", indices, BlockListTooShortError, req_id)
         n = len(r.blocks)
         if not all(is_int(i) for i in at) or any(not 0 <= i < n for i in at) or at != sorted(set(at)):
             refuse(BlockListTooShortError, f"block indices {at} are not ascending, distinct indices of its {n} blocks")
@@ -673,7 +673,7 @@ class TokenTable:
                 fail(message)
             raise error(f"request {req_id!r}: {message}")
 
-        new = as_list(f"request {req_id!r}: blocks to insert", insert, BlockOutOfRangeError)
+        new = as_list("request {!r}: blocks to insert", insert, BlockOutOfRangeError, req_id)
         if not (is_int(at) and is_int(remove) and 0 <= at and 0 <= remove and at + remove <= n):
             refuse(BlockListTooShortError, f"splice of blocks [{at!r}, +{remove!r}) outside its {n} blocks")
         for b in new:
@@ -724,11 +724,19 @@ class TokenTable:
         """``slot_of`` of each token, in order (NO_SLOT for an evicted one), validated once: a plan's or a
         policy's tokens read in one call, not one call each."""
         r = self._get(req_id)
-        ids = as_list(f"request {req_id!r}: token ids", token_ids, TokenOutOfRangeError)
+        return self._slots_of(req_id, r, as_list("request {!r}: token ids", token_ids, TokenOutOfRangeError, req_id))
+
+    def _slots_of(self, req_id: object, r: RequestTokens, ids: list) -> list[int]:
+        """``slots_of`` of a list already taken, for ``r`` already looked up."""
+        slots = r.slots
+        if len(ids) == 1:  # a decode step's one victim: no generator, no min/max
+            t = ids[0]
+            if t.__class__ is not int or not 0 <= t < r.total_len:
+                self._check_token(req_id, r, t)  # raises unless an int subclass in range
+            return [slots[t]]
         if ids and (not all(t.__class__ is int for t in ids) or min(ids) < 0 or max(ids) >= r.total_len):
             for t in ids:
                 self._check_token(req_id, r, t)  # raises for the first bad one (an int subclass passes here)
-        slots = r.slots
         return [slots[t] for t in ids]
 
     def num_blocks_of(self, req_id: object) -> int:
