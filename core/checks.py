@@ -30,7 +30,7 @@ E = TypeVar("E", bound=enum.Enum)
 
 def is_int(value: object) -> bool:
     """An ``int`` that is not a ``bool``."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    return value.__class__ is int or isinstance(value, int) and not isinstance(value, bool)  # plain int first
 
 
 def check_int(what: str, value: object, lo: int | None = None, hi: int | None = None,

@@ -93,6 +93,15 @@ class SlotOccupancy:
         self._check_slot(slot)
         return self._holders[slot]
 
+    def holders_of(self, slots: list[int]) -> list[int]:
+        """``holders`` of each slot, in order, validated once: a batch of moves' sources or destinations."""
+        n = len(self._holders)
+        if slots and (not all(s.__class__ is int for s in slots) or min(slots) < 0 or max(slots) >= n):
+            for s in slots:
+                self._check_slot(s)  # raises for the first bad one (an int subclass passes here)
+        h = self._holders
+        return [h[s] for s in slots]
+
     def block_live(self, block_id: int) -> int:
         """n_b of Eq. 1: distinct occupied slots of the block."""
         if block_id.__class__ is not int or not 0 <= block_id < len(self._block_live):

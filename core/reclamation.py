@@ -782,6 +782,7 @@ class ReclamationManager:
         sources = t.slots_of(req, [m.token_id for m in moves])
         vacated, claimed = set(sources), set()
         index: dict[int, int | None] = {}  # index_of once per block
+        dsts = []
         for m, src in zip(moves, sources):
             if src != m.src_block * S + m.src_offset:
                 fail(f"move {m} reads a slot token {m.token_id} does not hold")
@@ -790,9 +791,13 @@ class ReclamationManager:
             i = (index[b] if b in index else index.setdefault(b, index_of(b))) if is_int(b) else None
             if i is None or i * S + m.dst_offset >= cursor:
                 fail(f"move {m} writes outside {listed} or at or after its cursor {cursor}")
-            if dst in claimed or t.occupancy.holders(dst) - (dst in vacated):
+            if dst in claimed:
                 fail(f"move {m} writes slot {dst}, which is claimed")
             claimed.add(dst)
+            dsts.append(dst)
+        for m, dst, h in zip(moves, dsts, t.occupancy.holders_of(dsts)):  # every dst in the list: in the pool
+            if h - (dst in vacated):
+                fail(f"move {m} writes slot {dst}, which is claimed")
         if len({m.token_id for m in moves}) != len(moves):
             fail("a token moves twice")
         after: dict[int, int] = {}

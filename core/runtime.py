@@ -452,14 +452,16 @@ class VTokenRuntime:
         if not self.pool.can_allocate(sum(need.values()), Purpose.ADMISSION):  # the forecast was wrong: a bug
             raise InvariantViolation("P3", f"step {self.iteration}: appends need {sum(need.values())} blocks after "
                                      f"settling, {self.pool.num_free} free; the forecast said they fit")
+        written = {}  # request -> its appends' write slots, as the sync returned them
         for r, n in appends.items():
-            self.table.sync_new_tokens(r, self.pool.allocate(need[r], Purpose.ADMISSION), self.table.total_len(r) + n)
-            self.scores.extend(r, self.table.total_len(r))
+            end = self.table.total_len(r) + n
+            written[r] = self.table.sync_new_tokens(r, self.pool.allocate(need[r], Purpose.ADMISSION), end)
+            self.scores.extend(r, end)
         reqs = {}
         for r in self.table.request_ids():  # O(1) per request beyond its appends and evictions
-            start = self.table.total_len(r) - appends.get(r, 0)
-            new = range(start, self.table.total_len(r))
-            write = self.table.write_slots(r)[-len(new):] if len(new) else []
+            write = written.get(r, [])
+            end = self.table.total_len(r)
+            new = range(end - len(write), end)
             if self.read_path is ReadPath.DENSE and not self._is_dense(r):
                 self._read_slots(r)  # raises I7, naming the slot (the cursor past n_live may still read densely)
             reqs[r] = StepRequest(self, r, new, write)

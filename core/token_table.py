@@ -440,25 +440,24 @@ class TokenTable:
         batch = [_as_move(req_id, m) for m in as_list("request {!r}: moves", moves, MoveSourceMismatchError, req_id)]
         if not batch:
             return  # nothing moves, so the layout (and any plan's snapshot of it) stays valid
-        tokens: set[int] = set()
-        vacated: set[int] = set()
-        sources = []
-        for m in batch:
-            slot = self._live_slot(req_id, r, m.token_id)
-            if m.token_id in tokens:
-                raise MoveSourceMismatchError(f"request {req_id!r}: token {m.token_id} moved twice in one batch")
-            tokens.add(m.token_id)
-            if type(m.src_block) is not int or type(m.src_offset) is not int or (m.src_block, m.src_offset) != divmod(slot, S):
+        ids = [m.token_id for m in batch]
+        sources = self._slots_of(req_id, r, ids)  # every id an int in range, read in one call
+        if NO_SLOT in sources:
+            raise TokenAlreadyEvictedError(f"request {req_id!r}: token {ids[sources.index(NO_SLOT)]} is already evicted")
+        if len(set(sources)) != len(sources):  # live tokens have distinct slots (I2): a slot twice is a token twice
+            twice = next(t for k, t in enumerate(ids) if t in ids[:k])
+            raise MoveSourceMismatchError(f"request {req_id!r}: token {twice} moved twice in one batch")
+        for m, slot in zip(batch, sources):
+            if m.src_block.__class__ is not int or m.src_offset.__class__ is not int \
+                    or m.src_block * S + m.src_offset != slot or not 0 <= m.src_offset < S:
                 raise MoveSourceMismatchError(
                     f"request {req_id!r}: move of token {m.token_id} names source "
                     f"({m.src_block}, {m.src_offset}) but the table has slot {slot} "
                     f"= ({slot // S}, {slot % S})"
                 )
-            vacated.add(slot)
-            sources.append(slot)
+        vacated = set(sources)
         claimed: set[int] = set()
         index: dict[int, int | None] = {}  # block -> its index in r's list (None: not listed), once per block
-        holders = self.occupancy.holders
         for m in batch:
             b = m.dst_block
             if not (is_int(b) and 0 <= b < self.num_blocks and is_int(m.dst_offset) and 0 <= m.dst_offset < S):
@@ -479,15 +478,17 @@ class TokenTable:
                 )
             if dst in claimed:
                 raise DestinationError(f"request {req_id!r}: slot {dst} is the destination of two moves")
-            if holders(dst) - (dst in vacated):
+            claimed.add(dst)
+        dsts = [m.dst_block * S + m.dst_offset for m in batch]
+        for m, dst, h in zip(batch, dsts, self.occupancy.holders_of(dsts)):
+            if h - (dst in vacated):
                 raise DestinationError(
                     f"request {req_id!r}: token {m.token_id} destination slot {dst} "
-                    f"({b}, {m.dst_offset}) is occupied by a live token"
+                    f"({m.dst_block}, {m.dst_offset}) is occupied by a live token"
                 )
-            claimed.add(dst)
         assert len(vacated) == len(claimed) == len(batch)
         # a source another request still holds (a shared prefix slot) stays live: each such move adds a slot
-        live_slots_after = self.occupancy.live_slots + sum(1 for s in vacated if holders(s) > 1)
+        live_slots_after = self.occupancy.live_slots + sum(1 for h in self.occupancy.holders_of(sources) if h > 1)
         # -- validated; mutate atomically --
         shared, counts, occupancy = r.shared, r.counts, self.occupancy
         for slot in sources:
@@ -497,8 +498,8 @@ class TokenTable:
             i = index[b] if b in index else index.setdefault(b, self._index_listed(r, b))
             counts[i] -= 1
             occupancy.release(slot)
-        for m in batch:
-            b, dst = m.dst_block, m.dst_block * S + m.dst_offset
+        for m, dst in zip(batch, dsts):
+            b = m.dst_block
             counts[index[b]] += 1
             if b in shared:
                 shared[b] |= 1 << m.dst_offset
@@ -507,7 +508,7 @@ class TokenTable:
             occupancy.claim(dst)
             r.slots[m.token_id] = dst
         if r.moved is not None:
-            r.moved.extend(m.token_id for m in batch)
+            r.moved.extend(ids)
             if len(r.moved) > _LOG_LIMIT:
                 r.moved = None  # bounded, as the eviction log: the next take says "rebuilt"
         r.layout_version += 1
