@@ -362,3 +362,24 @@ def test_densify_refuses_a_mover_in_a_shared_block_even_when_the_cursor_hides_th
         tt.evict_token("a", t)
     snap = dataclasses.replace(tt.snapshot("a", [2]), write_pos=2)
     assert plan_densify(snap) == NoPlan(NoPlanReason.SHARED_BLOCK, "request 'a': blocks [2]")
+
+
+def test_as_list_formats_its_subject_only_when_refusing():
+    from vtoken.core.checks import as_list
+    from vtoken.core.errors import TokenOutOfRangeError
+
+    class Loud:  # a request id whose repr is only needed for a refusal's message
+        reprs = 0
+
+        def __repr__(self):
+            Loud.reprs += 1
+            return "loud"
+
+    rid = Loud()
+    assert as_list("request {!r}: ids", (3, 4), TokenOutOfRangeError, rid) == [3, 4]
+    assert as_list("request {!r}: ids", range(2), TokenOutOfRangeError, rid) == [0, 1]
+    assert Loud.reprs == 0
+    with pytest.raises(TokenOutOfRangeError, match=r"^request loud: ids must be a sequence, got 5$"):
+        as_list("request {!r}: ids", 5, TokenOutOfRangeError, rid)
+    with pytest.raises(TokenOutOfRangeError, match=r"^plain must be a sequence, got 'ab'$"):
+        as_list("plain", "ab", TokenOutOfRangeError)

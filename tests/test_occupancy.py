@@ -95,3 +95,18 @@ def test_waste_ratio_is_eq1_and_refuses_counts_out_of_range():
         with pytest.raises(InvariantViolation) as e:
             waste_ratio(live, 2, 4)
         assert str(e.value) == message and e.value.invariant == "I2"
+
+
+def test_holders_of_is_holders_of_each_slot_in_order():
+    o = occ()
+    assert o.holders_of([5, 0, 6, 1, 5]) == [o.holders(s) for s in (5, 0, 6, 1, 5)] == [2, 1, 0, 1, 2]
+    assert o.holders_of([]) == []
+
+
+@pytest.mark.parametrize("slots", [[0, 16], [-1, 0], [0, 1.0], [True], [0, "1"]])
+def test_holders_of_refuses_a_slot_outside_the_pool_naming_it(slots):
+    o = occ()
+    before = o.state()
+    with pytest.raises(BlockOutOfRangeError, match="slot"):
+        o.holders_of(slots)
+    assert o.state() == before
