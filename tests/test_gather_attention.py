@@ -182,8 +182,8 @@ def test_a_compiler_that_fails_leaves_the_reference_in_charge(monkeypatch, tmp_p
 
 
 def test_the_queries_a_caller_sends_to_torch_run_there_and_the_others_in_the_kernel(built):
-    """``in_torch`` (inside vLLM: the prompt tokens of long prompts) go to the reference; the others still go to
-    the kernel. The result, weights included, is each part's own, in query order."""
+    """``in_torch`` (inside vLLM: the prompt tokens of long prompts) go to ``prefill_attention``; the others still
+    go to the kernel. The result, weights included, is each part's own, in query order."""
     q, slots, ids, qreq, qpos = batch(1, R=4, H=4, d=32)
     _, cache = caches(2, 32, seed=8)[0]
     every = torch.arange(len(qreq))
@@ -191,7 +191,11 @@ def test_the_queries_a_caller_sends_to_torch_run_there_and_the_others_in_the_ker
     assert 1 < int(in_torch.sum()) < len(qreq)
     out, w = GA.attention(cache, "l", q, slots, ids, qreq, qpos, 0.2, True, every, in_torch)
     ref, ref_w = GA.reference_attention(cache, "l", q, slots, ids, qreq, qpos, 0.2, True, every)
-    assert torch.equal(out[in_torch], ref[in_torch]) and torch.equal(w[in_torch], ref_w[in_torch])
+    mine, mine_w = GA.prefill_attention(cache, "l", q[in_torch], slots, ids, qreq[in_torch], qpos[in_torch], 0.2,
+                                        True, torch.arange(int(in_torch.sum())))
+    assert torch.equal(out[in_torch], mine) and torch.equal(w[in_torch], mine_w)
+    assert torch.equal(w[in_torch], ref_w[in_torch])  # the weights asked for are the reference's
+    GA.check_agreement(cache, "l", q, slots, ids, qreq, qpos, 0.2, (out, w), every, [f"r{i}" for i in range(4)])
     rest = ~in_torch
     alone, alone_w = GA.attention(cache, "l", q[rest], slots, ids, qreq[rest], qpos[rest], 0.2, True,
                                   torch.arange(int(rest.sum())))
@@ -210,3 +214,69 @@ def test_a_head_view_is_computed_once_and_bad_arguments_are_refused_or_declined(
         cache.heads_view(["l.K"], 16)
     with pytest.raises(LayoutError, match=r"no plane 'l.Q'"):
         cache.heads_view("l.Q", 16)
+
+
+@pytest.mark.parametrize("heads, kvh, d", [(4, 2, 32), (8, 1, 64), (8, 8, 16)])
+def test_prefill_attention_agrees_with_the_reference_within_the_fp32_bound(heads, kvh, d):
+    """torch's fused attention (the fast path for long prompts' tokens) against the reference, on every layout,
+    prefill chunks and decode queries of requests with holes in their ids, GQA included; its weights are the
+    reference's, bit for bit."""
+    for seed in range(3):
+        q, slots, ids, qreq, qpos = batch(seed, H=heads, d=d, chunks=(0, 1, 3))
+        every = torch.arange(len(qreq))
+        for layout, cache in caches(kvh, d, seed=seed):
+            args = (cache, "l", q, slots, ids, qreq, qpos, d ** -0.5)
+            out, w = GA.prefill_attention(*args, True, every)
+            ref, ref_w = GA.reference_attention(*args, True, every)
+            ob, _ = GA.agreement_bound(cache, "l", q, slots, ids, qreq, d ** -0.5)
+            assert bool(((out - ref).abs() <= ob.unsqueeze(-1)).all()), layout
+            assert float((out - ref).abs().max()) > 0 or seed, layout  # another computation, not the reference
+            assert torch.equal(w, ref_w), layout
+            GA.check_agreement(*args, (out, w), every, [f"r{i}" for i in range(5)])
+            assert GA.prefill_attention(*args, False, every)[0] is None
+
+
+def long_prompt(L: int, seed: int, heads: int = 4, kvh: int = 2, d: int = 32):
+    """A cache holding one request's L prompt tokens at scattered slots, with some evicted (holes in its ids), and
+    a query per live token: (cache, q, slots, ids)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-2 * L // S)
+    cache = PagedKVCache([cpu_plane("l", torch.randn(blocks, kvh, S, 2 * d, generator=g))])
+    live = torch.sort(torch.randperm(2 * L, generator=g)[:L]).values  # L live ids of 2L: holes everywhere
+    slots = torch.randperm(blocks * S, generator=g)[:L]
+    return cache, torch.randn(L, heads, d, generator=g), slots.view(1, L), live.view(1, L)
+
+
+@pytest.mark.parametrize("cuts", [(700,), (1,), (255, 256), (257, 511, 513), (1000, 1001), (1199,)])
+def test_how_a_prompt_is_chunked_does_not_change_prefill_attention_by_a_bit(cuts):
+    """A chunk's queries attend the tokens live so far: computed as one chunk or as several, every query's output
+    is the same to the bit (what keeps prefix caching on and off bit-identical on the gather path)."""
+    L = 1200
+    cache, q, slots, ids = long_prompt(L, seed=len(cuts))
+    one = torch.zeros(L, dtype=torch.int64)
+    whole = GA.prefill_attention(cache, "l", q, slots, ids, one, ids[0], 0.17)[0]
+    parts, start = [], 0
+    for end in cuts + (L,):
+        rows = torch.arange(start, end)  # the chunk's queries; the keys: the tokens before its end
+        n = end
+        parts.append(GA.prefill_attention(cache, "l", q[rows], slots[:, :n], ids[:, :n], one[rows], ids[0, rows],
+                                          0.17)[0])
+        start = end
+    assert torch.equal(torch.cat(parts), whole)
+
+
+def test_without_the_aligned_shapes_chunking_changes_prefill_attention(monkeypatch):
+    """The alignment has teeth: with unpadded shapes (blocks of one) the fused kernel rounds some query differently
+    when its prompt is chunked elsewhere."""
+    monkeypatch.setattr(GA, "QUERY_BLOCK", 1)
+    monkeypatch.setattr(GA, "KEY_BLOCK", 1)
+    L = 1200
+    cache, q, slots, ids = long_prompt(L, seed=1)
+    one = torch.zeros(L, dtype=torch.int64)
+    whole = GA.prefill_attention(cache, "l", q, slots, ids, one, ids[0], 0.17)[0]
+    differs = 0
+    for cut in (257, 511, 513, 700, 1199):
+        head = GA.prefill_attention(cache, "l", q[:cut], slots[:, :cut], ids[:, :cut], one[:cut], ids[0, :cut], 0.17)[0]
+        tail = GA.prefill_attention(cache, "l", q[cut:], slots, ids, one[cut:], ids[0, cut:], 0.17)[0]
+        differs += not torch.equal(torch.cat([head, tail]), whole)
+    assert differs

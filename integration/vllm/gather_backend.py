@@ -19,9 +19,9 @@ The override is registered in every vLLM process, but the impl is the stock one 
 ``additional_config`` selects the gather path or a score-based policy, so plain vLLM is unaffected.
 
 Per layer, every query of the step (decode and prefill chunks alike) is one call of the device layer's
-``attention``: its C kernel reads each request's live K/V in place, in logical order (the torch reference
-for the prompt tokens of long prompts, and where the kernel does not apply; under strict verify both,
-compared: V5).
+``attention``: its C kernel reads each request's live K/V in place, in logical order (torch's fused attention for
+the prompt tokens of long prompts, the torch reference where the kernel does not apply; under strict verify the
+reference beside them, compared: V5).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def current_plan():
 
 def _attention(impl, layer, q, plan, query_request, query_pos, values: bool, weights_of, in_torch):
     """The device layer's ``attention`` of queries ``q`` over their requests' live slots (its kernel reads K/V in
-    place; ``in_torch`` in the reference), and under strict verify the torch reference too, which must agree
+    place; ``in_torch`` in torch's fused attention), and under strict verify the torch reference too, which must agree
     within the fp32 bound (V5)."""
     args = (plan.cache, layer.layer_name, q, plan.slots, plan.ids, query_request, query_pos, impl.scale)
     got = attention(*args, values, weights_of, in_torch)

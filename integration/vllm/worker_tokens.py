@@ -40,7 +40,7 @@ from ..device.scores import DeviceScores
 from .compat import UnsupportedConfigError
 
 
-# Prompt tokens of a prompt longer than this are attended in torch (gather_attention.reference_attention): its
+# Prompt tokens of a prompt longer than this are attended in torch (gather_attention.prefill_attention): its
 # queries share one K/V read and BLAS products there, which beat the kernel's one query at a time (64 x 64 query-key
 # pairs is where they cross on the byte-llama: docs/results.md, "Hot path II, part 4"). Every other query, every
 # generated token included, goes to the kernel.
