@@ -66,6 +66,7 @@ def one_run(vtoken: dict, context: int, seed: int) -> dict:
                               "moved": now[3] - last[3], "wall_s": wall})
                 last = now
         finally:
+            llm.llm_engine.engine_core.shutdown()  # now: the next engine must not find this one's KV connector
             del llm
     return split(steps)
 

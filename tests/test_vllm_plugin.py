@@ -80,3 +80,39 @@ def test_the_documented_vllm_serve_command_line_enables_vtoken():
                              "--additional-config", '{"vtoken": {"budget": 2.5}}'])
     with pytest.raises(SettingsError, match="vtoken.budget must be a ratio in"):
         EngineArgs.from_cli_args(bad).create_engine_config()
+
+
+def test_a_second_engine_in_the_process_is_refused_while_the_first_is_alive():
+    """vLLM keeps a process's first KV connector agent, so an in-process engine started while an earlier one is
+    alive would run with the earlier one's vtoken settings on its worker side (a bench once ran H2O on a
+    Random engine's connector and stopped on V4). The worker refuses to bind, naming the fix; with the
+    first engine shut down, the second starts and generates."""
+    import gc
+
+    import vllm_harness as H
+    from vllm import SamplingParams
+
+    first = H.make_llm({"policy": "random", "budget": 0.5}, multiprocess=False)
+    try:
+        with pytest.raises(Exception) as caught:
+            H.make_llm({"policy": "h2o", "budget": 0.5}, multiprocess=False)
+        chain, e = [], caught.value
+        while e is not None:
+            chain.append(str(e))
+            e = e.__cause__ or e.__context__
+        assert any("belongs to an earlier engine in this process" in m and "shut that engine down first" in m
+                   for m in chain), chain
+        from vtoken.integration.bench.vllm_engine import drop_frames
+        drop_frames(caught.value)
+        del caught
+        gc.collect()
+    finally:
+        first.llm_engine.engine_core.shutdown()
+        del first
+        gc.collect()
+    second = H.make_llm({"policy": "h2o", "budget": 0.5}, multiprocess=False)
+    try:
+        [out] = second.generate([H.prompts(1)[0]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+        assert len(out.outputs[0].token_ids) == 4
+    finally:
+        second.llm_engine.engine_core.shutdown()

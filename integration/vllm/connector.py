@@ -274,6 +274,13 @@ class VTokenConnector(KVConnectorBase_V1):
         if not isinstance(runner, GPUModelRunner):
             raise WiringError(f"vtoken needs vLLM's V1 model runner (v1/worker/gpu_model_runner.py), got "
                               f"{type(runner).__name__}")
+        if runner.vllm_config is not self.vllm_config:
+            # NOTE: vLLM keeps a process's first KV connector agent (ensure_kv_transfer_initialized returns early
+            # while one exists), so an engine started while an earlier one in this process is still alive would
+            # run with the earlier engine's vtoken settings: refuse, naming the fix
+            raise WiringError("the worker's vtoken connector belongs to an earlier engine in this process, still "
+                              "alive (vLLM keeps the first KV connector agent): shut that engine down first "
+                              "(llm.llm_engine.engine_core.shutdown(), or drop every reference to it)")
         if self.engine is None:
             raise WiringError("bind_model_runner before register_kv_caches: vLLM registers the KV caches in "
                               "initialize_kv_cache")
