@@ -182,19 +182,25 @@ def test_a_compiler_that_fails_leaves_the_reference_in_charge(monkeypatch, tmp_p
 
 
 def test_the_queries_a_caller_sends_to_torch_run_there_and_the_others_in_the_kernel(built):
-    """``in_torch`` (inside vLLM: the prompt tokens of long prompts) go to ``prefill_attention``; the others still
-    go to the kernel. The result, weights included, is each part's own, in query order."""
-    q, slots, ids, qreq, qpos = batch(1, R=4, H=4, d=32)
+    """``in_torch`` (inside vLLM: the prompt tokens of long prompts) go to torch: the ``fused`` ones (prompts past
+    FUSED_PROMPT) to ``prefill_attention``, the others to the reference; the rest still go to the kernel. The
+    result, weights included, is each part's own, in query order."""
+    q, slots, ids, qreq, qpos = batch(1, R=4, H=4, d=32, chunks=(0, 3))
     _, cache = caches(2, 32, seed=8)[0]
     every = torch.arange(len(qreq))
-    in_torch = qreq == 0  # request 0's chunk
-    assert 1 < int(in_torch.sum()) < len(qreq)
-    out, w = GA.attention(cache, "l", q, slots, ids, qreq, qpos, 0.2, True, every, in_torch)
+    in_torch, fused = (qreq == 0) | (qreq == 3), qreq == 0  # request 0's chunk fused, request 3's in the reference
+    assert 1 < int(fused.sum()) < int(in_torch.sum()) < len(qreq)
+    out, w = GA.attention(cache, "l", q, slots, ids, qreq, qpos, 0.2, True, every, in_torch, fused)
     ref, ref_w = GA.reference_attention(cache, "l", q, slots, ids, qreq, qpos, 0.2, True, every)
-    mine, mine_w = GA.prefill_attention(cache, "l", q[in_torch], slots, ids, qreq[in_torch], qpos[in_torch], 0.2,
-                                        True, torch.arange(int(in_torch.sum())))
-    assert torch.equal(out[in_torch], mine) and torch.equal(w[in_torch], mine_w)
+    mine, mine_w = GA.prefill_attention(cache, "l", q[fused], slots, ids, qreq[fused], qpos[fused], 0.2,
+                                        True, torch.arange(int(fused.sum())))
+    assert torch.equal(out[fused], mine) and torch.equal(w[fused], mine_w)
+    assert not torch.equal(out[fused], ref[fused])  # another computation than the reference's
+    plain = in_torch & ~fused
+    assert torch.equal(out[plain], ref[plain]) and torch.equal(w[plain], ref_w[plain])
     assert torch.equal(w[in_torch], ref_w[in_torch])  # the weights asked for are the reference's
+    assert torch.equal(GA.attention(cache, "l", q, slots, ids, qreq, qpos, 0.2, True, every, in_torch)[0][in_torch],
+                       ref[in_torch])  # fused not given: torch's queries all in the reference
     GA.check_agreement(cache, "l", q, slots, ids, qreq, qpos, 0.2, (out, w), every, [f"r{i}" for i in range(4)])
     rest = ~in_torch
     alone, alone_w = GA.attention(cache, "l", q[rest], slots, ids, qreq[rest], qpos[rest], 0.2, True,

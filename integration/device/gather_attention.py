@@ -7,7 +7,8 @@ chunks are the same call. Two implementations of this one function, and the boun
   * the kernel (``gather_attention.c``): it reads K and V in place through the planes' strided views, with no
     gathered copy, per (query, KV head) on the OpenMP threads torch uses. The caller may send some queries to
     torch instead (``in_torch``: inside vLLM, the prompt tokens of long prompts, where BLAS wins), which attends
-    them in its fused attention (``prefill_attention``, below). Float32 CPU caches whose layout is
+    them in its fused attention (``prefill_attention``, below) where the caller says so (``fused``: inside vLLM,
+    prompts past 256 tokens, below which its aligned shapes cost more than they save), else in the reference. Float32 CPU caches whose layout is
     affine per head (every vLLM CPU layout), head sizes a multiple of 8. Built on first use with the C compiler
     (``$CC``, else ``cc``) into ``$VTOKEN_CACHE_DIR`` (else ``~/.cache/vtoken``); ``CC=false`` turns it off.
   * the reference, in torch: the queries alone in their request in one batch (one K and one V gather through
@@ -98,21 +99,24 @@ def kernel():
 
 def attention(cache: PagedKVCache, layer: str, q: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor,
               query_request: torch.Tensor, query_pos: torch.Tensor, scale: float, values: bool = True,
-              weights_of: torch.Tensor | None = None, in_torch: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+              weights_of: torch.Tensor | None = None, in_torch: torch.Tensor | None = None,
+              fused: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Attention of ``q`` (``[Q, H, D]``) over the live slots of each query's request: (outputs ``[Q, H, D]``, or
     None when not ``values``; the softmax weights ``[len(weights_of), H, N]`` of the queries ``weights_of`` names,
     or None). ``slots``, ``ids``: int64 ``[R, N]``, each row a request's live slots and their logical ids in
     logical order, padded (id ``PAD``); ``query_request``, ``query_pos``: int64 ``[Q]``, each query's row and
-    logical position (it attends the ids at or before it). ``in_torch``: bool ``[Q]``, queries the reference
-    computes (the caller's rule; it must not depend on how a request's tokens were chunked or cached, or outputs
-    would change with them). Runs the kernel where it applies, else the reference."""
+    logical position (it attends the ids at or before it). ``in_torch``: bool ``[Q]``, queries torch computes, and
+    ``fused`` (bool ``[Q]``, within ``in_torch``) those of them torch's fused attention computes (``prefill_attention``;
+    the rest, the reference): the caller's rules, which must not depend on how a request's tokens were chunked or
+    cached, or outputs would change with them. Runs the kernel where it applies, else the reference."""
     args = (cache, layer, q, slots, ids, query_request, query_pos, scale, values, weights_of)
     if len(query_request) and not 0 <= int(query_request.min()) <= int(query_request.max()) < slots.shape[0]:
         raise InvalidArgumentError(f"attention of {layer!r}: a query's request is not one of the {slots.shape[0]} "
                                    f"rows")
     if in_torch is not None and bool(in_torch.any()):
-        return _split(args, in_torch)
+        fused = torch.zeros_like(in_torch) if fused is None else fused & in_torch
+        return _split(args, ((fused, prefill_attention), (in_torch & ~fused, reference_attention),
+                             (~in_torch, attention)))
     job = _job(*args)
     if job is None:
         return reference_attention(*args)
@@ -130,14 +134,14 @@ def attention(cache: PagedKVCache, layer: str, q: torch.Tensor, slots: torch.Ten
     return out, weights
 
 
-def _split(args, chunk: torch.Tensor):
-    """``attention`` with the queries ``chunk`` in ``prefill_attention`` and the others through ``attention`` (the
-    kernel): each part computed alone, the results put back in query order."""
+def _split(args, parts):
+    """``attention`` split: ``parts`` pairs a bool ``[Q]`` mask with the function that computes those queries (the
+    masks partition the queries); each part computed alone, the results put back in query order."""
     cache, layer, q, slots, ids, query_request, query_pos, scale, values, weights_of = args
     (Q, H, D), N = q.shape, slots.shape[1]
     out = torch.empty(Q, H, D, dtype=q.dtype) if values else None
     weights = None if weights_of is None else torch.empty(len(weights_of), H, N, dtype=q.dtype)
-    for rows, run in ((chunk.nonzero().flatten(), prefill_attention), ((~chunk).nonzero().flatten(), attention)):
+    for rows, run in ((mask.nonzero().flatten(), run) for mask, run in parts):
         if not len(rows):
             continue
         mine = None if weights_of is None else torch.isin(weights_of, rows)

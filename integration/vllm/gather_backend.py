@@ -65,12 +65,12 @@ def current_plan():
     return None if worker is None else worker.read_plan
 
 
-def _attention(impl, layer, q, plan, query_request, query_pos, values: bool, weights_of, in_torch):
+def _attention(impl, layer, q, plan, query_request, query_pos, values: bool, weights_of, in_torch, fused):
     """The device layer's ``attention`` of queries ``q`` over their requests' live slots (its kernel reads K/V in
-    place; ``in_torch`` in torch's fused attention), and under strict verify the torch reference too, which must agree
+    place; ``in_torch`` in torch: ``fused`` in its fused attention, the rest in the reference), and under strict verify the torch reference too, which must agree
     within the fp32 bound (V5)."""
     args = (plan.cache, layer.layer_name, q, plan.slots, plan.ids, query_request, query_pos, impl.scale)
-    got = attention(*args, values, weights_of, in_torch)
+    got = attention(*args, values, weights_of, in_torch, fused)
     if plan.check:
         check_agreement(*args, got, weights_of, plan.req_ids)
     return got
@@ -87,7 +87,7 @@ class VTokenGatherImpl(CPUAttentionBackendImpl):
         scored = plan.scores(layer.layer_name)
         q = query[:T].reshape(T, self.num_heads, self.head_size)
         out, w = _attention(self, layer, q, plan, plan.query_request, plan.query_pos, True,
-                            plan.newest if scored else None, plan.in_torch)
+                            plan.newest if scored else None, plan.in_torch, plan.fused)
         output[:T] = out.view((T,) + output.shape[1:]).to(output.dtype)
         if scored:  # the newest query's weights, mean over heads
             plan.rows += w.mean(dim=1).to(torch.float64)
@@ -109,7 +109,7 @@ class VTokenScoreImpl(CPUAttentionBackendImpl):
         everyone = torch.arange(len(plan.req_ids))
         q = query[plan.newest].reshape(len(everyone), self.num_heads, self.head_size)
         _, w = _attention(self, layer, q, plan, everyone, plan.query_pos[plan.newest], False, everyone,
-                          plan.in_torch[plan.newest])
+                          plan.in_torch[plan.newest], plan.fused[plan.newest])
         plan.rows += w.mean(dim=1).to(torch.float64)
         plan.layers += 1
         return out

@@ -45,6 +45,11 @@ from .compat import UnsupportedConfigError
 # pairs is where they cross on the byte-llama: docs/results.md, "Hot path II, part 4"). Every other query, every
 # generated token included, goes to the kernel.
 LONG_PROMPT = 64
+# Of those, the prompt tokens of a prompt longer than this go to torch's fused attention
+# (gather_attention.prefill_attention), the others to the reference: the fused path's aligned shapes (256-query
+# blocks, keys padded to 512) cost more than they save below ~200 tokens (1.5 against 0.4 ms a layer at 65 tokens,
+# 1.7 against 2.1 at 256, 24 against 73 at 1,536: docs/results.md, "Hot path II, part 7").
+FUSED_PROMPT = 256
 
 
 def _places(ids: np.ndarray, wanted: np.ndarray) -> np.ndarray | None:
@@ -67,6 +72,7 @@ class ReadPlan:
     query_pos: torch.Tensor  # int64 [T]: its logical position; it attends the ids at or before it
     newest: torch.Tensor  # int64 [R]: each request's newest query token, whose attention feeds the scores
     in_torch: torch.Tensor  # bool [T]: the queries torch attends (prompt tokens of long prompts), not the kernel
+    fused: torch.Tensor  # bool [T]: of those, the ones its fused attention attends (prompts past FUSED_PROMPT)
     req_ids: list  # batch order
     rows: torch.Tensor | None = None  # score-based policies: [R, N] float64, attention summed over scored layers
     scored_layers: frozenset = frozenset()  # names of the layers whose attention feeds the rows
@@ -242,12 +248,14 @@ class WorkerTokens:
         positions = r.positions[:num_tokens].to(torch.int64)
         prompt = torch.from_numpy(batch.num_prompt_tokens[:n].astype(np.int64))[query_request]
         # NOTE: which implementation attends a query depends on the query alone (is it a token of a prompt longer
-        # than LONG_PROMPT?), never on how its request was chunked, cached or recomputed: the kernel and torch
-        # differ in their last bits, and prefix caching on and off must stay bit-identical on the gather path.
+        # than LONG_PROMPT, or FUSED_PROMPT?), never on how its request was chunked, cached or recomputed: the
+        # kernel and torch differ in their last bits, and prefix caching on and off must stay bit-identical on the
+        # gather path.
         in_torch = (positions < prompt) & (prompt > LONG_PROMPT)
+        fused = in_torch & (prompt > FUSED_PROMPT)
         rows = torch.zeros(ids.shape, dtype=torch.float64) if self.scored_layers else None
-        return ReadPlan(self.engine.cache, slots, ids, query_request, positions, starts[1:] - 1, in_torch, req_ids,
-                        rows, self.scored_layers, check=self.check_attention)
+        return ReadPlan(self.engine.cache, slots, ids, query_request, positions, starts[1:] - 1, in_torch, fused,
+                        req_ids, rows, self.scored_layers, check=self.check_attention)
 
     def take_scores(self) -> tuple[dict[str, list[int]], dict[str, tuple[list[int], list[float]]], int]:
         """After the forward: record this step's attention rows (mean over heads and scored layers) into the
