@@ -182,15 +182,19 @@ def _run_engine(ep: Episode, prefix_caching: bool) -> EpisodeResult:
     from vtoken.integration.vllm import scheduler_tokens
     every, scheduler_tokens.READ_CHECK_EVERY = scheduler_tokens.READ_CHECK_EVERY, 1  # every copy, every step
     try:
+        import gc
+        gc.collect()  # an earlier engine nobody holds is shut down now, not in the middle of this one's start
         llm = LLM(**kw)
         try:
             return _drive(llm, ep, SamplingParams, TokensPrompt)
         except BaseException as e:
+            llm.llm_engine.engine_core.shutdown()
             del llm
             drop_frames(e)
             raise
         finally:
-            import gc
+            if "llm" in locals():
+                llm.llm_engine.engine_core.shutdown()  # now: vLLM keeps a process's first KV connector agent
             gc.collect()
     finally:
         scheduler_tokens.READ_CHECK_EVERY = every
@@ -315,11 +319,11 @@ def _kernel_stops_a_key_early(real):
     the newest it may attend, unattended unless it is the only one. Nothing is read out of bounds and the weights
     still sum to one, so only the comparison with the torch reference (V5) can tell."""
     def wrong(cache, layer, q, slots, ids, query_request, query_pos, scale, values=True, weights_of=None,
-              in_torch=None):
+              in_torch=None, fused=None):
         import torch
         first = ids[query_request, 0]
         query_pos = torch.where(query_pos - 1 >= first, query_pos - 1, query_pos)
-        return real(cache, layer, q, slots, ids, query_request, query_pos, scale, values, weights_of, in_torch)
+        return real(cache, layer, q, slots, ids, query_request, query_pos, scale, values, weights_of, in_torch, fused)
     return wrong
 
 

@@ -179,6 +179,7 @@ def run_engine(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: int
         longest = max(len(p) for ps in prompt_sets for p in ps) + max_tokens
         most = max(len(ps) for ps in prompt_sets)
         started = time.monotonic()
+        gc.collect()  # an earlier engine nobody holds is shut down now: vLLM keeps a process's first KV connector
         llm = LLM(**engine_args(vtoken, longest, most, block_size, bool(prefix_caching)))
         res: dict = {"start_s": time.monotonic() - started, "sets": []}
         try:
