@@ -48,6 +48,7 @@ from .errors import (
     TokenAlreadyEvictedError,
     TokenOutOfRangeError,
     UnknownRequestError,
+    VTokenError,
 )
 from .live_index import CHUNK, NO_SLOT, LiveIndex, LiveTokens
 from .occupancy import SlotOccupancy
@@ -393,12 +394,7 @@ class TokenTable:
         """
         r = self._get(req_id)
         ids = as_list("request {!r}: tokens to evict", token_ids, TokenOutOfRangeError, req_id)
-        slots = self._slots_of(req_id, r, ids)
-        if NO_SLOT in slots:
-            raise TokenAlreadyEvictedError(f"request {req_id!r}: token {ids[slots.index(NO_SLOT)]} is already evicted")
-        if len(slots) > 1 and len(set(slots)) != len(slots):  # live tokens have distinct slots (I2): a slot twice is a token twice
-            twice = next(t for k, t in enumerate(ids) if t in ids[:k])
-            raise TokenAlreadyEvictedError(f"request {req_id!r}: token {twice} is named twice in one eviction")
+        slots = self._live_slots_of(req_id, r, ids, TokenAlreadyEvictedError, "is named twice in one eviction")
         # NOTE: everything is validated; nothing below raises, so a refused call changed nothing
         S, shared, counts, live, occupancy = self.block_size, r.shared, r.counts, r.live, self.occupancy
         positions = []
@@ -441,12 +437,7 @@ class TokenTable:
         if not batch:
             return  # nothing moves, so the layout (and any plan's snapshot of it) stays valid
         ids = [m.token_id for m in batch]
-        sources = self._slots_of(req_id, r, ids)  # every id an int in range, read in one call
-        if NO_SLOT in sources:
-            raise TokenAlreadyEvictedError(f"request {req_id!r}: token {ids[sources.index(NO_SLOT)]} is already evicted")
-        if len(set(sources)) != len(sources):  # live tokens have distinct slots (I2): a slot twice is a token twice
-            twice = next(t for k, t in enumerate(ids) if t in ids[:k])
-            raise MoveSourceMismatchError(f"request {req_id!r}: token {twice} moved twice in one batch")
+        sources = self._live_slots_of(req_id, r, ids, MoveSourceMismatchError, "moved twice in one batch")
         for m, slot in zip(batch, sources):
             if m.src_block.__class__ is not int or m.src_offset.__class__ is not int \
                     or m.src_block * S + m.src_offset != slot or not 0 <= m.src_offset < S:
@@ -726,6 +717,17 @@ class TokenTable:
         policy's tokens read in one call, not one call each."""
         r = self._get(req_id)
         return self._slots_of(req_id, r, as_list("request {!r}: token ids", token_ids, TokenOutOfRangeError, req_id))
+
+    def _live_slots_of(self, req_id: object, r: RequestTokens, ids: list, twice: type[VTokenError],
+                       named_twice: str) -> list[int]:
+        """``_slots_of`` of distinct live tokens (a batch to evict or to move), or the refusal: an evicted one
+        (TokenAlreadyEvictedError), or one named twice (``twice``, "token t ``named_twice``")."""
+        slots = self._slots_of(req_id, r, ids)
+        if NO_SLOT in slots:
+            raise TokenAlreadyEvictedError(f"request {req_id!r}: token {ids[slots.index(NO_SLOT)]} is already evicted")
+        if len(slots) > 1 and len(set(slots)) != len(slots):  # live tokens have distinct slots (I2): a token twice
+            raise twice(f"request {req_id!r}: token {next(t for k, t in enumerate(ids) if t in ids[:k])} {named_twice}")
+        return slots
 
     def _slots_of(self, req_id: object, r: RequestTokens, ids: list) -> list[int]:
         """``slots_of`` of a list already taken, for ``r`` already looked up."""

@@ -30,7 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from vtoken.core.errors import InvariantViolation
-from vtoken.integration.bench.vllm_engine import drop_frames
+from vtoken.integration.bench.vllm_engine import drop_frames, start_llm
 from vtoken.integration.vllm import manager_hooks
 
 MODEL = str(Path(manager_hooks.__file__).parent / "models" / "byte-llama")
@@ -171,7 +171,7 @@ def compare_outputs(on: EpisodeResult, off: EpisodeResult) -> tuple[list[str], i
 def _run_engine(ep: Episode, prefix_caching: bool) -> EpisodeResult:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the oracles read the scheduler's state directly
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     kw = dict(model=MODEL, skip_tokenizer_init=True, dtype="float32", block_size=32, enforce_eager=True,
@@ -182,20 +182,14 @@ def _run_engine(ep: Episode, prefix_caching: bool) -> EpisodeResult:
     from vtoken.integration.vllm import scheduler_tokens
     every, scheduler_tokens.READ_CHECK_EVERY = scheduler_tokens.READ_CHECK_EVERY, 1  # every copy, every step
     try:
-        import gc
-        gc.collect()  # an earlier engine nobody holds is shut down now, not in the middle of this one's start
-        llm = LLM(**kw)
+        llm = start_llm(**kw)
         try:
             return _drive(llm, ep, SamplingParams, TokensPrompt)
         except BaseException as e:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
             drop_frames(e)
             raise
         finally:
-            if "llm" in locals():
-                llm.llm_engine.engine_core.shutdown()  # now: vLLM keeps a process's first KV connector agent
-            gc.collect()
+            llm.llm_engine.engine_core.shutdown()  # now, not when collected: the next episode starts an engine
     finally:
         scheduler_tokens.READ_CHECK_EVERY = every
 

@@ -27,7 +27,7 @@ import json
 import statistics
 import time
 
-from vtoken.integration.bench.vllm_engine import engine_args, engine_environment, heldout_windows
+from vtoken.integration.bench.vllm_engine import engine_args, engine_environment, heldout_windows, start_llm
 
 CONFIGS = {"random, densify": {"policy": "random", "budget": 0.5},
            "random, gather, compact": {"policy": "random", "budget": 0.5, "read_path": "gather", "reclaim": "compact"},
@@ -40,11 +40,11 @@ def one_run(vtoken: dict, context: int, seed: int) -> dict:
     """One engine, one batch of REQUESTS prompts of ``context`` tokens, stepped to the end: per step vtoken's
     seconds (scheduler + worker) and the tokens it evicted, split as the module docstring says."""
     with engine_environment(1):
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         prompts = [p for p, _ in heldout_windows(REQUESTS, context, NEW_TOKENS, seed)]
-        llm = LLM(**engine_args(vtoken, context + NEW_TOKENS, REQUESTS, BLOCK))
+        llm = start_llm(**engine_args(vtoken, context + NEW_TOKENS, REQUESTS, BLOCK))
         try:
             engine = llm.llm_engine
             conn = engine.engine_core.engine_core.scheduler.connector

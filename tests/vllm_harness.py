@@ -104,16 +104,13 @@ def make_llm(vtoken: dict | None, multiprocess: bool | None = None, **overrides)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of the functions above
-    import gc
-
-    from vllm import LLM
-    gc.collect()  # an earlier engine nobody holds is shut down now: vLLM keeps a process's first KV connector agent
+    from vtoken.integration.bench.vllm_engine import start_llm
     kw = dict(model=TINY, load_format="dummy", skip_tokenizer_init=True, dtype="float32", block_size=32,
               enforce_eager=True, max_model_len=2048, enable_prefix_caching=False, seed=0)
     kw.update(overrides)
     if vtoken is not None:
         kw["additional_config"] = {"vtoken": vtoken}
-    llm = LLM(**kw)
+    llm = start_llm(**kw)
     llm.collective_rpc(reinit_weights)
     return llm
 

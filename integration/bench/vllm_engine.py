@@ -173,14 +173,13 @@ def run_engine(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: int
     ``timed_attention``: time the attention impls; ``prefix_caching`` not None: vLLM's prefix cache on or off, and
     each set's "cached_tokens" per request. ``on_done(i)`` after each set."""
     with engine_environment(threads):
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         longest = max(len(p) for ps in prompt_sets for p in ps) + max_tokens
         most = max(len(ps) for ps in prompt_sets)
         started = time.monotonic()
-        gc.collect()  # an earlier engine nobody holds is shut down now: vLLM keeps a process's first KV connector
-        llm = LLM(**engine_args(vtoken, longest, most, block_size, bool(prefix_caching)))
+        llm = start_llm(**engine_args(vtoken, longest, most, block_size, bool(prefix_caching)))
         res: dict = {"start_s": time.monotonic() - started, "sets": []}
         try:
             res["threads"] = llm.collective_rpc(worker_threads)[0]
@@ -344,6 +343,19 @@ def close_all(engines: list[EngineProcess]) -> None:
             e.conn.close()
     if errors:
         raise errors[0]
+
+
+def start_llm(**kwargs):
+    """``vllm.LLM(**kwargs)``, in this process, after collecting the engines nobody holds any more.
+
+    NOTE: vLLM keeps a process's first KV connector agent (``ensure_kv_transfer_initialized`` returns early while
+    one exists), and an engine's agent goes only when the engine shuts down, which for an unreferenced in-process
+    engine is when the collector reaches it. A new engine that finds an old agent is refused by vtoken's worker
+    (``connector.bind_model_runner``): collect first, and shut down engines still held
+    (``llm.llm_engine.engine_core.shutdown()``)."""
+    from vllm import LLM
+    gc.collect()
+    return LLM(**kwargs)
 
 
 def drop_frames(err: BaseException) -> None:
