@@ -165,7 +165,7 @@ def check_i4_plan_validity(sys) -> None:
         dsts = [(m.dst_block, m.dst_offset) for m in p.moves]
         if len(set(dsts)) != len(dsts):
             raise InvariantViolation("I4", f"request {req!r}: two moves share a destination")
-        if p.kind is PlanKind.COMPACT:
+        if p.kind in (PlanKind.COMPACT, PlanKind.RELEASE):  # a release: a compact with no destination
             if len(p.dst_blocks) >= len(p.src_blocks):
                 raise InvariantViolation(
                     "I4", f"request {req!r}: compact plan uses {len(p.dst_blocks)} blocks to free {len(p.src_blocks)}"

@@ -19,6 +19,7 @@ class PlanKind(enum.Enum):
     COMPACT = "compact"  # pack low-utilization blocks into fresh ones (gather read path)
     DENSIFY = "densify"  # fill holes so live tokens occupy positions [0, n_live) (dense read path)
     RELOCATE = "relocate"  # one block's live tokens to a fresh block, same offsets (the vLLM drill)
+    RELEASE = "release"  # drop wholly dead private blocks, no copy: the paper's Naive-Evict (gather read path)
 
 
 class NoPlanReason(enum.Enum):
@@ -86,11 +87,12 @@ class Plan:
         whole blocks, and blocks appended since planning are kept. Relocate: the
         destination takes its source's index (the cursor's block included), the
         cursor stays. Densify: trailing emptied blocks go and the cursor is n_live.
+        Release: compact with no destination (its sources, wholly dead, just leave).
 
         pre: block_size >= 1 and 0 <= write_pos <= len(blocks) * block_size
         pre: all(b not in blocks[:i] for i, b in enumerate(blocks))  # distinct
         pre: self.kind is not PlanKind.DENSIFY or self.dense_write_pos is not None
-        pre: self.kind is not PlanKind.COMPACT or contracts.compact_sources_before_the_cursor(self, blocks, write_pos, block_size)
+        pre: self.kind not in (PlanKind.COMPACT, PlanKind.RELEASE) or contracts.compact_sources_before_the_cursor(self, blocks, write_pos, block_size)
         # relocate: one source in the list, one fresh destination
         pre: self.kind is not PlanKind.RELOCATE or (len(self.src_blocks) == 1 and self.src_blocks[0] in blocks)
         pre: self.kind is not PlanKind.RELOCATE or len(self.dst_blocks if dst_blocks is None else dst_blocks) == 1

@@ -109,8 +109,10 @@ class ReclaimConfig:
     def __post_init__(self) -> None:
         """Every field is checked for its type as well as its range (a bool is no int here, a str no number);
         the message starts with the field's name."""
-        if not isinstance(self.planner, PlanKind):
-            raise ConfigError(f"planner must be one of {[k.value for k in PlanKind]}, got {self.planner!r}")
+        if not isinstance(self.planner, PlanKind) or self.planner is PlanKind.RELEASE:
+            raise ConfigError(f"planner must be one of {[k.value for k in PlanKind if k is not PlanKind.RELEASE]}, "
+                              f"got {self.planner!r} (release is no planner: it runs on the gather path whatever "
+                              f"the planner)")
         if not isinstance(self.ordering, Ordering):
             raise ConfigError(f"ordering must be one of {[o.value for o in Ordering]}, got {self.ordering!r}")
         if not _is_number(self.theta_f) or not 0.0 <= self.theta_f < 1.0:  # NaN fails the range
@@ -146,7 +148,9 @@ class ReclaimStats:
     no_plan: Counter = field(default_factory=Counter)
     moves_committed: int = 0
     moves_dropped: int = 0  # tokens evicted while their move was in flight
-    blocks_released: int = 0  # net blocks returned by committed plans
+    blocks_released: int = 0  # net blocks returned by committed plans, releases included
+    releases_made: int = 0  # RELEASE plans (wholly dead blocks, no copy): not in plans_made / plans_committed
+    releases_committed: int = 0
     bursts: int = 0  # bursts the adaptive trigger detected
     burst_rounds: int = 0  # rounds it ran off the K cadence
 
@@ -205,8 +209,10 @@ class ReclamationManager:
 
     # ---- Stage 2: headroom-aware admission ---------------------------------------------
     def admission_open(self) -> bool:
-        """False while reclamation has borrowed the headroom and has not given it back."""
-        return not self.inflight or self.pool.num_free >= self.pool.headroom
+        """False while reclamation has borrowed the headroom and has not given it back (a RELEASE plan borrows
+        nothing: it only gives blocks back)."""
+        return self.pool.num_free >= self.pool.headroom or all(
+            r.plan.kind is PlanKind.RELEASE for r in self.inflight.values())
 
     def destination_budget(self) -> int:
         """How many destination blocks a new compact plan may take now (Stage 2's bound).
@@ -274,6 +280,23 @@ class ReclamationManager:
         else:
             plan = self._plan_compact(req_id)
         return self._record(req_id, plan)
+
+    def plan_release(self, req_id: object, among: list[int] | None = None) -> PlanRecord | NoPlan:
+        """Plan releasing the request's wholly dead private blocks (``TokenTable.dead_blocks``; ``among``: only
+        these indices of its list): a RELEASE plan, with no move and no destination, launched and committed as
+        a compact plan is (its sources leave the list, the cursor shifts by whole blocks). The paper's
+        Naive-Evict: a block is kept while it holds a live token, no longer. NoPlan (NO_CANDIDATES, not counted
+        in ``stats.no_plan``) when there is none.
+        raises: UnknownRequestError, PlanConflictError (I4); either way nothing changes."""
+        t = self.table
+        t.num_live(req_id)  # first: an unknown (or unhashable) id is UnknownRequestError
+        if req_id in self.inflight:
+            raise PlanConflictError(f"request {req_id!r} already has a plan in flight (I4)")
+        dead = t.dead_blocks(req_id, self._private, among)
+        if not dead:
+            return NoPlan(NoPlanReason.NO_CANDIDATES, f"request {req_id!r}: no wholly dead private block")
+        return self._record(req_id, Plan(PlanKind.RELEASE, req_id, (t.layout_version(req_id), t.total_len(req_id)),
+                                         (), tuple(dead)))
 
     def _plan_compact(self, req_id: object) -> Plan | NoPlan:
         """A compact plan from the maintained structures, O(S + B x S) for B = ``max_sources``: the candidates
@@ -344,6 +367,9 @@ class ReclamationManager:
         assert req_id not in self.inflight  # I4: one plan per request (checked by the callers first)
         rec = PlanRecord(plan)
         self.inflight[req_id] = rec
+        if plan.kind is PlanKind.RELEASE:
+            self.stats.releases_made += 1
+            return rec  # no destination: F and the adaptive trigger's reading stay until it commits
         self.stats.plans_made += 1
         if self._f_prev is not None:
             self._f_prev = self.waste_ratio()  # destinations in flight count as waste; a plan's own are no burst
@@ -517,7 +543,7 @@ class ReclamationManager:
         if plan.kind is PlanKind.DENSIFY:
             self._commit_densify(rec, moves)
             return
-        if plan.kind is PlanKind.COMPACT:
+        if plan.kind in (PlanKind.COMPACT, PlanKind.RELEASE):  # a release: a compact with nothing to move
             self._commit_compact(rec, moves)
             return
         landing = {m.token_id for m in moves}
@@ -591,7 +617,10 @@ class ReclamationManager:
         rec.state = PlanState.COMMITTED
         del self.inflight[req]
         assert rec.handle is None and t.write_pos(req) <= t.num_blocks_of(req) * S
-        self.stats.plans_committed += 1
+        if plan.kind is PlanKind.RELEASE:
+            self.stats.releases_committed += 1
+        else:
+            self.stats.plans_committed += 1
         self.stats.moves_committed += len(moves)
         self.stats.blocks_released += len(plan.src_blocks) - len(dsts)
 

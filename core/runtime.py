@@ -238,6 +238,7 @@ class VTokenRuntime:
         self.iteration = 0
         self._last: StepInputs | None = None
         self._victim_positions: dict[object, list[int]] = {}  # this step's victims' positions (dense path)
+        self._release_deferred: dict[object, None] = {}  # gather path: requests whose dead blocks wait for their plan
 
     def set_budget(self, budget: float) -> None:
         """Change the eviction budget from the next victim selection on (checked as at construction; a bad
@@ -615,8 +616,28 @@ class VTokenRuntime:
         positions = {r: self.table.evict_tokens(r, chosen) for r, chosen in victims.items()}
         self._victim_positions = positions if dense else {}
         self._reclaim()
+        if self.read_path is ReadPath.GATHER:
+            self._release_dead(positions)
         self.manager.launch()
         self.iteration += 1
+
+    def _release_dead(self, positions: Mapping[object, list[int]]) -> None:
+        """The paper's Naive-Evict, on the gather path whatever the reclaimer: a block that holds no live token
+        of its request, shared with no other, leaves the request's list and goes back to the pool (a RELEASE
+        plan: no copy, committed with the step's other plans). Looked for where this step's evictions were,
+        O(evicted); a request whose plan in flight kept it from releasing is searched whole at the end of each
+        later step until it can (``_release_deferred``, ordered: plans are made in a reproducible order).
+
+        NOTE: the dense path needs none of this: densify leaves no hole below n_live, so no dead block."""
+        S, deferred = self.pool.block_size, self._release_deferred
+        self._release_deferred = {}
+        for r in [*positions, *(r for r in deferred if r not in positions)]:
+            if r not in self.table:
+                continue  # left since (finished, preempted): its blocks went with it
+            if r in self.manager.inflight:
+                self._release_deferred[r] = None
+                continue
+            self.manager.plan_release(r, None if r in deferred else [p // S for p in positions[r]])
 
     def eviction_due(self, req_id: object) -> bool:
         """Whether the next ``evict_and_reclaim`` naming ``req_id`` asks the policy for victims it must find (an

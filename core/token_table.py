@@ -845,6 +845,23 @@ class TokenTable:
         r = self._get(req_id)
         return {b: self._live_in(r, b) for b in r.blocks}
 
+    def dead_blocks(self, req_id: object, private, among: Iterable[int] | None = None) -> list[int]:
+        """The blocks of the request's list that hold none of its live tokens, lie wholly before the cursor's block
+        (written, and never written again) and are ``private(block)``, in list order: what the paper's Naive-Evict
+        releases. ``among``: only the list indices named (where a step's evictions were, O(len(among))); else a C
+        search of the maintained per-block counts, O(blocks) bytes."""
+        r, S = self._get(req_id), self.block_size
+        end = min(r.write_pos // S, len(r.blocks))
+        if among is not None:
+            found = sorted(i for i in set(among) if 0 <= i < end and not r.counts[i])
+        else:
+            raw, size, found = r.counts[:end].tobytes(), r.counts.itemsize, []
+            i = _find_item(raw, 0, 0, size)
+            while i >= 0:
+                found.append(i)
+                i = _find_item(raw, 0, i + 1, size)
+        return [r.blocks[i] for i in found if private(r.blocks[i])]
+
     def compact_candidates(self, req_id: object, max_sources: int, private) -> list[tuple[int, int]]:
         """``compact.eligible_sources``' first ``max_sources`` as (index, live count), found in the maintained
         per-block counts: the blocks wholly before the cursor's, not full, ``private(block)``, lowest count first,

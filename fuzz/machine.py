@@ -606,6 +606,20 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
         rec = self.manager.plan_request(req)
         EVENTS["plans_made" if rec else "no_plan"] += 1
 
+    @precondition(lambda self: self.rt is not None and self.profile.read_path is ReadPath.GATHER)
+    @rule(req=requests, pick=st.none() | st.lists(st.integers(0, 2**16), max_size=4))
+    def release_now(self, req, pick):
+        """Naive-Evict's release (``ReclamationManager.plan_release``) between steps, whatever the planner: over
+        the whole list, or over a few of its indices (the cursor's block and one past the list among them: never
+        released); a second plan in flight is refused, changing nothing. The oracle holds it to its definition."""
+        if not self._running(req):
+            return
+        if req in self.manager.inflight:
+            return self._rejected(E.PlanConflictError, self.manager.plan_release, req)
+        n = len(self.table.block_ids(req))
+        rec = self.manager.plan_release(req, None if pick is None else [x % (n + 2) for x in pick])
+        EVENTS["releases_made" if rec else "no_release"] += 1
+
     @precondition(lambda self: self.rt is not None)
     @rule(req=requests, index=st.integers(0, 2**16))
     def relocate_now(self, req, index):

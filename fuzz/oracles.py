@@ -215,10 +215,10 @@ class StatsReference:
     """What ``ReclaimStats`` should read, counted from the manager calls the oracles see."""
 
     COUNTERS = ("rounds", "plans_made", "plans_committed", "plans_aborted", "no_plan", "moves_committed",
-                "moves_dropped", "blocks_released")
+                "moves_dropped", "blocks_released", "releases_made", "releases_committed")
 
     def __init__(self) -> None:
-        self.rounds = self.plans_made = self.plans_committed = 0
+        self.rounds = self.plans_made = self.plans_committed = self.releases_made = self.releases_committed = 0
         self.moves_committed = self.moves_dropped = self.blocks_released = 0
         self.plans_aborted: Counter = Counter()
         self.no_plan: Counter = Counter()
@@ -299,6 +299,28 @@ class Oracles:
                                                       f"the live tokens {wanted} of block {src} in place")
             return out
 
+        def plan_release(req_id, among=None):
+            """Naive-Evict's release by its definition (the paper's): exactly the blocks of the list (of ``among``'s
+            indices, when given) wholly before the cursor's block that hold no live token and no other request
+            holds, in list order; a plan iff there is one."""
+            before = self._planning_view(req_id)
+            out = cls.plan_release(m, req_id, among)  # raises for a bad id, a plan in flight
+            if isinstance(out, PlanRecord):
+                stats.releases_made += 1
+            if before is not None:
+                S, blocks = self.S, before["blocks"]
+                holding = {pos // S for pos in before["pos"].values()}
+                looked = range(min(before["write_pos"] // S, len(blocks))) if among is None else sorted(set(among))
+                want = tuple(blocks[i] for i in looked if 0 <= i < min(before["write_pos"] // S, len(blocks))
+                             and i not in holding and blocks[i] not in before["shared"])
+                got = out.plan.src_blocks if isinstance(out, PlanRecord) else ()
+                if got != want or isinstance(out, PlanRecord) and (out.plan.moves or out.plan.dst_blocks
+                                                                  or out.plan.kind is not PlanKind.RELEASE):
+                    raise OracleViolation("release", f"plan_release({req_id!r}, {among!r}) released {got} "
+                                                     f"({out!r:.120}); the wholly dead private blocks before the "
+                                                     f"cursor's are {want}")
+            return out
+
         def plan_round(req_ids):
             outer, self._round = self._round, []
             try:
@@ -320,7 +342,10 @@ class Oracles:
                 if rec.state is PlanState.COMMITTED:
                     n_blocks, moved = before[r]
                     kept = sum(self.table.is_live(r, t) for t in moved)
-                    stats.plans_committed += 1
+                    if rec.plan.kind is PlanKind.RELEASE:
+                        stats.releases_committed += 1
+                    else:
+                        stats.plans_committed += 1
                     stats.moves_committed += kept
                     stats.moves_dropped += len(moved) - kept
                     stats.blocks_released += n_blocks - len(self.table.block_ids(r))
@@ -344,7 +369,8 @@ class Oracles:
             if rec is not None:
                 stats.plans_aborted[rec.abort_reason] += 1
 
-        for f in (should_reclaim, plan_request, plan_relocation, plan_round, settle, launch, on_request_removed):
+        for f in (should_reclaim, plan_request, plan_relocation, plan_release, plan_round, settle, launch,
+                  on_request_removed):
             setattr(m, f.__name__, f)
         return self
 
@@ -375,9 +401,9 @@ class Oracles:
 
     def check_can_admit(self, prompt_len: int, got: bool) -> None:
         """can_admit by its definition: admission open (no plan has borrowed the headroom) and the prompt's
-        ceil(p / S) blocks fit outside the headroom."""
+        ceil(p / S) blocks fit outside the headroom. A release borrows nothing."""
         m, pool = self.m, self.pool
-        open_ = not m.inflight or self._free() >= pool.headroom
+        open_ = self._free() >= pool.headroom or all(rec.plan.kind is PlanKind.RELEASE for rec in m.inflight.values())
         want = open_ and _ceil(prompt_len, self.S) <= self._free() - pool.headroom
         if got != want:
             raise OracleViolation("admission", f"can_admit({prompt_len}) is {got}; {self._free()} blocks free, "

@@ -542,6 +542,25 @@ def _cadence_waits_at_beta():
     return {(runtime.VTokenRuntime, "_choose_victims"): _choose_victims}
 
 
+def _release_ignores_sharing():
+    def dead_blocks(self, req_id, private, among=None):  # the private() test dropped: a shared block goes too
+        r, S = self._get(req_id), self.block_size
+        end = min(r.write_pos // S, len(r.blocks))
+        return [r.blocks[i] for i in sorted(set(range(end) if among is None else among)) if i < end and not r.counts[i]]
+
+    return {(token_table.TokenTable, "dead_blocks"): dead_blocks}
+
+
+def _release_takes_the_append_block():
+    def dead_blocks(self, req_id, private, among=None):  # off by one: the cursor's block counts as written
+        r, S = self._get(req_id), self.block_size
+        end = min(r.write_pos // S + 1, len(r.blocks))
+        return [r.blocks[i] for i in sorted(set(range(end) if among is None else among))
+                if i < end and not r.counts[i] and private(r.blocks[i])]
+
+    return {(token_table.TokenTable, "dead_blocks"): dead_blocks}
+
+
 BUGS: dict[str, PlantedBug] = {
     b.name: b
     for b in [
@@ -630,6 +649,10 @@ BUGS: dict[str, PlantedBug] = {
                    _shared_blocks_drops_the_last),
         PlantedBug("cadence_waits_at_beta", "a request exactly evict_every tokens over its budget waits one more step "
                    "(off by one in the eviction cadence)", _cadence_waits_at_beta),
+        PlantedBug("release_ignores_sharing", "Naive-Evict's release drops a wholly dead block another request "
+                   "shares (the paper's rule: a block no other request shares)", _release_ignores_sharing),
+        PlantedBug("release_takes_the_append_block", "Naive-Evict's release takes the cursor's block once its "
+                   "written tokens are dead, though appends still go there", _release_takes_the_append_block),
         PlantedBug("compact_underfills_destinations", "compact leaves a slot of a destination empty and spills into "
                    "the last (planner quality)", _compact_underfills_destinations),
     ]

@@ -242,6 +242,13 @@ OUT_OF_SCOPE = {
                           "(check_views), V3 (the compact fast path against choose_sources) and the fuzzer catch it",
     "densify_tail_misses_a_hole": "the fast path is checked against plan_densify (V3, the fuzzer's "
                                   "verify_fast_paths); the launch's executed check refuses two moves into one slot (I4)",
+    "release_ignores_sharing": "a block one holder no longer reads may legally leave its list (T5 drops one "
+                               "reference); that Naive-Evict's release spares shared blocks is the paper's "
+                               "definition of the baseline, which the fuzzer's release oracle and I4's executed "
+                               "check (no plan touches a shared block) hold it to",
+    "release_takes_the_append_block": "a release's commit is T4b (no move) then T5, which drops only a block before "
+                                      "the cursor's: the plan is refused by I4's executed check (a source at or "
+                                      "after the append block) and by the fuzzer's release oracle",
     "relocate_ignores_appends": "appends reach only the cursor's block, and a relocate of that block has no model "
                                 "path (T5 drops blocks before the cursor's); the commit's executed check refuses the "
                                 "stale commit (I4) and the fuzzer catches it (test_fuzz_planted.py)",

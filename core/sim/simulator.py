@@ -198,6 +198,7 @@ class Simulator:
             "plans_aborted": sum(stats.plans_aborted.values()),
             "moves_committed": stats.moves_committed,
             "blocks_released": stats.blocks_released,
+            "releases_committed": stats.releases_committed,
         }
         return self.result
 

@@ -22,7 +22,9 @@ COUNTERS = {
                      "that left mid-copy)",
     "tokens_moved": "token relocations of committed plans, copied by the workers (densify and compact alike)",
     "blocks_released": "blocks committed plans returned to vLLM's pool (densify: those past ceil(live / block "
-                       "size); compact: sources minus the destinations kept)",
+                       "size); compact: sources minus the destinations kept; release: wholly dead blocks)",
+    "releases": "releases committed on the gather path, whatever the reclaimer: a request's wholly dead private "
+                "blocks returned without a copy (the paper's Naive-Evict)",
     "copies_verified": "copies whose K/V digests strict verify compared",
     "mismatches": "copies whose digests differed",
     "quarantined": "requests failed by quarantine",

@@ -178,7 +178,8 @@ class TokenStats:
     plans_committed: int = 0
     plans_aborted: int = 0
     moves: int = 0  # token moves sent to the workers
-    blocks_released: int = 0  # blocks committed plans (densify or compact) returned to vLLM's pool
+    blocks_released: int = 0  # blocks committed plans (densify, compact, release) returned to vLLM's pool
+    releases: int = 0  # release plans committed (wholly dead blocks, no copy); not in plans_committed
     uncached: int = 0  # blocks whose prefix-cache hash was dropped because densify filled them
     drill_planned: int = 0  # relocate plans (the drill) committed; not in plans_committed, moves, blocks_released
     drill_skipped: int = 0  # shared or prefix-cached blocks the drill must not move, or no free block
@@ -388,7 +389,10 @@ class SchedulerTokens:
             if rec.state is not PlanState.COMMITTED:
                 continue
             r = rec.plan.req_id
-            self.stats.plans_committed += 1
+            if rec.plan.kind is PlanKind.RELEASE:
+                self.stats.releases += 1
+            else:
+                self.stats.plans_committed += 1
             self.stats.moves += len(rec.plan.moves)
             self.stats.blocks_released += len(rec.plan.src_blocks) - len(set(rec.plan.dst_blocks) & set(rt.block_ids(r)))
             self._committed(rec)
@@ -446,6 +450,7 @@ class SchedulerTokens:
         """Counters since the previous call (``metrics.COUNTERS``) and current gauges (``metrics.GAUGES``)."""
         s, w = self.stats, workers
         now = {"tokens_evicted": s.evicted, "plans_committed": s.plans_committed, "plans_aborted": s.plans_aborted,
+               "releases": s.releases,
                "tokens_moved": s.moves, "blocks_released": s.blocks_released, "copies_verified": w.verified,
                "mismatches": w.mismatches, "quarantined": w.quarantined, "write_slots_audited": w.audited,
                "seconds": s.seconds, "worker_seconds": w.seconds}
