@@ -153,6 +153,7 @@ class ReclaimStats:
     releases_committed: int = 0
     bursts: int = 0  # bursts the adaptive trigger detected
     burst_rounds: int = 0  # rounds it ran off the K cadence
+    pressure_rounds: int = 0  # rounds run under the engine's pressure that the trigger would not have run
 
 
 class ReclamationManager:

@@ -239,6 +239,7 @@ class VTokenRuntime:
         self._last: StepInputs | None = None
         self._victim_positions: dict[object, list[int]] = {}  # this step's victims' positions (dense path)
         self._release_deferred: dict[object, None] = {}  # gather path: requests whose dead blocks wait for their plan
+        self.pressure = 0  # blocks the engine is short of (``set_pressure``): rounds run whatever θ_F says
 
     def set_budget(self, budget: float) -> None:
         """Change the eviction budget from the next victim selection on (checked as at construction; a bad
@@ -246,6 +247,17 @@ class VTokenRuntime:
         excess at once: an eviction burst."""
         check_budget(budget)
         self.budget = budget
+
+    def set_pressure(self, blocks_short: int) -> None:
+        """Tell the runtime how many blocks the engine is short of: for a waiting request's admission or the
+        next step's growth, beyond what the pool can give without preempting (0: none). While it is > 0, each
+        step's end runs a compaction round on the gather path whatever F and θ_F say (the seed's Stage 2: under
+        pressure reclamation completes before new work is admitted); at 0 reclamation is lazy, θ_F-gated, as
+        before. Every plan obeys the same rules either way (I4, the headroom bound), so this changes when
+        rounds run, never what a plan may do. ``InvalidArgumentError`` (nothing changes) for anything but an
+        int >= 0."""
+        check_int("blocks_short", blocks_short, 0)
+        self.pressure = blocks_short
 
     # ---- requests -----------------------------------------------------------------
     def can_admit(self, prompt_len: int) -> bool:
@@ -710,8 +722,11 @@ class VTokenRuntime:
                 if r not in self.manager.inflight and not self._is_dense(r):
                     self.manager.plan_request(r, evicted_positions.get(r) if is_known_key(evicted_positions, r)
                                               else None)
-        elif self.manager.should_reclaim(self.iteration):
-            self.manager.plan_round(self.table.request_ids())
+        else:
+            due = self.manager.should_reclaim(self.iteration)  # first: the adaptive trigger reads F every iteration
+            if due or self.pressure:
+                self.manager.stats.pressure_rounds += not due
+                self.manager.plan_round(self.table.request_ids())
 
     def _is_dense(self, r: object) -> bool:
         """Live tokens fill [0, n_live) (I7): they lie at distinct positions before the cursor (T2), so

@@ -538,18 +538,33 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
         """Change the eviction budget: a drop is an eviction burst at the next end_step (the adaptive trigger's
         case); a bad value must raise ConfigError and change nothing."""
         if budget is True or budget in (0.0, 1.5):
-            before = (self.state(), self.rt.budget)
-            try:
-                self.rt.set_budget(budget)
-            except E.ConfigError:
-                pass
-            else:
-                raise AssertionError(f"set_budget({budget!r}) was accepted; expected ConfigError")
-            assert (self.state(), self.rt.budget) == before, f"rejected set_budget({budget!r}) changed the state"
-            EVENTS["rejected_calls"] += 1
-            return
+            return self._refused_setting("set_budget", budget, E.ConfigError, lambda: self.rt.budget)
         self.rt.set_budget(budget)
         EVENTS["budget_changes"] += 1
+
+    @precondition(lambda self: self.rt is not None)
+    @rule(blocks=st.sampled_from([0, 0, 1, 3, 64, -1, 2.0, True]))
+    def set_pressure(self, blocks):
+        """The engine's pressure (blocks it is short of): while > 0 every step's end runs a compaction round on the
+        gather path whatever θ_F says, under the same plan rules and headroom bound (the oracles hold each plan to
+        them); a bad value must raise InvalidArgumentError and change nothing."""
+        if blocks in (-1, 2.0) or blocks is True:
+            return self._refused_setting("set_pressure", blocks, E.InvalidArgumentError, lambda: self.rt.pressure)
+        self.rt.set_pressure(blocks)
+        EVENTS["pressure_changes"] += 1
+
+    def _refused_setting(self, name: str, value, error: type, read) -> None:
+        """``self.rt.<name>(value)`` raises ``error`` and changes nothing: neither the state nor the setting
+        (``read()``)."""
+        before = (self.state(), read())
+        try:
+            getattr(self.rt, name)(value)
+        except error:
+            pass
+        else:
+            raise AssertionError(f"{name}({value!r}) was accepted; expected {error.__name__}")
+        assert (self.state(), read()) == before, f"rejected {name}({value!r}) changed the state"
+        EVENTS["rejected_calls"] += 1
 
     @precondition(lambda self: self.rt is not None and self.profile.read_path is ReadPath.GATHER)
     @rule(req=requests, index=st.integers(0, 2**16), moving=st.booleans())

@@ -561,6 +561,22 @@ def _release_takes_the_append_block():
     return {(token_table.TokenTable, "dead_blocks"): dead_blocks}
 
 
+def _pressure_lifts_the_headroom_bound():
+    original = runtime.VTokenRuntime._reclaim
+
+    def _reclaim(self):  # "it is urgent": under pressure a round may take any free block as a destination
+        if not self.pressure:
+            return original(self)
+        m = self.manager
+        m.destination_budget = lambda: m.pool.num_free
+        try:
+            return original(self)
+        finally:
+            del m.destination_budget
+
+    return {(runtime.VTokenRuntime, "_reclaim"): _reclaim}
+
+
 BUGS: dict[str, PlantedBug] = {
     b.name: b
     for b in [
@@ -649,6 +665,8 @@ BUGS: dict[str, PlantedBug] = {
                    _shared_blocks_drops_the_last),
         PlantedBug("cadence_waits_at_beta", "a request exactly evict_every tokens over its budget waits one more step "
                    "(off by one in the eviction cadence)", _cadence_waits_at_beta),
+        PlantedBug("pressure_lifts_the_headroom_bound", "rounds run under the engine's pressure take destinations "
+                   "beyond the evacuation headroom (headroom)", _pressure_lifts_the_headroom_bound),
         PlantedBug("release_ignores_sharing", "Naive-Evict's release drops a wholly dead block another request "
                    "shares (the paper's rule: a block no other request shares)", _release_ignores_sharing),
         PlantedBug("release_takes_the_append_block", "Naive-Evict's release takes the cursor's block once its "

@@ -198,7 +198,11 @@ def test_q1_q2_show_trapped_capacity_and_its_reclamation(tiny_reports):
 def test_q5_q7_shapes(tiny_reports):
     _, reports, _ = tiny_reports
     theta = reports["q5"]["summary"]["theta_f"]["vtoken_compact"]
-    assert theta["0.9"]["plans_committed"]["max"] == 0  # F never reaches 0.9: compact never runs
+    # F never reaches 0.9: compact plans only in the rounds the simulator's pressure runs (a pool this small fills)
+    runs = [r for r in reports["q5"]["runs"] if r["sweep"] == "theta_f" and r["value"] == 0.9]
+    assert runs and all(r["pressure_rounds"] > 0 for r in runs if r["plans_committed"] > 0)
+    assert theta["0.9"]["plans_committed"]["max"] > 0
+    assert theta["0.9"]["plans_committed"]["max"] < theta["0.05"]["plans_committed"]["min"]
     assert theta["0.05"]["plans_committed"]["median"] > 0
     ratio = reports["q5"]["summary"]["eviction_ratio"]["vtoken_densify"]
     assert ratio["0.7"]["retained_slots_per_request"]["median"] < ratio["0.3"]["retained_slots_per_request"]["median"]

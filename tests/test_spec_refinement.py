@@ -242,6 +242,8 @@ OUT_OF_SCOPE = {
                           "(check_views), V3 (the compact fast path against choose_sources) and the fuzzer catch it",
     "densify_tail_misses_a_hole": "the fast path is checked against plan_densify (V3, the fuzzer's "
                                   "verify_fast_paths); the launch's executed check refuses two moves into one slot (I4)",
+    "pressure_lifts_the_headroom_bound": "the state model has no headroom H (Stage 2's bound is the manager's); "
+                                         "the fuzzer's headroom oracle checks it under pressure too",
     "release_ignores_sharing": "a block one holder no longer reads may legally leave its list (T5 drops one "
                                "reference); that Naive-Evict's release spares shared blocks is the paper's "
                                "definition of the baseline, which the fuzzer's release oracle and I4's executed "

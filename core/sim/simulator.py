@@ -228,6 +228,7 @@ class Simulator:
             self.mirror.apply(inputs)
             self.mirror.check(inputs)
         attention = self._forward(inputs)
+        rt.set_pressure(self._blocks_short())
         rt.end_step(attention)
         for r in list(self.running):
             if r in appends:  # every forward emits one token per request (prefill included)
@@ -248,6 +249,18 @@ class Simulator:
     def _fits(self, appends: dict[int, int], extra: int = 0) -> bool:
         need = extra + sum(self.rt.blocks_to_grow(r, n) for r, n in appends.items())
         return self.rt.pool.can_allocate(need, Purpose.ADMISSION)
+
+    def _blocks_short(self) -> int:
+        """The engine's pressure (``VTokenRuntime.set_pressure``): how far the free pool, less the headroom (what
+        admission may take), is below a low watermark of one block per running request (each may need a new block
+        within the next S steps, all at once when they advance in step) plus, when a request waits for room, its
+        prompt. A plan made now commits at the next step's settle, so the watermark leaves compaction a few steps."""
+        rt, S = self.rt, self.cfg.block_size
+        going_on = [r for r in self.running if self.generated[r] + 1 < self.specs[r].output_len]
+        need = len(going_on)
+        if self.waiting and len(going_on) < self.cfg.max_running:
+            need += blocks_needed(self.waiting[0][1], S)
+        return max(0, need - (rt.pool.num_free - rt.pool.headroom))
 
     def _fit(self, appends: dict[int, int]) -> None:
         """Preempt the most recently admitted requests until this step's growth fits (vLLM's rule)."""
