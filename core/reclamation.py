@@ -266,16 +266,11 @@ class ReclamationManager:
         request's only holes, densify plans in O(evicted) (``_densify_tail``), the same plan either way.
         raises: UnknownRequestError, PlanConflictError (I4); either way nothing changes.
         """
+        self._check_plannable(req_id)
         if evicted_positions is not None and self.config.planner is PlanKind.DENSIFY:
-            self.table.num_live(req_id)  # first: an unknown (or unhashable) id is UnknownRequestError
-            if req_id in self.inflight:
-                raise PlanConflictError(f"request {req_id!r} already has a plan in flight (I4)")
             plan = self._densify_tail(req_id, evicted_positions)
             if plan is not None:
                 return self._record(req_id, plan)
-        self.table.num_live(req_id)  # first: an unknown (or unhashable) id is UnknownRequestError
-        if req_id in self.inflight:
-            raise PlanConflictError(f"request {req_id!r} already has a plan in flight (I4)")
         if self.config.planner is PlanKind.DENSIFY:
             plan = plan_densify(self.table.snapshot(req_id, self._shared_blocks(req_id)))
         else:
@@ -290,14 +285,19 @@ class ReclamationManager:
         in ``stats.no_plan``) when there is none.
         raises: UnknownRequestError, PlanConflictError (I4); either way nothing changes."""
         t = self.table
-        t.num_live(req_id)  # first: an unknown (or unhashable) id is UnknownRequestError
-        if req_id in self.inflight:
-            raise PlanConflictError(f"request {req_id!r} already has a plan in flight (I4)")
+        self._check_plannable(req_id)
         dead = t.dead_blocks(req_id, self._private, among)
         if not dead:
             return NoPlan(NoPlanReason.NO_CANDIDATES, f"request {req_id!r}: no wholly dead private block")
         return self._record(req_id, Plan(PlanKind.RELEASE, req_id, (t.layout_version(req_id), t.total_len(req_id)),
                                          (), tuple(dead)))
+
+    def _check_plannable(self, req_id: object) -> None:
+        """A plan may be made for ``req_id`` now: it is known (first: an unknown or unhashable id is
+        UnknownRequestError) and has no plan in flight (I4: PlanConflictError)."""
+        self.table.num_live(req_id)
+        if req_id in self.inflight:
+            raise PlanConflictError(f"request {req_id!r} already has a plan in flight (I4)")
 
     def _plan_compact(self, req_id: object) -> Plan | NoPlan:
         """A compact plan from the maintained structures, O(S + B x S) for B = ``max_sources``: the candidates

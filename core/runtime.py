@@ -252,8 +252,9 @@ class VTokenRuntime:
         """Tell the runtime how many blocks the engine is short of: for a waiting request's admission or the
         next step's growth, beyond what the pool can give without preempting (0: none). While it is > 0, each
         step's end runs a compaction round on the gather path whatever F and θ_F say (the seed's Stage 2 puts
-        reclamation first when blocks run short); at 0 reclamation is lazy, θ_F-gated, as before. Every plan obeys the same rules either way (I4, the headroom bound), so this changes when
-        rounds run, never what a plan may do. ``InvalidArgumentError`` (nothing changes) for anything but an
+        reclamation first when blocks run short); at 0 reclamation is lazy, θ_F-gated, as before. Every plan
+        obeys the same rules either way (I4, the headroom bound), so this changes when rounds run, never what a
+        plan may do. ``InvalidArgumentError`` (nothing changes) for anything but an
         int >= 0."""
         check_int("blocks_short", blocks_short, 0)
         self.pressure = blocks_short

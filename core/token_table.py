@@ -77,6 +77,14 @@ def _find_item(raw: bytes, value: int, start: int, size: int) -> int:
     return -1
 
 
+def _find_all(raw: bytes, value: int, size: int):
+    """Every index of ``value`` in ``raw`` (``_find_item``'s items), ascending."""
+    i = _find_item(raw, value, 0, size)
+    while i >= 0:
+        yield i
+        i = _find_item(raw, value, i + 1, size)
+
+
 def _count_code(block_size: int) -> str:
     """The smallest unsigned array type that holds a block's live count (0 .. block_size)."""
     return "B" if block_size < 256 else "H" if block_size < 65536 else "I"
@@ -852,14 +860,8 @@ class TokenTable:
         search of the maintained per-block counts, O(blocks) bytes."""
         r, S = self._get(req_id), self.block_size
         end = min(r.write_pos // S, len(r.blocks))
-        if among is not None:
-            found = sorted(i for i in set(among) if 0 <= i < end and not r.counts[i])
-        else:
-            raw, size, found = r.counts[:end].tobytes(), r.counts.itemsize, []
-            i = _find_item(raw, 0, 0, size)
-            while i >= 0:
-                found.append(i)
-                i = _find_item(raw, 0, i + 1, size)
+        found = sorted(i for i in set(among) if 0 <= i < end and not r.counts[i]) if among is not None \
+            else _find_all(r.counts[:end].tobytes(), 0, r.counts.itemsize)
         return [r.blocks[i] for i in found if private(r.blocks[i])]
 
     def compact_candidates(self, req_id: object, max_sources: int, private) -> list[tuple[int, int]]:
@@ -871,13 +873,11 @@ class TokenTable:
         end = min(r.write_pos // S, len(r.blocks))
         raw, out, size = r.counts[:end].tobytes(), [], r.counts.itemsize
         for c in range(S):
-            i = _find_item(raw, c, 0, size)
-            while i >= 0:
+            for i in _find_all(raw, c, size):
                 if private(r.blocks[i]):
                     out.append((i, c))
                     if len(out) == max_sources:
                         return out
-                i = _find_item(raw, c, i + 1, size)
         return out
 
     def live_in_blocks(self, req_id: object, blocks: Sequence[int]) -> list[tuple[int, int]]:

@@ -310,9 +310,10 @@ class Oracles:
             if before is not None:
                 S, blocks = self.S, before["blocks"]
                 holding = {pos // S for pos in before["pos"].values()}
-                looked = range(min(before["write_pos"] // S, len(blocks))) if among is None else sorted(set(among))
-                want = tuple(blocks[i] for i in looked if 0 <= i < min(before["write_pos"] // S, len(blocks))
-                             and i not in holding and blocks[i] not in before["shared"])
+                end = min(before["write_pos"] // S, len(blocks))  # blocks wholly before the cursor's
+                looked = range(end) if among is None else sorted(set(among))
+                want = tuple(blocks[i] for i in looked
+                             if 0 <= i < end and i not in holding and blocks[i] not in before["shared"])
                 got = out.plan.src_blocks if isinstance(out, PlanRecord) else ()
                 if got != want or isinstance(out, PlanRecord) and (out.plan.moves or out.plan.dst_blocks
                                                                   or out.plan.kind is not PlanKind.RELEASE):
