@@ -57,11 +57,27 @@ class BlockAllocator(Protocol):
 
     def allocate(self, n: int, purpose: Purpose) -> list[int]: ...
 
+    def cache(self, block_id: int) -> None:
+        """Mark an allocated block prefix-cached until it is freed (the simulator's and the fuzzer's stand-in for
+        vLLM hashing a full block): a later request may map it, so lazy compaction leaves it where it is.
+
+        raises: DoubleFreeError (a free block), BlockOutOfRangeError
+        """
+        self._check_range(block_id)
+        if self._ref[block_id] == 0:
+            raise DoubleFreeError(f"cannot cache block {block_id}: it is free")
+        self._cached.add(block_id)
+
     def free(self, block_ids: Iterable[int]) -> None: ...
 
     def share(self, block_id: int) -> None: ...
 
     def ref_count(self, block_id: int) -> int: ...
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether a prefix cache may hand this block to a later request (vLLM: it carries a block hash). Such a
+        block is no source of a lazy compaction, only of one under pressure: copying its tokens out would leave
+        this request one copy and a later hit another (issue #21)."""
 
 
 class BlockPool:
@@ -82,6 +98,7 @@ class BlockPool:
         self.headroom = headroom
         self._ref = array("I", bytes(4 * num_blocks))
         self._free: deque[int] = deque(range(num_blocks))
+        self._cached: set[int] = set()  # allocated blocks a later request may map (``cache``)
 
     # ---- queries -------------------------------------------------------------
     @property
@@ -95,6 +112,10 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         self._check_range(block_id)
         return self._ref[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        self._check_range(block_id)
+        return block_id in self._cached
 
     def is_allocated(self, block_id: int) -> bool:
         return self.ref_count(block_id) > 0
@@ -161,6 +182,17 @@ class BlockPool:
             raise DoubleFreeError(f"cannot share block {block_id}: it is free")
         self._ref[block_id] += 1
 
+    def cache(self, block_id: int) -> None:
+        """Mark an allocated block prefix-cached until it is freed (the simulator's and the fuzzer's stand-in for
+        vLLM hashing a full block): a later request may map it, so compaction leaves it where it is.
+
+        raises: DoubleFreeError (a free block), BlockOutOfRangeError
+        """
+        self._check_range(block_id)
+        if self._ref[block_id] == 0:
+            raise DoubleFreeError(f"cannot cache block {block_id}: it is free")
+        self._cached.add(block_id)
+
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference per listed id; a block whose count reaches 0 joins the free queue.
 
@@ -186,6 +218,7 @@ class BlockPool:
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 self._free.append(b)
+                self._cached.discard(b)
 
     # ---- helpers -------------------------------------------------------------
     def _check_range(self, block_id: int) -> None:
@@ -201,7 +234,7 @@ class BlockPool:
 
     def snapshot(self) -> tuple:
         """The full state, for tests that check a rejected call changed nothing."""
-        return (tuple(self._ref), tuple(self._free))
+        return (tuple(self._ref), tuple(self._free), tuple(sorted(self._cached)))
 
     def check(self) -> None:
         """P1 and P2; raises InvariantViolation naming the block at fault."""
@@ -215,6 +248,9 @@ class BlockPool:
         for b in range(self.num_blocks):
             if self._ref[b] == 0 and b not in seen:
                 raise InvariantViolation("P1", f"block {b} has ref count 0 but is not in the free queue")
+        for b in self._cached:
+            if self._ref[b] == 0:
+                raise InvariantViolation("P1", f"block {b} is free but still marked prefix-cached")
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -28,7 +28,9 @@ def eligible_sources(snap: RequestSnapshot) -> list[int]:
     """Indices of blocks that may be compacted, lowest utilization first.
 
     Eligible: wholly before the append cursor's block (appends never land in
-    them), not shared (ref count 1), and not full.
+    them), not in ``snap.shared_blocks``, and not full. The manager lists there
+    every block another request holds (ref count > 1) or may map through a
+    prefix cache (``BlockAllocator.is_cached``).
 
     post: contracts.eligible_in_ascending_live_count(snap, __return__)
     """

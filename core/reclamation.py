@@ -154,6 +154,7 @@ class ReclaimStats:
     bursts: int = 0  # bursts the adaptive trigger detected
     burst_rounds: int = 0  # rounds it ran off the K cadence
     pressure_rounds: int = 0  # rounds run under the engine's pressure that the trigger would not have run
+    packs_made: int = 0  # densify plans a pressure round made on the gather path (``plan_pack``; in plans_made too)
 
 
 class ReclamationManager:
@@ -234,36 +235,53 @@ class ReclamationManager:
         return max(0, min(free, H - held))
 
     # ---- Stage 3: planning -------------------------------------------------------------
-    def plan_round(self, req_ids: list[object]) -> list[PlanRecord]:
+    def plan_round(self, req_ids: list[object], pack: bool = False) -> list[PlanRecord]:
         """Plan for the most wasteful requests first; returns the new PLANNED records.
+
+        ``pack`` (the engine's pressure, ``VTokenRuntime.set_pressure``): capacity before thrift. A request that
+        compact cannot shrink (no strict decrease within the destination budget), or whose cursor lies past holes
+        while it holds no excess block, is densified instead: its live tokens fill [0, n_live) in place and its
+        cursor rewinds to n_live, so it holds its ideal block count and its next appends land in blocks it
+        already has. Compaction never touches the append block, so it alone leaves up to one block per request
+        above the ideal (docs/results.md, Q3). Densify takes no destination, so the headroom does not bound it;
+        it goes stale (and is aborted, having written only holes) if the request appends before it commits.
 
         ``req_ids`` must be registered requests, each once (else UnknownRequestError / DuplicateRequestError,
         and nothing changes: not even the round count).
         """
         req_ids = self._check_request_list(req_ids)
         self.stats.rounds += 1
-        S = self.pool.block_size
+        t, S = self.table, self.pool.block_size
 
         def excess(r: object) -> int:
-            return self.table.num_blocks_of(r) - -(-self.table.num_live(r) // S)
+            return t.num_blocks_of(r) - -(-t.num_live(r) // S)
+
+        def gap(r: object) -> int:  # holes before the cursor
+            return t.write_pos(r) - t.num_live(r)
 
         made = []
-        for r in sorted((r for r in req_ids if r not in self.inflight), key=lambda r: -excess(r)):
-            if len(made) >= self.config.max_plans_per_round or excess(r) <= 0:
+        for r in sorted((r for r in req_ids if r not in self.inflight), key=lambda r: (-excess(r), -gap(r) if pack else 0)):
+            if len(made) >= self.config.max_plans_per_round:
                 break
-            rec = self.plan_request(r)
+            if excess(r) <= 0 and not (pack and gap(r) > 0):
+                break  # NOTE: sorted, so every later request has no excess either (and, packing, no hole)
+            rec = self.plan_request(r, pack=pack) if excess(r) > 0 else None
+            if pack and not isinstance(rec, PlanRecord):
+                rec = self.plan_pack(r)
             if isinstance(rec, PlanRecord):
                 made.append(rec)
         if self.burst and not made and not self.inflight:
             self.burst = False  # nothing left to gain: back to the cadence
         return made
 
-    def plan_request(self, req_id: object, evicted_positions: list[int] | None = None) -> PlanRecord | NoPlan:
+    def plan_request(self, req_id: object, evicted_positions: list[int] | None = None,
+                     pack: bool = False) -> PlanRecord | NoPlan:
         """Plan one request now with the configured planner (the dense path calls this every step).
 
         Compact destinations are allocated now (EVACUATION), at most ``destination_budget()`` of them.
         ``evicted_positions`` (densify only): where the tokens this step evicted were; when they are the
         request's only holes, densify plans in O(evicted) (``_densify_tail``), the same plan either way.
+        ``pack`` (a pressure round): compact may take prefix-cached blocks too (``_movable``).
         raises: UnknownRequestError, PlanConflictError (I4); either way nothing changes.
         """
         self._check_plannable(req_id)
@@ -274,8 +292,18 @@ class ReclamationManager:
         if self.config.planner is PlanKind.DENSIFY:
             plan = plan_densify(self.table.snapshot(req_id, self._shared_blocks(req_id)))
         else:
-            plan = self._plan_compact(req_id)
+            plan = self._plan_compact(req_id, pack)
         return self._record(req_id, plan)
+
+    def plan_pack(self, req_id: object) -> PlanRecord | NoPlan:
+        """Plan densifying the request in place, whatever the configured planner: the pressure round's packing
+        (``plan_round(pack=True)``). Its live tokens fill [0, n_live) and its cursor becomes n_live; no destination
+        is taken. O(L): a full snapshot, made only while the engine is short of blocks.
+        raises: UnknownRequestError, PlanConflictError (I4); either way nothing changes."""
+        self._check_plannable(req_id)
+        rec = self._record(req_id, plan_densify(self.table.snapshot(req_id, self._shared_blocks(req_id))))
+        self.stats.packs_made += isinstance(rec, PlanRecord)
+        return rec
 
     def plan_release(self, req_id: object, among: list[int] | None = None) -> PlanRecord | NoPlan:
         """Plan releasing the request's wholly dead private blocks (``TokenTable.dead_blocks``; ``among``: only
@@ -299,7 +327,7 @@ class ReclamationManager:
         if req_id in self.inflight:
             raise PlanConflictError(f"request {req_id!r} already has a plan in flight (I4)")
 
-    def _plan_compact(self, req_id: object) -> Plan | NoPlan:
+    def _plan_compact(self, req_id: object, pack: bool = False) -> Plan | NoPlan:
         """A compact plan from the maintained structures, O(S + B x S) for B = ``max_sources``: the candidates
         from the table's per-block counts (``compact_candidates``), their tokens from its token map
         (``live_in_blocks``), the gate and the fill of compact.py (``choose_ranked``, ``compact_plan``). The
@@ -307,9 +335,11 @@ class ReclamationManager:
         every answer is compared with it (V3)."""
         t, S, k = self.table, self.pool.block_size, self.config.max_sources
         budget = self.destination_budget()
-        choice = choose_ranked(req_id, t.compact_candidates(req_id, k, self._private), lambda i: t.block_at(req_id, i),
+        movable = self._private if pack else self._movable
+        choice = choose_ranked(req_id, t.compact_candidates(req_id, k, movable), lambda i: t.block_at(req_id, i),
                                S, budget)
-        snap = t.snapshot(req_id, self._shared_blocks(req_id)) if self.verify_fast_paths else None
+        snap = (t.snapshot(req_id, [b for b in t.block_ids(req_id) if not movable(b)]) if self.verify_fast_paths
+                else None)
         if snap is not None and choice != (want := choose_sources(snap, k, budget)):
             raise InvariantViolation("V3", f"request {req_id!r}: the compact fast path chose {choice!r}, the "
                                      f"reference choose_sources {want!r}")
@@ -331,8 +361,20 @@ class ReclamationManager:
         return plan
 
     def _private(self, block_id: int) -> bool:
-        """May ``block_id`` be a compaction source: no other reference (``_shared_blocks`` lists the others)."""
+        """May ``block_id`` be released once dead: no other reference (``_shared_blocks`` lists the others)."""
         return self.pool.ref_count(block_id) == 1
+
+    def _movable(self, block_id: int) -> bool:
+        """May ``block_id`` be a source of a lazy compaction: private, and no later request may map it through a
+        prefix cache (``BlockAllocator.is_cached``). A pressure round (``pack``) takes cached blocks too
+        (``_private``): capacity now comes before a hit that may never come.
+
+        NOTE: a cached block compacted away leaves the prefix held twice once a later request hits it: this
+        request's packed copy and the hit's original (issue #21: StreamingLLM, staggered arrivals sharing a
+        prompt on vLLM: a peak of 14 blocks against Naive-Evict's 12); left in place, the hit shares it. The
+        cost: with prefix caching on and no pressure, compaction leaves the prompt's hashed blocks unpacked
+        (docs/results.md, "Capacity, part 3")."""
+        return self.pool.ref_count(block_id) == 1 and not self.pool.is_cached(block_id)
 
     def _densify_tail(self, req_id: object, evicted_positions: list[int]) -> Plan | NoPlan | None:
         """``plan_densify_tail``'s plan, or None when the step's evictions are not the request's only holes or

@@ -54,7 +54,7 @@ from .reclamation import Ordering, PlanState, ReclaimConfig, ReclaimStats, Recla
 from .scores import TokenScores
 from .token_table import NO_SLOT, TokenTable
 
-_ALLOCATOR_METHODS = ("can_allocate", "allocate", "free", "share", "ref_count")
+_ALLOCATOR_METHODS = ("can_allocate", "allocate", "free", "share", "ref_count", "is_cached")
 _ENGINE_METHODS = ("submit", "poll", "order_before_compute", "wait", "release", "before_compute")
 
 
@@ -251,10 +251,12 @@ class VTokenRuntime:
     def set_pressure(self, blocks_short: int) -> None:
         """Tell the runtime how many blocks the engine is short of: for a waiting request's admission or the
         next step's growth, beyond what the pool can give without preempting (0: none). While it is > 0, each
-        step's end runs a compaction round on the gather path whatever F and θ_F say (the seed's Stage 2 puts
-        reclamation first when blocks run short); at 0 reclamation is lazy, θ_F-gated, as before. Every plan
-        obeys the same rules either way (I4, the headroom bound), so this changes when rounds run, never what a
-        plan may do. ``InvalidArgumentError`` (nothing changes) for anything but an
+        step's end runs a packing round on the gather path whatever F and θ_F say (the seed's Stage 2 puts
+        reclamation first when blocks run short): compaction first, and densify, in place, for a request compaction
+        cannot shrink or whose cursor lies past holes (``ReclamationManager.plan_round(pack=True)``); at 0
+        reclamation is lazy, θ_F-gated, as before. Every plan obeys the same rules either way (I4, the headroom
+        bound on destinations), so this changes when rounds run and which planner packs, never what a plan may
+        do. ``InvalidArgumentError`` (nothing changes) for anything but an
         int >= 0."""
         check_int("blocks_short", blocks_short, 0)
         self.pressure = blocks_short
@@ -726,7 +728,7 @@ class VTokenRuntime:
             due = self.manager.should_reclaim(self.iteration)  # first: the adaptive trigger reads F every iteration
             if due or self.pressure:
                 self.manager.stats.pressure_rounds += not due
-                self.manager.plan_round(self.table.request_ids())
+                self.manager.plan_round(self.table.request_ids(), pack=bool(self.pressure))
 
     def _is_dense(self, r: object) -> bool:
         """Live tokens fill [0, n_live) (I7): they lie at distinct positions before the cursor (T2), so

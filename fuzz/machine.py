@@ -553,6 +553,18 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
         self.rt.set_pressure(blocks)
         EVENTS["pressure_changes"] += 1
 
+    @precondition(lambda self: self.rt is not None)
+    @rule(req=requests, index=st.integers(0, 2**16))
+    def cache_block(self, req, index):
+        """A prefix cache hashes one of a running request's blocks (vLLM hashes full blocks): a later request may
+        map it, so compaction must leave it in place from now on (the planner oracle holds it to that)."""
+        if not self._running(req):
+            return
+        blocks = self.rt.block_ids(req)
+        if blocks:
+            self.rt.pool.cache(blocks[index % len(blocks)])
+            EVENTS["blocks_cached"] += 1
+
     def _refused_setting(self, name: str, value, error: type, read) -> None:
         """``self.rt.<name>(value)`` raises ``error`` and changes nothing: neither the state nor the setting
         (``read()``)."""

@@ -215,10 +215,11 @@ class StatsReference:
     """What ``ReclaimStats`` should read, counted from the manager calls the oracles see."""
 
     COUNTERS = ("rounds", "plans_made", "plans_committed", "plans_aborted", "no_plan", "moves_committed",
-                "moves_dropped", "blocks_released", "releases_made", "releases_committed")
+                "moves_dropped", "blocks_released", "releases_made", "releases_committed", "packs_made")
 
     def __init__(self) -> None:
         self.rounds = self.plans_made = self.plans_committed = self.releases_made = self.releases_committed = 0
+        self.packs_made = 0
         self.moves_committed = self.moves_dropped = self.blocks_released = 0
         self.plans_aborted: Counter = Counter()
         self.no_plan: Counter = Counter()
@@ -251,11 +252,13 @@ class Oracles:
                                                  f"K {m.config.check_every}, burst_df {m.config.burst_df})")
             return got
 
-        def plan_request(req_id, evicted_positions=None):
+        def plan_request(req_id, evicted_positions=None, pack=False):
             before = self._planning_view(req_id)
+            if before is not None and pack:
+                before["cached"] = set()  # a pressure round may pack prefix-cached blocks too
             if self._round is not None and before is not None:
                 self._round.append((req_id, self._excess(req_id)))
-            out = cls.plan_request(m, req_id, evicted_positions)
+            out = cls.plan_request(m, req_id, evicted_positions, pack)
             if isinstance(out, PlanRecord):
                 stats.plans_made += 1
             else:
@@ -322,12 +325,28 @@ class Oracles:
                                                      f"cursor's are {want}")
             return out
 
-        def plan_round(req_ids):
+        def plan_pack(req_id):
+            before = self._planning_view(req_id)
+            if self._round is not None and before is not None and (not self._round or self._round[-1][0] != req_id):
+                self._round.append((req_id, self._excess(req_id)))
+            out = cls.plan_pack(m, req_id)
+            if isinstance(out, PlanRecord):
+                stats.plans_made += 1
+                stats.packs_made += 1
+            else:
+                stats.no_plan[out.reason] += 1
+            if before is not None:  # densify's definition, whatever the configured planner
+                self._check_plan(dict(before, kind=PlanKind.DENSIFY), out)
+                if isinstance(out, PlanRecord) and self.trigger:
+                    self.trigger.planned(self.waste_ratio())
+            return out
+
+        def plan_round(req_ids, pack=False):
             outer, self._round = self._round, []
             try:
-                made = cls.plan_round(m, req_ids)
+                made = cls.plan_round(m, req_ids, pack)
                 stats.rounds += 1
-                self._check_round(req_ids, self._round, made)
+                self._check_round(req_ids, self._round, made, pack)
             finally:
                 self._round = outer
             if self.trigger:
@@ -370,7 +389,7 @@ class Oracles:
             if rec is not None:
                 stats.plans_aborted[rec.abort_reason] += 1
 
-        for f in (should_reclaim, plan_request, plan_relocation, plan_release, plan_round, settle, launch,
+        for f in (should_reclaim, plan_request, plan_pack, plan_relocation, plan_release, plan_round, settle, launch,
                   on_request_removed):
             setattr(m, f.__name__, f)
         return self
@@ -387,18 +406,27 @@ class Oracles:
         """Blocks a request holds beyond the ceil(n_live / S) its live tokens need."""
         return len(self.table.block_ids(r)) - _ceil(self.table.num_live(r), self.S)
 
-    def _check_round(self, req_ids, tried: list[tuple[object, int]], made) -> None:
-        excesses = [e for _, e in tried]
-        if any(a < b for a, b in zip(excesses, excesses[1:])):
-            raise OracleViolation("round", f"plan_round tried {[(r, e) for r, e in tried][:8]} (request, excess): "
-                                           f"not the largest excess first")
+    def _gap(self, r) -> int:
+        """Holes before the request's cursor: write_pos - n_live."""
+        return self.table.write_pos(r) - self.table.num_live(r)
+
+    def _check_round(self, req_ids, tried: list[tuple[object, int]], made, pack: bool = False) -> None:
+        """The round's order and reach by definition: the largest excess first (packing: then the most holes before
+        the cursor), and, below the plan limit, every request without a plan in flight that holds an excess
+        block (packing: or a hole before its cursor) tried."""
+        keys = [(e, self._gap(r) if pack else 0) for r, e in tried]
+        if any(a < b for a, b in zip(keys, keys[1:])):
+            raise OracleViolation("round", f"plan_round tried {[(r, e) for r, e in tried][:8]} (request, excess)"
+                                           f"{' packing' if pack else ''}: not the largest excess first")
         if len(made) < self.m.config.max_plans_per_round:
             seen = {r for r, _ in tried}
-            missed = [r for r in req_ids if r not in seen and r not in self.m.inflight and self._excess(r) > 0]
+            missed = [r for r in req_ids if r not in seen and r not in self.m.inflight
+                      and (self._excess(r) > 0 or pack and self._gap(r) > 0)]
             if missed:
                 raise OracleViolation("round", f"plan_round made {len(made)} plans (limit "
                                                f"{self.m.config.max_plans_per_round}) and never tried requests "
-                                               f"{missed[:8]}, which hold excess blocks")
+                                               f"{missed[:8]}, which hold excess blocks"
+                                               f"{' or holes before the cursor' if pack else ''}")
 
     def check_can_admit(self, prompt_len: int, got: bool) -> None:
         """can_admit by its definition: admission open (no plan has borrowed the headroom) and the prompt's
@@ -562,6 +590,7 @@ class Oracles:
         pos = {tok: index[s // S] * S + s % S for tok, s in zip(t.live_token_ids(r), t.attention_slots(r))}
         shared = {b for b in blocks if self.pool.ref_count(b) > 1}
         return dict(req=r, blocks=blocks, write_pos=t.write_pos(r), pos=pos, shared=shared,
+                    cached={b for b in blocks if self.pool.is_cached(b)},
                     budget=self.destination_budget(), max_sources=self.m.config.max_sources,
                     kind=self.m.config.planner)
 
@@ -579,7 +608,7 @@ class Oracles:
             counts[p // S] += 1
         cursor_block = v["write_pos"] // S
         eligible = sorted(counts[i] for i in range(min(cursor_block, len(blocks)))
-                          if blocks[i] not in v["shared"] and counts[i] < S)
+                          if blocks[i] not in v["shared"] | v["cached"] and counts[i] < S)
         feasible = None
         for k in range(1, min(v["max_sources"], len(eligible)) + 1):
             need = _ceil(sum(eligible[:k]), S)
@@ -592,6 +621,10 @@ class Oracles:
                                                  f"{feasible[0]} emptiest eligible blocks fit in {feasible[1]} "
                                                  f"(destination budget {v['budget']})")
             return
+        taken = sorted(set(plan.src_blocks) & (v["shared"] | v["cached"]))
+        if taken:
+            raise OracleViolation("planner", f"compact plan of {r!r} takes blocks {taken}, which another request "
+                                             f"holds or may map through the prefix cache")
         per_dst = [sum(m.dst_block == d for m in plan.moves) for d in plan.dst_blocks]
         T = len(plan.moves)
         if len(plan.dst_blocks) != _ceil(T, S) or any(c != S for c in per_dst[:-1]):

@@ -142,16 +142,17 @@ def _relocate_shared_block():
 
     original = token_table.TokenTable.snapshot
     return {(token_table.TokenTable, "snapshot"): snapshot,
-            (reclamation.ReclamationManager, "_private"): lambda self, b: True}  # the maintained path too
+            (reclamation.ReclamationManager, "_private"): lambda self, b: True,  # the maintained path too
+            (reclamation.ReclamationManager, "_movable"): lambda self, b: True}
 
 
 def _two_plans_per_request():
     original = reclamation.ReclamationManager.plan_request
 
-    def plan_request(self, req_id, evicted_positions=None):
+    def plan_request(self, req_id, evicted_positions=None, pack=False):
         held = self.inflight.pop(req_id, None)  # no I4 check: a second plan replaces the first
         try:
-            return original(self, req_id, evicted_positions)
+            return original(self, req_id, evicted_positions, pack)
         finally:
             if held is not None and req_id not in self.inflight:
                 self.inflight[req_id] = held
@@ -577,6 +578,25 @@ def _pressure_lifts_the_headroom_bound():
     return {(runtime.VTokenRuntime, "_reclaim"): _reclaim}
 
 
+def _compact_moves_a_cached_block():
+    def _movable(self, block_id):  # "private is enough": a prefix-cached block is packed like any other
+        return self.pool.ref_count(block_id) == 1
+
+    return {(reclamation.ReclamationManager, "_movable"): _movable}
+
+
+def _pressure_packs_only_excess_blocks():
+    original = reclamation.ReclamationManager.plan_round
+
+    def plan_round(self, req_ids, pack=False):  # packing stops at the first request without an excess block
+        if not pack:
+            return original(self, req_ids)
+        t, S = self.table, self.pool.block_size
+        return original(self, [r for r in req_ids if t.num_blocks_of(r) > -(-t.num_live(r) // S)], pack)
+
+    return {(reclamation.ReclamationManager, "plan_round"): plan_round}
+
+
 BUGS: dict[str, PlantedBug] = {
     b.name: b
     for b in [
@@ -667,6 +687,11 @@ BUGS: dict[str, PlantedBug] = {
                    "(off by one in the eviction cadence)", _cadence_waits_at_beta),
         PlantedBug("pressure_lifts_the_headroom_bound", "rounds run under the engine's pressure take destinations "
                    "beyond the evacuation headroom (headroom)", _pressure_lifts_the_headroom_bound),
+        PlantedBug("compact_moves_a_cached_block", "compact takes a prefix-cached block as a source, so a later "
+                   "hit and the packed copy hold the prefix twice (planner)", _compact_moves_a_cached_block),
+        PlantedBug("pressure_packs_only_excess_blocks", "a pressure round leaves a request with holes before its "
+                   "cursor but no excess block unpacked, so its next appends take new blocks (round)",
+                   _pressure_packs_only_excess_blocks),
         PlantedBug("release_ignores_sharing", "Naive-Evict's release drops a wholly dead block another request "
                    "shares (the paper's rule: a block no other request shares)", _release_ignores_sharing),
         PlantedBug("release_takes_the_append_block", "Naive-Evict's release takes the cursor's block once its "

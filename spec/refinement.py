@@ -787,10 +787,16 @@ class RefinementDriver:
             with obs.unit(call, commit_paths(p.req_id, p.kind)):
                 return type(m)._commit(m, rec)
 
-        def plan_request(req_id, evicted_positions=None):
-            out = type(m).plan_request(m, req_id, evicted_positions)
+        def plan_request(req_id, evicted_positions=None, pack=False):
+            out = type(m).plan_request(m, req_id, evicted_positions, pack)
             if out:
                 self.check_plan(out.plan, f"plan_request({req_id!r})")
+            return out
+
+        def plan_pack(req_id):
+            out = type(m).plan_pack(m, req_id)
+            if out:
+                self.check_plan(out.plan, f"plan_pack({req_id!r})")
             return out
 
         def plan_relocation(req_id, index):
@@ -813,7 +819,7 @@ class RefinementDriver:
 
         t.sync_new_tokens = sync_new_tokens
         m._commit, m._abort, m.launch, m.plan_request = _commit, _abort, launch, plan_request
-        m.plan_relocation = plan_relocation
+        m.plan_relocation, m.plan_pack = plan_relocation, plan_pack
         e.before_compute = before_compute
 
     def check_plan(self, plan, call: str) -> None:
@@ -937,6 +943,13 @@ class RefinementDriver:
         if req not in self.rt.manager.inflight:
             with self.obs.unit(f"ReclamationManager.plan_request({req})"):
                 self.rt.manager.plan_request(req)
+
+    def pack(self, req: int) -> None:
+        """A pressure round's pack: densify in place whatever the planner (on the gather path too). Its commit is
+        densify's (T4b, then T10 rewinds the cursor)."""
+        if req not in self.rt.manager.inflight:
+            with self.obs.unit(f"ReclamationManager.plan_pack({req})"):
+                self.rt.manager.plan_pack(req)
 
     def relocate(self, req: int, index: int) -> None:
         """The relocation drill's plan: a block before the cursor's (``index`` mod their number) to a fresh

@@ -66,7 +66,7 @@ def test_new_pool_has_every_block_free_in_id_order():
     assert pool.num_allocated == 0
     assert pool.free_block_ids() == [0, 1, 2, 3, 4]
     assert refs(pool) == [0, 0, 0, 0, 0]
-    assert pool.snapshot() == ((0, 0, 0, 0, 0), (0, 1, 2, 3, 4))
+    assert pool.snapshot() == ((0, 0, 0, 0, 0), (0, 1, 2, 3, 4), ())
     pool.check()
 
 

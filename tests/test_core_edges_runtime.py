@@ -74,6 +74,7 @@ class HalfPool:
     def free(self, blocks): pass
     def share(self, b): pass
     def ref_count(self, b): return 0
+    def is_cached(self, b): return False
 
     def __repr__(self):
         return "<HalfPool>"

@@ -82,25 +82,60 @@ def test_bad_pressure_is_refused_and_changes_nothing(bad):
     assert rt.pressure == 2 and rt.table.state() == before
 
 
-def test_the_simulator_signals_pressure_and_compact_holds_one_more_request_at_a_fixed_budget():
-    """Q3's small budget, seed 0 (85 blocks, H2O at 50 %, 63 + 192 tokens; the ideal is 10 requests): with the
-    simulator's pressure (a low watermark of one block per running request) compact serves 9 at once without a
-    preemption, where the θ_F-gated trigger alone preempted at 8."""
-    def run(c, pressure):
-        cfg = SimConfig(num_blocks=85, block_size=16, headroom=4, budget=0.5, theta_f=0.25, max_running=c, seed=0,
-                        policy="h2o", reclaim="compact", read_path="gather", ordering="poll", check_invariants=True)
-        sim = Simulator(cfg, fixed_workload(c, 63, 192, first_id=0))
-        if not pressure:
-            sim._blocks_short = lambda: 0
-        return sim, sim.run()
+def test_under_pressure_a_request_compaction_cannot_shrink_is_densified_in_place():
+    """Blocks 0 and 1 lose a token each: their six live tokens need two blocks (no strict decrease) and the request
+    holds its ideal four, yet its cursor (16) lies past two holes. Lazy, nothing happens and the next append takes
+    a fifth block; under pressure a densify plan moves tokens 14 and 15 into the holes and rewinds the cursor to
+    14, so the next two appends land in blocks it holds."""
+    def run(pressure):
+        pool = BlockPool(16, S, 2)
+        engine = InMemoryCopyEngine(TagStore(16, S))
+        rt = VTokenRuntime(pool, engine, Scripted({(0, 0): [1, 5]}), 1, ReclaimConfig(theta_f=0.9), ReadPath.GATHER)
+        rt.admit(0)
+        rt.set_pressure(pressure)
+        step(rt, engine, {0: 16})
+        return rt, engine
 
-    sim, res = run(9, True)
-    assert (res.finished, res.preemptions, res.peak_running) == (9, 0, 9), "seed 0"
-    assert sim.rt.reclaim_stats.pressure_rounds > 0
-    _, lazy = run(8, False)
-    assert lazy.preemptions == 1, "seed 0: the lazy trigger alone"
-    _, ten = run(10, True)
-    assert ten.preemptions == 1, "seed 0: 10 is past compact's frontier (the append blocks stay partly empty)"
+    rt, engine = run(0)
+    assert rt.manager.in_flight(0) is None and rt.reclaim_stats.no_plan == {}
+    step(rt, engine, {0: 1})
+    assert (rt.write_pos(0), len(rt.block_ids(0))) == (17, 5)
+
+    rt, engine = run(1)
+    plan = rt.manager.in_flight(0).plan
+    assert plan.kind.value == "densify" and plan.dense_write_pos == 14 and plan.dst_blocks == ()
+    assert [(m.token_id, m.dst_block * S + m.dst_offset) for m in plan.moves] == [
+        (14, rt.block_ids(0)[0] * S + 1), (15, rt.block_ids(0)[1] * S + 1)]
+    step(rt, engine, {0: 1})  # its commit at this step's start, then the append at position 14
+    step(rt, engine, {0: 1})
+    assert (rt.write_pos(0), rt.num_live(0), len(rt.block_ids(0))) == (16, 16, 4)
+    assert rt.reclaim_stats.plans_committed == 1 and rt.reclaim_stats.moves_committed == 2
+
+
+def _q3_small(c, pressure=True, pack=True):
+    """Q3's small budget, seed 0 (85 blocks, H2O at 50 %, 63 + 192 tokens, all at once; the ideal is 10 requests)."""
+    cfg = SimConfig(num_blocks=85, block_size=16, headroom=4, budget=0.5, theta_f=0.25, max_running=c, seed=0,
+                    policy="h2o", reclaim="compact", read_path="gather", ordering="poll", check_invariants=True)
+    sim = Simulator(cfg, fixed_workload(c, 63, 192, first_id=0))
+    if not pressure:
+        sim._blocks_short = lambda: 0
+    if not pack:
+        plan_round = sim.rt.manager.plan_round
+        sim.rt.manager.plan_round = lambda req_ids, pack=False: plan_round(req_ids)
+    return sim, sim.run()
+
+
+def test_under_pressure_compact_reaches_the_ideal_concurrency_at_a_fixed_budget():
+    """Lazy, compact preempts at 8 requests. Under the simulator's pressure compaction alone serves 9 and preempts
+    at 10: it never touches the append block, so every request stays up to one block above its ideal. Packing the
+    requests it cannot shrink (densify, in place) serves the ideal 10, and 11 is one too many."""
+    assert _q3_small(8, pressure=False)[1].preemptions == 1, "seed 0: the lazy trigger alone"
+    assert _q3_small(10, pack=False)[1].preemptions == 1, "seed 0: compaction alone under pressure"
+    sim, res = _q3_small(10)
+    assert (res.finished, res.preemptions, res.peak_running) == (10, 0, 10), "seed 0"
+    st = sim.rt.reclaim_stats
+    assert st.pressure_rounds > 0 and st.plans_aborted == {}
+    assert _q3_small(11)[1].preemptions == 1, "seed 0: past the ideal"
 
 
 def test_a_roomy_pool_feels_no_pressure():

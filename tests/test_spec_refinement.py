@@ -244,6 +244,12 @@ OUT_OF_SCOPE = {
                                   "verify_fast_paths); the launch's executed check refuses two moves into one slot (I4)",
     "pressure_lifts_the_headroom_bound": "the state model has no headroom H (Stage 2's bound is the manager's); "
                                          "the fuzzer's headroom oracle checks it under pressure too",
+    "compact_moves_a_cached_block": "the state model has no prefix cache: a hashed block is an ordinary private "
+                                    "block to it, and packing it is a legal T4; that compaction leaves it in place "
+                                    "is the manager's rule, which the fuzzer's planner oracle checks",
+    "pressure_packs_only_excess_blocks": "which requests a round plans for is the manager's choice, not a state "
+                                         "change (P1/P2 are enabled, never required); the fuzzer's round oracle "
+                                         "holds a pressure round to its definition",
     "release_ignores_sharing": "a block one holder no longer reads may legally leave its list (T5 drops one "
                                "reference); that Naive-Evict's release spares shared blocks is the paper's "
                                "definition of the baseline, which the fuzzer's release oracle and I4's executed "
@@ -363,6 +369,13 @@ class RefinementMachine(RuleBasedStateMachine):
         r = self._req(index)
         if r is not None:
             (self.d.plan_again if again else self.d.plan)(r)
+
+    @precondition(lambda self: self.d is not None)
+    @rule(index=st.integers(0, 7))
+    def pack(self, index):
+        r = self._req(index)
+        if r is not None:
+            self.d.pack(r)
 
     @rule(index=st.integers(0, 7), block=st.integers(0, 7))
     def relocate(self, index, block):

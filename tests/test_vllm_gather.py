@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm_harness as H  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
 
 TOL = 1e-5  # relative to the largest |V| read; see test_vllm_eviction.py
 
@@ -98,13 +99,15 @@ def test_the_gather_backend_leaves_plain_vllm_alone():
     assert VTokenCPUAttentionBackend.get_impl_cls() is CPUAttentionBackendImpl
 
 
-@pytest.mark.parametrize("policy, measured", [("random", (3, 3, 4, 6)), ("h2o", (3, 3, 4, 6))])
+@pytest.mark.parametrize("policy, measured", [("random", (3, 3, 6, 6)), ("h2o", (3, 3, 6, 6))])
 def test_capacity_at_a_fixed_block_budget(policy, measured):
     """24 usable blocks, requests of 32 prompt + 224 generated tokens, 50% budget: the largest concurrency that
     finishes without one preemption. Native needs 8 blocks per request at the end (3 fit); ideal packing of
     the 128 live tokens needs 4 (6 fit). Naive-Evict frees nothing (holes scattered over every block);
-    densify reaches the ideal; compact packs lazily and is limited by free blocks for its destinations.
-    Measured (native, Naive-Evict, compact, densify): Random 3, 3, 4, 6; H2O 3, 3, 4, 6."""
+    densify reaches the ideal. Compact reaches it too since issue #21: when vLLM runs short of blocks
+    (``SchedulerTokens.blocks_short``) its rounds run whatever θ_F says and densify in place the requests
+    compaction cannot shrink; lazily it had stopped at 4, limited by free blocks for its destinations.
+    Measured (native, Naive-Evict, compact, densify): Random 3, 3, 6, 6; H2O 3, 3, 6, 6."""
     base = {"policy": policy, "budget": 0.5, "seed": 3}
     cap = {name: H.capacity(cfg, num_blocks=25)[0] for name, cfg in {
         "native": {"policy": "none"},  # full retention; vtoken on, so no plain engine shares this process
@@ -114,5 +117,24 @@ def test_capacity_at_a_fixed_block_budget(policy, measured):
     }.items()}
     assert cap["native"] == 3 and cap["naive-evict"] >= cap["native"]
     assert cap["compact"] > cap["naive-evict"] and cap["densify"] > cap["naive-evict"]
-    assert cap["densify"] == 6  # the ideal packed footprint: 24 blocks / ceil(128 / 32)
+    assert cap["densify"] == 6 == cap["compact"]  # the ideal packed footprint: 24 blocks / ceil(128 / 32)
     assert tuple(cap.values()) == measured, cap  # a change in any system's capacity must be noticed
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streaming_llm"])
+def test_under_pressure_compact_packs_in_place_and_stays_bit_identical_to_naive_evict(policy):
+    """Six requests of 32 + 224 tokens in 24 usable blocks, the ideal packed footprint (4 blocks each at the end):
+    vLLM runs short and compact's rounds pack (densify plans on the gather path, committed at once), with no
+    preemption. Naive-Evict, given blocks enough not to preempt, makes the same evictions, so the same token ids
+    and logprobs bit for bit; every relocation is strict-verified."""
+    prompts = [TokensPrompt(prompt_token_ids=[(13 * i + 7 * j) % 500 + 3 for j in range(32)]) for i in range(6)]
+    runs = {reclaim: H.run(gather(policy, reclaim, strict_verify="strict"), prompts, max_tokens=224,
+                           max_model_len=256, max_num_seqs=6, num_gpu_blocks_override=blocks, count_preemptions=True)
+            for reclaim, blocks in (("off", 64), ("compact", 25))}
+    off, compact = runs["off"], runs["compact"]
+    assert compact["passes"] == off["passes"] and not off["preempted"] and not compact["preempted"]
+    s, w = compact["scheduler"], compact["worker"]
+    assert s["pressure_steps"] > 0 and s["packs"] > 0 and s["plans_aborted"] == 0
+    assert w["verified"] == w["relocations"] > 0 and w["mismatches"] == 0
+    assert off["scheduler"]["packs"] == 0  # Naive-Evict has no reclaimer: pressure changes nothing there
+    assert s["free"] == s["blocks"] - 1  # nothing leaked

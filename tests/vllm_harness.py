@@ -346,3 +346,43 @@ def capacity(vtoken: dict | None, num_blocks: int, prompt_len: int = 32, max_tok
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo, seen
+
+
+def staggered(vtoken: dict, n: int = 4, every: int = 10, prefix: int = 256, suffix: int = 8, max_tokens: int = 40,
+              num_blocks: int = 96, before_start=None, shared: bool = True) -> dict:
+    """Requests sharing a ``prefix``-token prompt head (each with its own ``suffix``; ``shared=False``: prompts of
+    the same length that share nothing), one added every ``every`` engine steps, prefix caching on; in-process. Returns the blocks held after each step (referenced, the null
+    block not counted), their sum (block-steps) and peak, each request's prefix-cached prompt tokens and token ids,
+    and vtoken's scheduler stats. ``before_start(tokens)`` may patch the scheduler side first."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm = make_llm(vtoken, False, enable_prefix_caching=True, num_gpu_blocks_override=num_blocks, max_model_len=512)
+    res: dict = {"held": [], "outputs": {}}
+    try:
+        eng, tokens = llm.llm_engine, scheduler_connector(llm).tokens
+        if before_start is not None:
+            before_start(tokens)
+        head = [(11 * j) % 500 + 3 for j in range(prefix)]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, logprobs=0)
+        added = step = 0
+        while added < n or eng.has_unfinished_requests():
+            if added < n and step >= added * every:
+                prompt = head + [(5 * added + 7 * j) % 500 + 3 for j in range(suffix)] if shared else \
+                    [(13 * added + 17 * j + 1) % 500 + 3 for j in range(prefix + suffix)]
+                eng.add_request(str(added), TokensPrompt(prompt_token_ids=prompt), params)
+                added += 1
+            for o in eng.step():
+                if o.finished:
+                    res["outputs"][o.request_id] = (list(o.outputs[0].token_ids), o.num_cached_tokens)
+            res["held"].append(tokens.allocator.num_allocated)
+            step += 1
+        tokens.allocator.check()
+        res["scheduler"] = dict(vars(tokens.stats), free=tokens.allocator.num_free, blocks=tokens.allocator.num_blocks)
+        del eng, tokens
+    except Exception as e:
+        del llm
+        raise_without_engine(e)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    res["block_steps"], res["peak"] = sum(res["held"]), max(res["held"])
+    return res

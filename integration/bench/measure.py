@@ -20,7 +20,7 @@ RUN_FIELDS = ("steps", "completed", "finished", "preemptions", "peak_running", "
               "blocks_le_50pct", "dead_blocks_share", "retained_blocks_per_request", "ideal_blocks_per_request",
               "retained_slots_per_request", "allocated_blocks", "peak_allocated_blocks", "ideal_blocks_at_peak",
               "plans_committed", "plans_aborted", "moves_committed", "blocks_released", "releases_committed",
-              "pressure_rounds", "invariant_checks", "wall_s")
+              "pressure_rounds", "packs_made", "invariant_checks", "wall_s")
 
 
 def pool_for(workload: Sequence[RequestSpec], block_size: int, headroom: int) -> int:
@@ -77,6 +77,7 @@ def measure_run(cfg: SimConfig, workload: Sequence[RequestSpec], stop_at_preempt
         "blocks_released": stats.blocks_released,
         "releases_committed": stats.releases_committed,
         "pressure_rounds": stats.pressure_rounds,
+        "packs_made": stats.packs_made,
         "invariant_checks": res.invariant_checks,
         "wall_s": time.perf_counter() - started,
     }

@@ -22,7 +22,7 @@ PAPER = {"eviction_ratio": [0.3, 0.7], "theta_f": [0.20, 0.25, 0.35], "block_siz
          "source": "paper §5.6: retained KV capacity drops substantially as the eviction ratio grows; theta_F "
                    "has only mild effects; block size 16 is best, larger blocks trade away reclaimable capacity"}
 METRICS = ("waste_ratio_F", "retained_blocks_per_request", "retained_slots_per_request", "plans_committed",
-           "moves_committed", "pressure_rounds")
+           "moves_committed", "pressure_rounds", "packs_made")
 
 
 def _sweeps(ctx: BenchContext) -> dict[str, list[tuple[float, str, dict]]]:

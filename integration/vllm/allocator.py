@@ -9,7 +9,8 @@ Differences from ``vtoken.core.block_pool.BlockPool`` that callers see:
   * block 0 is vLLM's null block: never allocated, freed or shared (``BlockOutOfRangeError``);
   * the free count includes cached blocks that hold no reference (vLLM evicts them on reuse), and
     the order in which free blocks are handed out is vLLM's (freed uncached blocks are reused first).
-Prefix-cache hashes of relocated blocks are the vLLM manager's business (next step of issue #6).
+Prefix-cache hashes of relocated blocks are the vLLM manager's business (``scheduler_tokens``); ``is_cached``
+tells compaction which blocks a later request may map, so it leaves them in place.
 Every call validates its whole batch before changing anything, and refuses what the core's
 ``BlockPool`` refuses, with the same classes: a count that is not an int (a float, a bool, a string)
 or a purpose that is not a ``Purpose`` member (the string "admission" must not skip the headroom):
@@ -27,6 +28,8 @@ from vtoken.core.block_pool import Purpose
 from vtoken.core.checks import as_list, check_int, check_member
 from vtoken.core.errors import (BlockOutOfRangeError, ConfigError, DoubleFreeError, HeadroomReservedError,
                                 InvalidArgumentError, InvariantViolation, PoolExhaustedError)
+
+from . import manager_hooks
 
 
 class VllmBlockAllocator:
@@ -58,6 +61,10 @@ class VllmBlockAllocator:
 
     def ref_count(self, block_id: int) -> int:
         return self._block(block_id).ref_cnt
+
+    def is_cached(self, block_id: int) -> bool:
+        """vLLM hashed the block (prefix caching on): a later request whose prompt matches may map it."""
+        return manager_hooks.is_cached(self.pool, self._block(block_id))
 
     # ---- mutations -----------------------------------------------------------
     def allocate(self, n: int, purpose: Purpose) -> list[int]:

@@ -25,6 +25,11 @@ COUNTERS = {
                        "size); compact: sources minus the destinations kept; release: wholly dead blocks)",
     "releases": "releases committed on the gather path, whatever the reclaimer: a request's wholly dead private "
                 "blocks returned without a copy (the paper's Naive-Evict)",
+    "pressure_steps": "steps that ended with vLLM short of blocks (running requests' next blocks and the waiting "
+                      "request's prompt beyond the free pool): a round then runs whatever theta_F says, compact "
+                      "first and densify in place where compact cannot shrink a request (gather path)",
+    "packs": "plans a pressure round made on the gather path to densify in place a request compact could not "
+             "shrink, so that it holds ceil(live / block size) blocks (in plans_committed too)",
     "copies_verified": "copies whose K/V digests strict verify compared",
     "mismatches": "copies whose digests differed",
     "quarantined": "requests failed by quarantine",

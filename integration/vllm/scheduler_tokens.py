@@ -180,6 +180,8 @@ class TokenStats:
     moves: int = 0  # token moves sent to the workers
     blocks_released: int = 0  # blocks committed plans (densify, compact, release) returned to vLLM's pool
     releases: int = 0  # release plans committed (wholly dead blocks, no copy); not in plans_committed
+    pressure_steps: int = 0  # steps that ended with vLLM short of blocks (``blocks_short`` > 0)
+    packs: int = 0  # densify plans a pressure round committed on the gather path; in plans_committed too
     uncached: int = 0  # blocks whose prefix-cache hash was dropped because densify filled them
     drill_planned: int = 0  # relocate plans (the drill) committed; not in plans_committed, moves, blocks_released
     drill_skipped: int = 0  # shared or prefix-cached blocks the drill must not move, or no free block
@@ -221,6 +223,7 @@ class SchedulerTokens:
         self._forgotten: list[str] = []  # requests forgotten since the last step's orders (the workers drop them)
         self._scheduled: set[str] = set()  # score policies: the requests of the step in flight
         self.stats = TokenStats()
+        self.scheduler = None  # vLLM's Scheduler, bound by the connector (``bind_scheduler``): pressure reads it
         manager_hooks.install(self.manager, self)
 
     # ---- what the manager hooks ask ----------------------------------------------------------
@@ -378,6 +381,8 @@ class SchedulerTokens:
         if self.ranked is not None:
             decoding = [r for r in decoding if r in self._scheduled]  # what was ranked (``_rank_orders``)
             self.ranked.victims = dict(ranked or {})
+        rt.set_pressure(self.blocks_short())
+        self.stats.pressure_steps += rt.pressure > 0
         victims = rt.evict_and_reclaim(decoding, rows)
         if self.ranked is not None:
             self.ranked.victims, self.ranked.sent = {}, {}
@@ -393,6 +398,7 @@ class SchedulerTokens:
                 self.stats.releases += 1
             else:
                 self.stats.plans_committed += 1
+                self.stats.packs += rec.plan.kind is PlanKind.DENSIFY and self.read_path is ReadPath.GATHER
             self.stats.moves += len(rec.plan.moves)
             self.stats.blocks_released += len(rec.plan.src_blocks) - len(set(rec.plan.dst_blocks) & set(rt.block_ids(r)))
             self._committed(rec)
@@ -400,6 +406,22 @@ class SchedulerTokens:
         self.stats.plans_aborted = sum(rt.reclaim_stats.plans_aborted.values())
         self.stats.seconds += time.perf_counter() - t0
         return victims
+
+    def blocks_short(self) -> int:
+        """The engine's pressure (``VTokenRuntime.set_pressure``) as vLLM's scheduler stands after a step: how far
+        vLLM's free blocks, less vtoken's headroom, fall below a low watermark of one block per running request
+        (each may need one within the next S steps, all at once when they advance in step) plus, when a request
+        waits and a seat is free, the blocks its tokens need (a preempted one recomputes them all; prefix-cache
+        hits are not counted off). The simulator's rule (``Simulator._blocks_short``). 0 before the connector binds
+        the scheduler."""
+        s = self.scheduler
+        if s is None:
+            return 0
+        need = len(s.running)
+        if s.waiting and len(s.running) < s.max_num_running_reqs:
+            need += -(-s.waiting.peek_request().num_tokens // self.block_size)
+        a = self.allocator
+        return max(0, need - (a.num_free - a.headroom))
 
     def _drop_stale_hashes(self, r: str, plan) -> int:
         """B2 after a commit: no block the request may still write keeps a prefix-cache hash.
@@ -450,7 +472,7 @@ class SchedulerTokens:
         """Counters since the previous call (``metrics.COUNTERS``) and current gauges (``metrics.GAUGES``)."""
         s, w = self.stats, workers
         now = {"tokens_evicted": s.evicted, "plans_committed": s.plans_committed, "plans_aborted": s.plans_aborted,
-               "releases": s.releases,
+               "releases": s.releases, "pressure_steps": s.pressure_steps, "packs": s.packs,
                "tokens_moved": s.moves, "blocks_released": s.blocks_released, "copies_verified": w.verified,
                "mismatches": w.mismatches, "quarantined": w.quarantined, "write_slots_audited": w.audited,
                "seconds": s.seconds, "worker_seconds": w.seconds}
