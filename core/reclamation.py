@@ -371,7 +371,7 @@ class ReclamationManager:
 
         NOTE: a cached block compacted away leaves the prefix held twice once a later request hits it: this
         request's packed copy and the hit's original (issue #21: StreamingLLM, staggered arrivals sharing a
-        prompt on vLLM: a peak of 14 blocks against Naive-Evict's 12); left in place, the hit shares it. The
+        prompt on vLLM: a peak of 13 blocks against Naive-Evict's 11); left in place, the hit shares it. The
         cost: with prefix caching on and no pressure, compaction leaves the prompt's hashed blocks unpacked
         (docs/results.md, "Capacity, part 3")."""
         return self.pool.ref_count(block_id) == 1 and not self.pool.is_cached(block_id)

@@ -3,7 +3,7 @@
 Four requests share a 256-token prompt head (8 blocks of 32, hashed at the first one's prefill) and arrive 10 engine
 steps apart; StreamingLLM at 0.5 evicts the oldest tokens, which lie in those blocks. Compact used to pack the first
 request's hashed blocks before the others arrived: each later request then mapped the originals from vLLM's free
-queue, and the prefix was held twice (645 block-steps and a peak of 14 blocks, against Naive-Evict's 627 and 12).
+queue, and the prefix was held twice (575 block-steps and a peak of 13 blocks, against Naive-Evict's 557 and 11).
 Lazy compaction now leaves a block vLLM hashed where it is (``BlockAllocator.is_cached``; only a round under the
 engine's pressure takes it): compact holds no more than Naive-Evict, and every later request still hits the whole
 head.

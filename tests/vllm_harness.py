@@ -356,7 +356,8 @@ def staggered(vtoken: dict, n: int = 4, every: int = 10, prefix: int = 256, suff
     and vtoken's scheduler stats. ``before_start(tokens)`` may patch the scheduler side first."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    llm = make_llm(vtoken, False, enable_prefix_caching=True, num_gpu_blocks_override=num_blocks, max_model_len=512)
+    llm = make_llm(vtoken, False, enable_prefix_caching=True, num_gpu_blocks_override=num_blocks,
+                   max_model_len=max(512, prefix + suffix + max_tokens))
     res: dict = {"held": [], "outputs": {}}
     try:
         eng, tokens = llm.llm_engine, scheduler_connector(llm).tokens
