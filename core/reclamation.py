@@ -259,8 +259,11 @@ class ReclamationManager:
         def gap(r: object) -> int:  # holes before the cursor
             return t.write_pos(r) - t.num_live(r)
 
+        def order(r: object) -> tuple[int, int]:  # NOTE: without packing, ties keep the given order (stable sort)
+            return -excess(r), -gap(r) if pack else 0
+
         made = []
-        for r in sorted((r for r in req_ids if r not in self.inflight), key=lambda r: (-excess(r), -gap(r) if pack else 0)):
+        for r in sorted((r for r in req_ids if r not in self.inflight), key=order):
             if len(made) >= self.config.max_plans_per_round:
                 break
             if excess(r) <= 0 and not (pack and gap(r) > 0):

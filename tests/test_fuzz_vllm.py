@@ -193,13 +193,14 @@ def test_the_attention_kernel_agrees_with_the_torch_reference_every_step():
     """Under strict verify every attention the kernel computes (the gather path's, here with lazy compact moving
     tokens) is recomputed in torch and must agree within the fp32 bound (V5). Clean on a run that evicts and
     commits; with the kernel stopping one key early (nothing read out of bounds, weights still summing to one),
-    the first step fails naming a request and a layer."""
+    the first step fails naming a request and a layer. Prefix caching off: with it on, lazy compact leaves the
+    hashed prompt blocks, where Random's holes are, in place (issue #21) and would move nothing here."""
     text = list(F.corpus()[:400])
     reqs = [{"id": str(i), "prompt": text[40 * i:40 * i + 48 + 16 * i], "max_tokens": 40, "arrive": arrive,
              "abort": None, "skip_cache": False} for i, arrive in enumerate((0, 0, 0, 5))]
     vt = {"policy": "random", "budget": 0.5, "strict_verify": "strict", "seed": 2, "read_path": "gather",
           "reclaim": "compact", "theta_f": 0.1}
-    ep = Episode(0, vt, True, None, reqs)
+    ep = Episode(0, vt, False, None, reqs)
     res = F.run_episode(ep)
     assert res.stats["evicted"] > 100 and res.stats["plans_committed"] >= 5
     with planted("gather_kernel_stops_a_key_early"):
