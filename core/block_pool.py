@@ -57,17 +57,6 @@ class BlockAllocator(Protocol):
 
     def allocate(self, n: int, purpose: Purpose) -> list[int]: ...
 
-    def cache(self, block_id: int) -> None:
-        """Mark an allocated block prefix-cached until it is freed (the simulator's and the fuzzer's stand-in for
-        vLLM hashing a full block): a later request may map it, so lazy compaction leaves it where it is.
-
-        raises: DoubleFreeError (a free block), BlockOutOfRangeError
-        """
-        self._check_range(block_id)
-        if self._ref[block_id] == 0:
-            raise DoubleFreeError(f"cannot cache block {block_id}: it is free")
-        self._cached.add(block_id)
-
     def free(self, block_ids: Iterable[int]) -> None: ...
 
     def share(self, block_id: int) -> None: ...
@@ -253,6 +242,14 @@ class BlockPool:
                 raise InvariantViolation("P1", f"block {b} is free but still marked prefix-cached")
 
 
+def blocks_short(running: int, waiting_blocks: int, num_free: int, headroom: int) -> int:
+    """The engine's pressure (``VTokenRuntime.set_pressure``), one rule for the simulator and vLLM: how far the free
+    blocks less the headroom (what admission may take) fall below a low watermark of one block per running request
+    (each may need one within the next S steps, all at once when they advance in step) plus ``waiting_blocks``,
+    the blocks of a request waiting for room (0: none)."""
+    return max(0, running + waiting_blocks - (num_free - headroom))
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """ceil(num_tokens / block_size): the ideal packed footprint of ``num_tokens``.
 
@@ -266,4 +263,4 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-__all__: Sequence[str] = ["Purpose", "BlockAllocator", "BlockPool", "blocks_needed"]
+__all__: Sequence[str] = ["Purpose", "BlockAllocator", "BlockPool", "blocks_needed", "blocks_short"]

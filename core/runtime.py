@@ -256,8 +256,7 @@ class VTokenRuntime:
         cannot shrink or whose cursor lies past holes (``ReclamationManager.plan_round(pack=True)``); at 0
         reclamation is lazy, θ_F-gated, as before. Every plan obeys the same rules either way (I4, the headroom
         bound on destinations), so this changes when rounds run and which planner packs, never what a plan may
-        do. ``InvalidArgumentError`` (nothing changes) for anything but an
-        int >= 0."""
+        do. ``InvalidArgumentError`` (nothing changes) for anything but an int >= 0."""
         check_int("blocks_short", blocks_short, 0)
         self.pressure = blocks_short
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
-from ..block_pool import BlockPool, Purpose, blocks_needed
+from ..block_pool import BlockPool, Purpose, blocks_needed, blocks_short
 from ..errors import ConfigError, InvariantViolation
 from .inmemory import InMemoryCopyEngine, TagStore
 from .read_mirror import ReadListMirror
@@ -251,16 +251,14 @@ class Simulator:
         return self.rt.pool.can_allocate(need, Purpose.ADMISSION)
 
     def _blocks_short(self) -> int:
-        """The engine's pressure (``VTokenRuntime.set_pressure``): how far the free pool, less the headroom (what
-        admission may take), is below a low watermark of one block per running request (each may need a new block
-        within the next S steps, all at once when they advance in step) plus, when a request waits for room, its
-        prompt. A plan made now commits at the next step's settle, so the watermark leaves compaction a few steps."""
-        rt, S = self.rt, self.cfg.block_size
-        going_on = [r for r in self.running if self.generated[r] + 1 < self.specs[r].output_len]
-        need = len(going_on)
-        if self.waiting and len(going_on) < self.cfg.max_running:
-            need += blocks_needed(self.waiting[0][1], S)
-        return max(0, need - (rt.pool.num_free - rt.pool.headroom))
+        """The engine's pressure (``block_pool.blocks_short``): the requests that go on past this step, and the
+        waiting head's prompt when a seat is free. A plan made now commits at the next step's settle, so the
+        watermark leaves compaction a few steps."""
+        pool = self.rt.pool
+        going_on = sum(self.generated[r] + 1 < self.specs[r].output_len for r in self.running)
+        waiting = blocks_needed(self.waiting[0][1], self.cfg.block_size) \
+            if self.waiting and going_on < self.cfg.max_running else 0
+        return blocks_short(going_on, waiting, pool.num_free, pool.headroom)
 
     def _fit(self, appends: dict[int, int]) -> None:
         """Preempt the most recently admitted requests until this step's growth fits (vLLM's rule)."""

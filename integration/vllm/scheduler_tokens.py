@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from vtoken.core.block_pool import Purpose
+from vtoken.core.block_pool import Purpose, blocks_needed, blocks_short
 from vtoken.core.errors import InvariantViolation
 from vtoken.core.plan import PlanKind
 from vtoken.core.policies.base import RankedPolicy, RenamedRequests, RequestView
@@ -408,20 +408,16 @@ class SchedulerTokens:
         return victims
 
     def blocks_short(self) -> int:
-        """The engine's pressure (``VTokenRuntime.set_pressure``) as vLLM's scheduler stands after a step: how far
-        vLLM's free blocks, less vtoken's headroom, fall below a low watermark of one block per running request
-        (each may need one within the next S steps, all at once when they advance in step) plus, when a request
-        waits and a seat is free, the blocks its tokens need (a preempted one recomputes them all; prefix-cache
-        hits are not counted off). The simulator's rule (``Simulator._blocks_short``). 0 before the connector binds
+        """The engine's pressure (``block_pool.blocks_short``, the simulator's rule) as vLLM's scheduler stands after
+        a step: its running requests, and when a request waits and a seat is free, the blocks its tokens need (a
+        preempted one recomputes them all; prefix-cache hits are not counted off). 0 before the connector binds
         the scheduler."""
-        s = self.scheduler
+        s, a = self.scheduler, self.allocator
         if s is None:
             return 0
-        need = len(s.running)
-        if s.waiting and len(s.running) < s.max_num_running_reqs:
-            need += -(-s.waiting.peek_request().num_tokens // self.block_size)
-        a = self.allocator
-        return max(0, need - (a.num_free - a.headroom))
+        waiting = blocks_needed(s.waiting.peek_request().num_tokens, self.block_size) \
+            if s.waiting and len(s.running) < s.max_num_running_reqs else 0
+        return blocks_short(len(s.running), waiting, a.num_free, a.headroom)
 
     def _drop_stale_hashes(self, r: str, plan) -> int:
         """B2 after a commit: no block the request may still write keeps a prefix-cache hash.
