@@ -626,20 +626,26 @@ class VTokenRuntime:
     def _evict_and_reclaim(self, victims: Mapping[object, list[int]]) -> None:
         dense = self.read_path is ReadPath.DENSE and self.reclaim is not None
         # on the dense path, where each victim was: densify then plans only the holes this step made
-        positions = {r: self.table.evict_tokens(r, chosen) for r, chosen in victims.items()}
+        t, positions, emptied = self.table, {}, set()
+        for r, chosen in victims.items():
+            before = t.blocks_emptied(r)
+            positions[r] = t.evict_tokens(r, chosen)
+            if t.blocks_emptied(r) != before:
+                emptied.add(r)
         self._victim_positions = positions if dense else {}
         self._reclaim()
         if self.read_path is ReadPath.GATHER:
-            self._release_dead(positions)
+            self._release_dead(positions, emptied)
         self.manager.launch()
         self.iteration += 1
 
-    def _release_dead(self, positions: Mapping[object, list[int]]) -> None:
+    def _release_dead(self, positions: Mapping[object, list[int]], emptied: set) -> None:
         """The paper's Naive-Evict, on the gather path whatever the reclaimer: a block that holds no live token
         of its request, shared with no other, leaves the request's list and goes back to the pool (a RELEASE
         plan: no copy, committed with the step's other plans). Looked for where this step's evictions were,
-        O(evicted); a request whose plan in flight kept it from releasing is searched whole at the end of each
-        later step until it can (``_release_deferred``, ordered: plans are made in a reproducible order).
+        O(evicted), and only in the requests whose evictions emptied a block (``emptied``: most steps, none);
+        a request whose plan in flight kept it from releasing is searched whole at the end of each later step
+        until it can (``_release_deferred``, ordered: plans are made in a reproducible order).
 
         NOTE: the dense path needs none of this: densify leaves no hole below n_live, so no dead block."""
         S, deferred = self.pool.block_size, self._release_deferred
@@ -647,10 +653,17 @@ class VTokenRuntime:
         for r in [*positions, *(r for r in deferred if r not in positions)]:
             if r not in self.table:
                 continue  # left since (finished, preempted): its blocks went with it
+            among = None if r in deferred else [p // S for p in positions[r]]
+            if among is not None and r not in emptied:
+                # fast path: no count reached 0, so no block among these is dead; V3 asks the search itself
+                if self.manager.verify_fast_paths and (dead := self.table.dead_blocks(r, lambda b: True, among)):
+                    raise InvariantViolation("V3", f"request {r!r}: evictions emptied blocks {dead} but the "
+                                             f"table counted none")
+                continue
             if r in self.manager.inflight:
                 self._release_deferred[r] = None
                 continue
-            self.manager.plan_release(r, None if r in deferred else [p // S for p in positions[r]])
+            self.manager.plan_release(r, among)
 
     def eviction_due(self, req_id: object) -> bool:
         """Whether the next ``evict_and_reclaim`` naming ``req_id`` asks the policy for victims it must find (an

@@ -132,7 +132,7 @@ class Changes(NamedTuple):
 class RequestTokens:
     """One request's entries. Mutated only through ``TokenTable``, which validates first."""
 
-    __slots__ = ("slots", "blocks", "counts", "shared", "index_stale", "write_pos", "num_live", "layout_version", "last_sync_start", "live",
+    __slots__ = ("slots", "blocks", "counts", "shared", "index_stale", "write_pos", "num_live", "emptied", "layout_version", "last_sync_start", "live",
                  "evicted", "moved", "taken_version", "taken_len", "run_pos", "run_token")
 
     def __init__(self, count_code: str) -> None:
@@ -152,6 +152,7 @@ class RequestTokens:
         self.shared: dict[int, int] = {}  # shared block -> bitmask of the offsets this request holds live
         self.write_pos = 0  # the append cursor (a position)
         self.num_live = 0
+        self.emptied = 0  # blocks whose live count an eviction brought to 0, over the request's life
         self.layout_version = 0  # bumped by every relocation or block-list rewrite: a structural change
         self.last_sync_start = 0  # first token id of the latest sync_new_tokens
         self.live = LiveIndex()  # live ids by rank (maintained by sync_new_tokens and evict_tokens)
@@ -413,6 +414,8 @@ class TokenTable:
                 assert shared[b] >> o & 1, f"live token {t} of {req_id!r} at slot {slot}, unmarked in block {b}"
                 shared[b] &= ~(1 << o)
             counts[i] -= 1
+            if not counts[i]:
+                r.emptied += 1
             occupancy.release(slot)
             r.slots[t] = NO_SLOT
             live.remove(t)
@@ -852,6 +855,11 @@ class TokenTable:
         """Live tokens of this request per block of its block list (incrementally maintained)."""
         r = self._get(req_id)
         return {b: self._live_in(r, b) for b in r.blocks}
+
+    def blocks_emptied(self, req_id: object) -> int:
+        """How many times an eviction left one of the request's blocks with no live token of it, over its life
+        (monotone): unchanged across an ``evict_tokens`` call, that call made no block dead. O(1)."""
+        return self._get(req_id).emptied
 
     def dead_blocks(self, req_id: object, private, among: Iterable[int] | None = None) -> list[int]:
         """The blocks of the request's list that hold none of its live tokens, lie wholly before the cursor's block

@@ -562,6 +562,18 @@ def _release_takes_the_append_block():
     return {(token_table.TokenTable, "dead_blocks"): dead_blocks}
 
 
+def _eviction_counts_no_emptied_block():
+    def evict_tokens(self, req_id, token_ids):  # the fast path's tally forgets the blocks this call emptied
+        r = self._get(req_id)
+        before = r.emptied
+        out = original(self, req_id, token_ids)
+        r.emptied = before
+        return out
+
+    original = token_table.TokenTable.evict_tokens
+    return {(token_table.TokenTable, "evict_tokens"): evict_tokens}
+
+
 def _pressure_lifts_the_headroom_bound():
     original = runtime.VTokenRuntime._reclaim
 
@@ -694,6 +706,8 @@ BUGS: dict[str, PlantedBug] = {
                    _pressure_packs_only_excess_blocks),
         PlantedBug("release_ignores_sharing", "Naive-Evict's release drops a wholly dead block another request "
                    "shares (the paper's rule: a block no other request shares)", _release_ignores_sharing),
+        PlantedBug("eviction_counts_no_emptied_block", "an eviction that empties a block does not count it, so "
+                   "Naive-Evict's release skips the request (release fast path)", _eviction_counts_no_emptied_block),
         PlantedBug("release_takes_the_append_block", "Naive-Evict's release takes the cursor's block once its "
                    "written tokens are dead, though appends still go there", _release_takes_the_append_block),
         PlantedBug("compact_underfills_destinations", "compact leaves a slot of a destination empty and spills into "

@@ -254,6 +254,9 @@ OUT_OF_SCOPE = {
                                "reference); that Naive-Evict's release spares shared blocks is the paper's "
                                "definition of the baseline, which the fuzzer's release oracle and I4's executed "
                                "check (no plan touches a shared block) hold it to",
+    "eviction_counts_no_emptied_block": "which requests a step looks in for dead blocks is the runtime's fast "
+                                        "path, not a state change (a release is enabled, never required); V3 "
+                                        "(verify_fast_paths) and the fuzzer's release oracle catch the skipped release",
     "release_takes_the_append_block": "a release's commit is T4b (no move) then T5, which drops only a block before "
                                       "the cursor's: the plan is refused by I4's executed check (a source at or "
                                       "after the append block) and by the fuzzer's release oracle",

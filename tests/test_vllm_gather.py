@@ -121,6 +121,16 @@ def test_capacity_at_a_fixed_block_budget(policy, measured):
     assert tuple(cap.values()) == measured, cap  # a change in any system's capacity must be noticed
 
 
+def test_capacity_with_prefix_caching_on_is_still_densify_s():
+    """vLLM's default, prefix caching on: every request's prompt block is hashed, so lazy compaction leaves it
+    in place (rule PC), but a round under vLLM's pressure packs it. At the budget above compact still runs 6
+    requests without a preemption, densify's number (measured for Random and H2O alike; Naive-Evict 3). Without
+    vLLM's pressure signal (``SchedulerTokens.blocks_short`` planted to 0) it was 4."""
+    cfg = {"policy": "h2o", "budget": 0.5, "seed": 3, "read_path": "gather", "reclaim": "compact"}
+    cap, preemptions = H.capacity(cfg, num_blocks=25, enable_prefix_caching=True)
+    assert cap == 6, preemptions
+
+
 @pytest.mark.parametrize("policy", ["h2o", "streaming_llm"])
 def test_under_pressure_compact_packs_in_place_and_stays_bit_identical_to_naive_evict(policy):
     """Six requests of 32 + 224 tokens in 24 usable blocks, the ideal packed footprint (4 blocks each at the end):

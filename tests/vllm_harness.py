@@ -328,16 +328,17 @@ def is_evicting(res: dict) -> bool:
 
 
 def capacity(vtoken: dict | None, num_blocks: int, prompt_len: int = 32, max_tokens: int = 224,
-             limit: int = 16) -> tuple[int, dict]:
+             limit: int = 16, **overrides) -> tuple[int, dict]:
     """The largest number of concurrent requests (``max_num_seqs``) that a pool of ``num_blocks`` blocks runs
-    to the end without a single preemption, by bisection over [1, limit]; and the runs' preemption counts."""
+    to the end without a single preemption, by bisection over [1, limit]; and the runs' preemption counts.
+    ``overrides`` go to the engine (e.g. ``enable_prefix_caching=True``)."""
     from vllm.inputs import TokensPrompt
     seen: dict[int, int] = {}
 
     def ok(c: int) -> bool:
         ps = [TokensPrompt(prompt_token_ids=[(13 * i + 7 * j) % 500 + 3 for j in range(prompt_len)]) for i in range(c)]
         res = run(vtoken, ps, max_tokens=max_tokens, max_model_len=prompt_len + max_tokens, max_num_seqs=c,
-                  num_gpu_blocks_override=num_blocks, count_preemptions=True)
+                  num_gpu_blocks_override=num_blocks, count_preemptions=True, **overrides)
         seen[c] = len(res["preempted"])
         return not res["preempted"]
 
