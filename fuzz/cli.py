@@ -51,6 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bug", nargs="+", choices=sorted(BUGS) + sorted(VLLM_BUGS),
                    help=f"planted bug(s) for --self-test or --replay ({', '.join(sorted(VLLM_BUGS))}: --target vllm)")
     p.add_argument("--time-per-bug", type=float, default=60.0, help="self-test budget per planted bug")
+    p.add_argument("--tp", type=int, default=1, choices=[1, 2],
+                   help="--target vllm: tensor-parallel ranks per engine (2: two workers, a core each; default 1)")
     p.set_defaults(run=main)
 
 
@@ -77,6 +79,8 @@ def check_args(a: argparse.Namespace) -> None:
     if a.self_test and a.replay is not None:
         raise ConfigError("--self-test and --replay exclude each other (--replay BATCH_SEED --bug NAME replays "
                           "one planted bug's batch)")
+    if a.tp != 1 and a.target != "vllm":
+        raise ConfigError(f"--tp {a.tp} is for --target vllm (the core has no ranks)")
     if a.bug:
         wrong = [b for b in a.bug if (b in VLLM_BUGS) != (a.target == "vllm")]
         if wrong:

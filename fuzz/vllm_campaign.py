@@ -19,8 +19,8 @@ def episode_seed(campaign_seed: int, index: int) -> int:
     return campaign_seed * 1_000_003 + index
 
 
-def replay_command(seed: int) -> str:
-    return f"vtoken fuzz --target vllm --replay {seed}"
+def replay_command(seed: int, tp: int = 1) -> str:
+    return f"vtoken fuzz --target vllm --replay {seed}" + (f" --tp {tp}" if tp != 1 else "")
 
 
 def main(a: argparse.Namespace) -> int:
@@ -42,6 +42,10 @@ def main(a: argparse.Namespace) -> int:
         return 2
     if a.bug and not a.self_test:
         print("vtoken fuzz: --bug is for --self-test", file=sys.stderr)
+        return 2
+    if a.self_test and getattr(a, "tp", 1) != 1:
+        print("vtoken fuzz: --self-test plants bugs in this process, and with --tp the workers run in their own: "
+              "run the self-test without --tp", file=sys.stderr)
         return 2
     if a.self_test:
         return self_test(a)
@@ -71,17 +75,17 @@ def campaign(a: argparse.Namespace, out: Path, seeds: list[int] | None, budget: 
                 break
             s = episode_seed(a.seed, i)
         i += 1
-        ep = Episode.draw(s)
+        ep = Episode.draw(s, tp=getattr(a, "tp", 1))
         head = (f"episode {s}: {len(ep.requests)} requests, policy {ep.vtoken['policy']} budget {ep.vtoken['budget']}"
                 f" every {ep.vtoken['evict_every']}, {ep.vtoken['read_path']}/{ep.vtoken['reclaim']}, drill {ep.vtoken['drill_every']}, "
                 f"prefix caching {'on (and off: differential)' if ep.differential else 'on' if ep.prefix_caching else 'off'}, "
-                f"{ep.num_blocks or 'ample'} blocks")
+                f"{ep.num_blocks or 'ample'} blocks{f', TP {ep.tp}' if ep.tp != 1 else ''}")
         started = time.monotonic()
         try:
             res = run_episode(ep)
         except Exception as e:  # noqa: BLE001 -- any failure of an oracle or of vLLM is a finding
             f = {"episode_seed": s, "error": f"{type(e).__name__}: {e}", "notes": getattr(e, "__notes__", []),
-                 "replay": replay_command(s), "episode": ep.describe(), "seconds": round(time.monotonic() - t0, 1)}
+                 "replay": replay_command(s, ep.tp), "episode": ep.describe(), "seconds": round(time.monotonic() - t0, 1)}
             path = out / f"failure-{s}.json"
             path.write_text(json.dumps(f, indent=2) + "\n")
             f["file"] = str(path)

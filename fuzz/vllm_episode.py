@@ -62,9 +62,10 @@ class Episode:
     num_blocks: int | None  # None: as many as 1 GiB holds
     # id, prompt, max_tokens, arrive (step), abort (step|None), skip_cache (computes its own copy of a prefix)
     requests: list[dict] = field(default_factory=list)
+    tp: int = 1  # tensor-parallel ranks (``--tp``): not drawn, so an episode seed draws the same mix at any TP
 
     @classmethod
-    def draw(cls, seed: int, max_requests: int = 10) -> Episode:
+    def draw(cls, seed: int, max_requests: int = 10, tp: int = 1) -> Episode:
         rng = random.Random(seed)
         # the score-free policies mostly (the differential oracle runs on them), budgets mostly high enough that
         # densify's cursor lands in a prompt block and not only far back in the first ones
@@ -110,7 +111,7 @@ class Episode:
         prefix_caching = vt["policy"] not in SCORE_POLICIES or prefix_caching < 0.75
         # the eviction cadence from its own stream: every other draw stays what it was before the setting
         vt["evict_every"] = random.Random(f"{seed}:evict_every").choice([1, 1, 1, 2, 4])
-        return cls(seed, vt, prefix_caching, num_blocks, reqs)
+        return cls(seed, vt, prefix_caching, num_blocks, reqs, tp)
 
     def describe(self) -> dict:
         return asdict(self)
@@ -179,6 +180,9 @@ def _run_engine(ep: Episode, prefix_caching: bool) -> EpisodeResult:
               additional_config={"vtoken": ep.vtoken})
     if ep.num_blocks:
         kw["num_gpu_blocks_override"] = ep.num_blocks
+    if ep.tp != 1:  # two workers, one core each; the scheduler (and every oracle reading it) stays in this process
+        kw.update(tensor_parallel_size=ep.tp, distributed_executor_backend="mp")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(ep.tp))
     from vtoken.integration.vllm import scheduler_tokens
     every, scheduler_tokens.READ_CHECK_EVERY = scheduler_tokens.READ_CHECK_EVERY, 1  # every copy, every step
     try:

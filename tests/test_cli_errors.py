@@ -64,6 +64,9 @@ FUZZ = [
     (["--self-test", "--replay", "1"], ["--self-test", "--replay"]),
     (["--target", "vllm", "--policy", "h2o"], ["--policy", "--target vllm"]),
     (["--bug", "occupancy_leak_on_remove"], ["--bug"]),
+    (["--tp", "2"], ["--tp 2", "--target vllm"]),
+    (["--tp", "3"], ["--tp", "3"]),
+    (["--target", "vllm", "--tp", "2", "--self-test"], ["--self-test", "--tp"]),
 ]
 
 DEMO = [

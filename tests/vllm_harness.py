@@ -21,9 +21,16 @@ def reinit_weights(worker, seed: int = 1234) -> str:
     """Seeded random weights in every layer (fan-in scaled normal; norms 1). The dummy loader's weights are
     near zero, so attention would be uniform; and vLLM's CPU backend packs linear weights for its GEMM
     kernels and leaves ``weight`` empty, so those layers get a fresh weight and are packed again by vLLM's
-    own ``process_weights_after_loading`` (the stock CPU GEMM path stays in use)."""
+    own ``process_weights_after_loading`` (the stock CPU GEMM path stays in use).
+
+    Under tensor parallelism each rank draws its own shard from ``seed`` + its rank, so the ranks' heads differ
+    (one seed would give every rank the same shard, a model whose heads repeat, where a rank that read only its
+    own attention would agree with the others by construction). Every parameter but the norms (all 1) is
+    sharded in a Llama under TP, so the shards make one consistent model."""
     import torch
-    g = torch.Generator().manual_seed(seed)
+    from vllm.distributed import get_tensor_model_parallel_rank, model_parallel_is_initialized
+    rank = get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
+    g = torch.Generator().manual_seed(seed + rank)
     model = worker.model_runner.model
     packed = []
     for name, mod in sorted(model.named_modules()):
@@ -245,10 +252,13 @@ def shared_prefix_prompts(n: int = 4, prefix: int = 70):
 
 
 def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int = 1, probe: bool = False,
-        multiprocess: bool = False, count_preemptions: bool = False, rows: bool = False, **overrides) -> dict:
+        multiprocess: bool = False, count_preemptions: bool = False, rows: bool = False, setup=None,
+        **overrides) -> dict:
     """Generate ``passes`` times on one engine. In-process runs also return the scheduler's vtoken state
     after the last pass (stats, pool accounting), with ``probe`` the attention probe's records, and with
-    ``rows`` every attention row the scheduler's scores recorded: (request by arrival, token ids, weights)."""
+    ``rows`` every attention row the scheduler's scores recorded: (request by arrival, token ids, weights).
+    ``setup``: (function, kwargs) run in every worker before the first pass (``collective_rpc``); its answers
+    are ``res["setup"]``."""
     from vllm import SamplingParams
     if probe:
         overrides.setdefault("compilation_config", {"mode": 0})  # module hooks need the eager model
@@ -260,6 +270,8 @@ def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int
             PROBE["tokens"] = conn.tokens
             llm.collective_rpc(install_attention_probe)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, logprobs=0)
+        if setup is not None:
+            res["setup"] = llm.collective_rpc(setup[0], kwargs=setup[1])
         if rows:
             res["rows"] = recorded = []
             scores, names = conn.tokens.rt.scores, conn.tokens.policy_names
@@ -273,7 +285,8 @@ def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int
                                                                real(request, *a, **k))[1]
         for _ in range(passes):
             res["passes"].append(outputs_of(llm.generate(prompt_list or prompts(3), params)))
-        res["worker"] = llm.collective_rpc(worker_stats)[0]
+        res["ranks"] = llm.collective_rpc(worker_stats)  # one per worker (tensor-parallel rank)
+        res["worker"] = res["ranks"][0]
         res["logit_bound"] = llm.collective_rpc(logit_bound)[0]
         if probe:
             res["probe"] = llm.collective_rpc(probe_results)[0]
@@ -284,10 +297,74 @@ def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int
                                     tracked=len(t.rt.running()), workers=vars(conn.workers),
                                     quarantined=list(conn.quarantined))
     except Exception as e:
+        if overrides.get("tensor_parallel_size", 1) > 1:
+            llm.llm_engine.engine_core.shutdown()
         del llm
         raise_without_engine(e)
+    if overrides.get("tensor_parallel_size", 1) > 1:
+        # NOTE: the workers are processes of their own; unless shut down now they live (each holding its KV cache)
+        # until the interpreter exits, and the next engine's workers would run beside them
+        llm.llm_engine.engine_core.shutdown()
     del llm
     return res
+
+
+TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+
+
+def tp2_env(monkeypatch) -> None:
+    """What vLLM's CPU backend needs for two tensor-parallel workers on this 2-core machine (one core each), and
+    collective_rpc of the harness's functions."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
+def corrupt_on_rank(worker, rank: int, victim: str, plane: str = "model.layers.0.self_attn.attn.K", bit: int = 20):
+    """Planted fault for one tensor-parallel rank (``collective_rpc``; the others return False unchanged): the
+    first copy of request ``victim`` (its prompt index) on that rank writes one wrong bit of ``plane`` at its first
+    destination slot, as part of the copy, so only that rank's shard of the relocated K/V is torn."""
+    import torch
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    from vtoken.integration.device.copy_engine import TorchCopyEngine
+    if get_tensor_model_parallel_rank() != rank:
+        return False
+    real_launch, done = TorchCopyEngine._launch, []
+
+    def launch(self, wave, src, rows):
+        first, hit = 0, None
+        for c in wave.copies:
+            if hit is None and not done and str(c.req_id).split("-")[0] == victim:
+                hit = first
+            first += len(c.moves)
+        if hit is None:
+            return real_launch(self, wave, src, rows)
+        done.append(hit)
+        cache, real_scatter = self.cache, self.cache.scatter
+
+        def scatter(slots, values):
+            real_scatter(slots, values)
+            slot = slots[hit:hit + 1].cpu()
+            v = cache.read(plane, slot)
+            v.view(torch.int32)[0, 0] ^= 1 << bit
+            cache.write(plane, slot, v)
+
+        cache.scatter = scatter
+        try:
+            return real_launch(self, wave, src, rows)
+        finally:
+            del cache.scatter
+
+    TorchCopyEngine._launch = launch
+    return True
+
+
+def skip_the_all_reduce(worker) -> bool:
+    """Planted fault (``collective_rpc``): this rank ranks victims from its own heads' attention only, as if the
+    ranks' rows were never all-reduced (``WorkerTokens.tp_group``)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    get_kv_transfer_group().worker.tp_group = None
+    return True
 
 
 def run_aborting(vtoken: dict, prompt_list, abort: str, max_tokens: int = 40) -> dict:

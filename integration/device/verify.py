@@ -91,11 +91,12 @@ class Digests:
 
 
 class Verifier:
-    def __init__(self, cache: PagedKVCache, config: VerifyConfig | None = None) -> None:
+    def __init__(self, cache: PagedKVCache, config: VerifyConfig | None = None, rank: int | None = None) -> None:
         self.cache = cache
         self.config = config or VerifyConfig()
         self.counters = VerifyCounters()
         self.quarantined: dict[object, Path] = {}  # request -> its evidence file
+        self.rank = rank  # a sharded cache's rank (tensor parallelism): named in every mismatch, None when unsharded
         self._rng = random.Random(self.config.seed)
         gen = torch.Generator().manual_seed(self.config.seed)
         self._weights, self._segment_ids, self._equal_planes = [], [], []
@@ -182,18 +183,20 @@ class Verifier:
 
     def _mismatch(self, req_id: object, moves: tuple[Move, ...], bad: list[dict]) -> dict:
         self.counters.mismatches += 1
-        evidence = {"request": repr(req_id), "mismatches": bad,
+        evidence = {"request": repr(req_id), "rank": self.rank, "mismatches": bad,
                     "plan": [list(m) for m in moves], "block_size": self.cache.block_size,
                     "seed": self.config.seed, "prime": PRIME}
         first = bad[0]
-        msg = (f"relocation of request {req_id!r}: {len(bad)} digest mismatch(es); first: token {first['token']}, "
+        on = "" if self.rank is None else f" on rank {self.rank}"
+        msg = (f"relocation of request {req_id!r}{on}: {len(bad)} digest mismatch(es); first: token {first['token']}, "
                f"{first['plane']}, slot {first['src_slot']} -> {first['dst_slot']}; tokens "
                f"{sorted({b['token'] for b in bad})}")
         if self.config.on_mismatch is OnMismatch.RAISE:
             raise RelocationMismatch(msg, evidence)
         path = Path(self.config.evidence_dir)
         path.mkdir(parents=True, exist_ok=True)
-        f = path / f"mismatch-{self.counters.mismatches:04d}.json"
+        f = path / (f"mismatch-{self.counters.mismatches:04d}.json" if self.rank is None
+                    else f"mismatch-rank{self.rank}-{self.counters.mismatches:04d}.json")
         f.write_text(json.dumps(evidence, indent=1))
         self.quarantined[req_id] = f
         return evidence

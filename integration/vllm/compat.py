@@ -30,12 +30,22 @@ def problems(vllm_config, vllm_version: str, device_type: str) -> list[str]:
         out.append("speculative decoding is not supported: remove --speculative-config")
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size > 1:
-        out.append(f"pipeline parallelism ({pc.pipeline_parallel_size} stages) is not supported: use "
-                   f"--pipeline-parallel-size 1")
-    if pc.tensor_parallel_size > 1:
-        out.append(f"tensor parallelism {pc.tensor_parallel_size} is not supported until token tables are kept "
-                   f"per shard: use --tensor-parallel-size 1")
+        # NOTE: with PP vLLM keeps pp_size batches in flight (``EngineCore.step_with_batch_queue``): step k+1 is
+        # scheduled, and its orders built, before step k's output returns, and vtoken's copies, densify's freed
+        # blocks and its read lists assume one step at a time (worker_copies, connector's module docstrings)
+        out.append(f"pipeline parallelism ({pc.pipeline_parallel_size} stages) is not supported: vLLM then "
+                   f"schedules a step before the previous one's output returns, and vtoken relies on one step at "
+                   f"a time; use --pipeline-parallel-size 1 (tensor parallelism is supported)")
+    if pc.data_parallel_size > 1:
+        out.append(f"data parallelism ({pc.data_parallel_size} engines) is not verified: run one vtoken engine per "
+                   f"server, or use --data-parallel-size 1")
     mc = vllm_config.model_config
+    kv_heads = mc.get_total_num_kv_heads()
+    if pc.tensor_parallel_size > 1 and kv_heads % pc.tensor_parallel_size:
+        # vLLM would replicate KV heads over ranks; each rank's shard is then not a partition of the heads
+        out.append(f"tensor parallelism {pc.tensor_parallel_size} over {kv_heads} KV heads: vtoken verifies each "
+                   f"rank's shard of the KV heads, and needs the TP size to divide them (use "
+                   f"--tensor-parallel-size {_largest_divisor(kv_heads, pc.tensor_parallel_size)})")
     if mc.uses_alibi:
         out.append("ALiBi attention is position-dependent and would see physical positions: not supported")
     if mc.get_sliding_window() is not None:
@@ -45,6 +55,10 @@ def problems(vllm_config, vllm_version: str, device_type: str) -> list[str]:
     if device_type == "cpu" and bs % 32:
         out.append(f"block size {bs}: the CPU attention backend needs a multiple of 32 (--block-size 32)")
     return out
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, at_most + 1) if n % d == 0)
 
 
 def check(vllm_config) -> None:

@@ -54,11 +54,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vtoken.core.errors import ConfigError
+from vtoken.core.errors import ConfigError, InvariantViolation
 
 from ..device.copy_engine import TorchCopyEngine
 from ..device.verify import Verifier, VerifyConfig
 from .scheduler_tokens import SchedulerTokens, StepOrders
+from .worker_copies import ShardReports
 from .settings import VTokenSettings
 
 
@@ -103,12 +104,24 @@ class VTokenWorkerMeta(KVConnectorWorkerMetadata):
     victims: dict = field(default_factory=dict)  # request -> victims ranked on the worker: H2O / Scissorhands
     scored: int = 0  # attention rows recorded into the workers' scores this step
     attention: dict = field(default_factory=dict)  # strict verify: request -> (token ids, weights), the reference's
+    verified_by_rank: dict = field(default_factory=dict)  # tensor parallelism: rank -> relocations it verified
 
     def aggregate(self, other: VTokenWorkerMeta) -> VTokenWorkerMeta:
-        return VTokenWorkerMeta(self.done + other.done, self.failed + other.failed, self.verified + other.verified, self.mismatches + other.mismatches,
-                                self.audited + other.audited, max(self.seconds, other.seconds),
-                                {**self.victims, **other.victims}, max(self.scored, other.scored),
-                                {**self.attention, **other.attention})
+        """Two ranks' reports as one (vLLM's ``KVOutputAggregator`` folds every rank's, in rank order). Copies are
+        listed once per rank (``ShardReports`` settles them); verification counts add up, one per shard; the
+        victims every rank ranked from the same all-reduced scores must agree.
+        raises: InvariantViolation (TP1) when two ranks ranked different victims for a request."""
+        for r in self.victims.keys() & other.victims.keys():
+            if self.victims[r] != other.victims[r]:
+                raise InvariantViolation("TP1", f"request {r!r}: two ranks ranked different victims "
+                                                f"({self.victims[r][:8]}... and {other.victims[r][:8]}...)")
+        by_rank = dict(self.verified_by_rank)
+        for k, v in other.verified_by_rank.items():
+            by_rank[k] = by_rank.get(k, 0) + v
+        return VTokenWorkerMeta(self.done + other.done, self.failed + other.failed, self.verified + other.verified,
+                                self.mismatches + other.mismatches, self.audited + other.audited,
+                                max(self.seconds, other.seconds), {**self.victims, **other.victims},
+                                max(self.scored, other.scored), {**self.attention, **other.attention}, by_rank)
 
 
 @dataclass
@@ -120,6 +133,7 @@ class WorkerCounters:
     audited: int = 0
     quarantined: int = 0
     seconds: float = 0.0
+    verified_by_rank: dict = field(default_factory=dict)  # tensor parallelism: each rank's share of ``verified``
 
 
 class VTokenConnector(KVConnectorBase_V1):
@@ -133,8 +147,11 @@ class VTokenConnector(KVConnectorBase_V1):
         self.scheduler: Scheduler | None = None  # scheduler side: bound by ``VTokenScheduler``
         self.quarantined: list[str] = []  # requests quarantine failed, each once, in order
         self.workers = WorkerCounters()
+        # NOTE: one scheduler, every tensor-parallel rank a worker; each reports every copy it ran on its shard
+        self.shards = ShardReports(vllm_config.parallel_config.tensor_parallel_size)
         self.worker = None  # WorkerTokens, worker side
         self.engine: TorchCopyEngine | None = None
+        self.rank: int | None = None  # worker side: the tensor-parallel rank (None without tensor parallelism)
         self._reported = VTokenWorkerMeta()
 
     @property
@@ -176,7 +193,7 @@ class VTokenConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, VTokenWorkerMeta):
-            corrupted = self.tokens.on_reports(meta.done, meta.failed)
+            corrupted = self.tokens.on_reports(*self.shards.settle(meta.done, meta.failed))
             if corrupted:
                 self.fail_requests(corrupted)
             w = self.workers
@@ -184,6 +201,8 @@ class VTokenConnector(KVConnectorBase_V1):
             w.mismatches += meta.mismatches
             w.audited += meta.audited
             w.seconds += meta.seconds
+            for k, v in meta.verified_by_rank.items():
+                w.verified_by_rank[k] = w.verified_by_rank.get(k, 0) + v
         if isinstance(meta, VTokenWorkerMeta):
             self.tokens.after_step(meta.attention, meta.victims, meta.scored)
         else:
@@ -258,9 +277,10 @@ class VTokenConnector(KVConnectorBase_V1):
         match_threads_to_cores()
         cache = paged_cache(kv_caches, self.vllm_config)
         s = self.settings
+        self.rank = _tp_rank(self.vllm_config)
         self.engine = TorchCopyEngine(cache, Verifier(cache, VerifyConfig(
             s.strict_verify, sample_every=s.sample_every, on_mismatch=s.on_mismatch,
-            evidence_dir=s.evidence_dir, seed=s.seed)))
+            evidence_dir=s.evidence_dir, seed=s.seed), rank=self.rank))
         self._layer_names = list(kv_caches)
 
     def bind_model_runner(self, runner) -> None:
@@ -289,7 +309,7 @@ class VTokenConnector(KVConnectorBase_V1):
         scored = frozenset(layers[-s.score_layers:] if s.score_layers else layers) if s.policy in SCORE_POLICIES \
             else frozenset()
         self.worker = WorkerTokens(runner, self.engine, self.block_size, scored,
-                                   check_attention=s.strict_verify == "strict")
+                                   check_attention=s.strict_verify == "strict", tp_group=_tp_group(self.vllm_config))
 
     def _worker(self):
         if self.worker is None:
@@ -310,6 +330,8 @@ class VTokenConnector(KVConnectorBase_V1):
         last, self._reported = self._reported, now
         delta = VTokenWorkerMeta(done, failed, now.verified - last.verified, now.mismatches - last.mismatches,
                                  now.audited - last.audited, now.seconds - last.seconds, victims, scored, rows)
+        if self.rank is not None and delta.verified:
+            delta.verified_by_rank = {self.rank: delta.verified}
         if not (done or failed or delta.verified or delta.mismatches or delta.audited or delta.seconds or victims
                 or scored):
             return None  # nothing to report: no per-step traffic
@@ -327,6 +349,22 @@ class VTokenConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return None
+
+
+def _tp_rank(vllm_config) -> int | None:
+    """This worker's tensor-parallel rank, None without tensor parallelism (``distributed/parallel_state.py``)."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return None
+    from vllm.distributed import get_tensor_model_parallel_rank
+    return get_tensor_model_parallel_rank()
+
+
+def _tp_group(vllm_config):
+    """The tensor-parallel group whose ranks' attention rows make one score row, None without tensor parallelism."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return None
+    from vllm.distributed import get_tp_group
+    return get_tp_group()
 
 
 # ---- the two classes that wire the connector (installed by ``plugin.install_connector``) ----------------------

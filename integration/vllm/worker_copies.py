@@ -13,6 +13,7 @@ block on another process: it is refused.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -81,3 +82,45 @@ class WorkerCopyEngine(CopyRegistry):
         c.status = CopyStatus.DONE if ok else CopyStatus.FAILED
         if c.released:
             del self._copies[handle]
+
+
+class ShardReports:
+    """The workers' copy reports under tensor parallelism, where every rank runs every copy on its own shard of
+    the KV heads and reports it: a copy is DONE once all ``ranks`` reported it done, FAILED as soon as one rank
+    failed it (that rank's shard of the destination is not what the source held, so the request's K/V is wrong
+    there, whatever the other ranks saw). With one rank this passes reports through unchanged.
+
+    NOTE: every rank runs the copies a step's orders carry at the top of that step (the orders are broadcast,
+    ``handle_preemptions``), so a copy's reports all arrive in that step's aggregated worker metadata; counting
+    across steps is the defensive reading, and a copy reported more often than there are ranks is refused."""
+
+    def __init__(self, ranks: int) -> None:
+        if ranks < 1:
+            raise VTokenError(f"ranks must be >= 1, got {ranks}")
+        self.ranks = ranks
+        self._done: dict[int, int] = {}  # copy -> ranks that reported it done, until all have
+
+    def settle(self, done: list[int], failed: list[int]) -> tuple[list[int], list[int]]:
+        """This step's reports, every rank's (``done`` and ``failed`` name a copy once per reporting rank). Returns
+        (the copies every rank has now reported done, the copies some rank failed), each copy once."""
+        failed_now = list(dict.fromkeys(failed))
+        bad = set(failed_now)
+        done_now = []
+        for h, k in Counter(done).items():
+            if h in bad:
+                continue
+            n = self._done.get(h, 0) + k
+            if n > self.ranks:
+                raise VTokenError(f"copy {h} reported done by {n} ranks; there are {self.ranks}")
+            if n == self.ranks:
+                done_now.append(h)
+                self._done.pop(h, None)
+            else:
+                self._done[h] = n
+        for h in bad:
+            self._done.pop(h, None)
+        return done_now, failed_now
+
+    def waiting(self) -> dict[int, int]:
+        """Copies some but not all ranks reported done: copy -> how many did (read-only)."""
+        return dict(self._done)

@@ -85,7 +85,7 @@ class ReadPlan:
 
 class WorkerTokens:
     def __init__(self, runner, engine: TorchCopyEngine, block_size: int,
-                 scored_layers: frozenset = frozenset(), check_attention: bool = False) -> None:
+                 scored_layers: frozenset = frozenset(), check_attention: bool = False, tp_group=None) -> None:
         groups = len(runner.input_batch.block_table.block_tables)
         if groups != 1:
             raise UnsupportedConfigError(f"vtoken supports one KV cache group (full attention); this model has "
@@ -94,6 +94,9 @@ class WorkerTokens:
         self.engine = engine
         self.scored_layers = scored_layers  # H2O, Scissorhands: the layers whose attention rows are recorded
         self.check_attention = check_attention  # strict verify: V5 on every attention the kernel computes
+        # tensor parallelism: each rank attends with its own heads, so a step's rows are summed over the ranks
+        # (``take_scores``) and every rank records, and ranks victims from, the mean over all heads
+        self.tp_group = tp_group
         self.block_size = block_size
         self.gaps: dict[str, int] = {}
         # NOTE: each request's read list (live slots, their token ids, logical order) as two int64 arrays and the
@@ -266,6 +269,14 @@ class WorkerTokens:
         plan, rows, recorded = self.read_plan, {}, 0
         if plan is not None and plan.rows is not None and plan.layers:
             batch = plan.rows / plan.layers if plan.layers > 1 else plan.rows  # x / 1 is x: one op less
+            if self.tp_group is not None:
+                # NOTE: every rank reaches this in the same step (the same orders, the same layers), so the
+                # collective pairs up; each rank's row is the mean over its heads, equally many on every rank,
+                # so the mean of the ranks' rows is the mean over all heads (TP = 1's). Float64 goes over gloo
+                # (vLLM's shared-memory all-reduce on CPU takes 16- and 32-bit floats only); its result is the
+                # same on every rank, so every rank ranks the same victims
+                torch.distributed.all_reduce(batch, group=self.tp_group.cpu_group)
+                batch /= self.tp_group.world_size
             lengths = [len(self.reads[rid][1]) for rid in plan.req_ids]
             self.scores.record_all(plan.req_ids, batch, lengths)  # every request's row in one batch
             recorded = len(plan.req_ids)
