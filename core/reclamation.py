@@ -45,10 +45,11 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from .block_pool import BlockAllocator, Purpose
 from .compact import choose_ranked, choose_sources, compact_plan, plan_compaction
-from .checks import as_list, is_int, is_known_key
+from .checks import as_list, check_mapping, is_int, is_known_key
 from .copy_engine import CopyEngine, CopyHandle, CopyStatus
 from .densify import DensifyTail, plan_densify, plan_densify_tail
 from .errors import (
@@ -235,7 +236,8 @@ class ReclamationManager:
         return max(0, min(free, H - held))
 
     # ---- Stage 3: planning -------------------------------------------------------------
-    def plan_round(self, req_ids: list[object], pack: bool = False) -> list[PlanRecord]:
+    def plan_round(self, req_ids: list[object], pack: bool = False,
+                   evicted_positions: Mapping[object, list[int]] | None = None) -> list[PlanRecord]:
         """Plan for the most wasteful requests first; returns the new PLANNED records.
 
         ``pack`` (the engine's pressure, ``VTokenRuntime.set_pressure``): capacity before thrift. A request that
@@ -246,10 +248,14 @@ class ReclamationManager:
         above the ideal (docs/results.md, Q3). Densify takes no destination, so the headroom does not bound it;
         it goes stale (and is aborted, having written only holes) if the request appends before it commits.
 
+        ``evicted_positions`` (packing): where each request's tokens this step evicted were, so that a pack of a
+        request already dense before them plans in O(evicted) (``plan_pack``).
+
         ``req_ids`` must be registered requests, each once (else UnknownRequestError / DuplicateRequestError,
         and nothing changes: not even the round count).
         """
         req_ids = self._check_request_list(req_ids)
+        evicted_positions = {} if evicted_positions is None else check_mapping("evicted_positions", evicted_positions)
         self.stats.rounds += 1
         t, S = self.table, self.pool.block_size
 
@@ -270,7 +276,7 @@ class ReclamationManager:
                 break  # NOTE: sorted, so every later request has no excess either (and, packing, no hole)
             rec = self.plan_request(r, pack=pack) if excess(r) > 0 else None
             if pack and not isinstance(rec, PlanRecord):
-                rec = self.plan_pack(r)
+                rec = self.plan_pack(r, evicted_positions.get(r) if is_known_key(evicted_positions, r) else None)
             if isinstance(rec, PlanRecord):
                 made.append(rec)
         if self.burst and not made and not self.inflight:
@@ -298,13 +304,18 @@ class ReclamationManager:
             plan = self._plan_compact(req_id, pack)
         return self._record(req_id, plan)
 
-    def plan_pack(self, req_id: object) -> PlanRecord | NoPlan:
+    def plan_pack(self, req_id: object, evicted_positions: list[int] | None = None) -> PlanRecord | NoPlan:
         """Plan densifying the request in place, whatever the configured planner: the pressure round's packing
         (``plan_round(pack=True)``). Its live tokens fill [0, n_live) and its cursor becomes n_live; no destination
-        is taken. O(L): a full snapshot, made only while the engine is short of blocks.
+        is taken. O(L), a full snapshot; but when ``evicted_positions`` (where this step's evictions were) are the
+        request's only holes, as for a request packed at the step before, O(evicted) (``_densify_tail``, the same
+        plan: V3 compares them under ``verify_fast_paths``).
         raises: UnknownRequestError, PlanConflictError (I4); either way nothing changes."""
         self._check_plannable(req_id)
-        rec = self._record(req_id, plan_densify(self.table.snapshot(req_id, self._shared_blocks(req_id))))
+        plan = self._densify_tail(req_id, evicted_positions) if evicted_positions is not None else None
+        if plan is None:
+            plan = plan_densify(self.table.snapshot(req_id, self._shared_blocks(req_id)))
+        rec = self._record(req_id, plan)
         self.stats.packs_made += isinstance(rec, PlanRecord)
         return rec
 

@@ -632,7 +632,8 @@ class VTokenRuntime:
             positions[r] = t.evict_tokens(r, chosen)
             if t.blocks_emptied(r) != before:
                 emptied.add(r)
-        self._victim_positions = positions if dense else {}
+        # ... and under pressure on the gather path, where a pressure round packs (densifies) requests
+        self._victim_positions = positions if dense or self.pressure else {}
         self._reclaim()
         if self.read_path is ReadPath.GATHER:
             self._release_dead(positions, emptied)
@@ -740,7 +741,8 @@ class VTokenRuntime:
             due = self.manager.should_reclaim(self.iteration)  # first: the adaptive trigger reads F every iteration
             if due or self.pressure:
                 self.manager.stats.pressure_rounds += not due
-                self.manager.plan_round(self.table.request_ids(), pack=bool(self.pressure))
+                self.manager.plan_round(self.table.request_ids(), pack=bool(self.pressure),
+                                        evicted_positions=evicted_positions)
 
     def _is_dense(self, r: object) -> bool:
         """Live tokens fill [0, n_live) (I7): they lie at distinct positions before the cursor (T2), so

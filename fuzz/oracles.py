@@ -325,11 +325,11 @@ class Oracles:
                                                      f"cursor's are {want}")
             return out
 
-        def plan_pack(req_id):
+        def plan_pack(req_id, evicted_positions=None):
             before = self._planning_view(req_id)
             if self._round is not None and before is not None and (not self._round or self._round[-1][0] != req_id):
                 self._round.append((req_id, self._excess(req_id)))
-            out = cls.plan_pack(m, req_id)
+            out = cls.plan_pack(m, req_id, evicted_positions)
             if isinstance(out, PlanRecord):
                 stats.plans_made += 1
                 stats.packs_made += 1
@@ -341,10 +341,10 @@ class Oracles:
                     self.trigger.planned(self.waste_ratio())
             return out
 
-        def plan_round(req_ids, pack=False):
+        def plan_round(req_ids, pack=False, evicted_positions=None):
             outer, self._round = self._round, []
             try:
-                made = cls.plan_round(m, req_ids, pack)
+                made = cls.plan_round(m, req_ids, pack, evicted_positions)
                 stats.rounds += 1
                 self._check_round(req_ids, self._round, made, pack)
             finally:

@@ -600,11 +600,13 @@ def _compact_moves_a_cached_block():
 def _pressure_packs_only_excess_blocks():
     original = reclamation.ReclamationManager.plan_round
 
-    def plan_round(self, req_ids, pack=False):  # packing stops at the first request without an excess block
+    def plan_round(self, req_ids, pack=False, evicted_positions=None):
+        # packing stops at the first request without an excess block
         if not pack:
             return original(self, req_ids)
         t, S = self.table, self.pool.block_size
-        return original(self, [r for r in req_ids if t.num_blocks_of(r) > -(-t.num_live(r) // S)], pack)
+        return original(self, [r for r in req_ids if t.num_blocks_of(r) > -(-t.num_live(r) // S)], pack,
+                        evicted_positions)
 
     return {(reclamation.ReclamationManager, "plan_round"): plan_round}
 

@@ -793,8 +793,8 @@ class RefinementDriver:
                 self.check_plan(out.plan, f"plan_request({req_id!r})")
             return out
 
-        def plan_pack(req_id):
-            out = type(m).plan_pack(m, req_id)
+        def plan_pack(req_id, evicted_positions=None):
+            out = type(m).plan_pack(m, req_id, evicted_positions)
             if out:
                 self.check_plan(out.plan, f"plan_pack({req_id!r})")
             return out

@@ -296,7 +296,7 @@ def test_round_oracle_refuses_a_round_that_skips_the_most_wasteful_request(monke
         rt.table.evict_token("b", t)
     cls = type(rt.manager)
 
-    def in_given_order(m, req_ids, pack=False):  # plan_round without its sort: a (excess 1) before b (excess 2)
+    def in_given_order(m, req_ids, pack=False, evicted_positions=None):  # plan_round without its sort: a (excess 1) before b (excess 2)
         m.stats.rounds += 1
         return [rec for r in req_ids if (rec := m.plan_request(r))]
 

@@ -121,7 +121,7 @@ def _q3_small(c, pressure=True, pack=True):
         sim._blocks_short = lambda: 0
     if not pack:
         plan_round = sim.rt.manager.plan_round
-        sim.rt.manager.plan_round = lambda req_ids, pack=False: plan_round(req_ids)
+        sim.rt.manager.plan_round = lambda req_ids, pack=False, evicted_positions=None: plan_round(req_ids)
     return sim, sim.run()
 
 
