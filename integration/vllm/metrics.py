@@ -30,7 +30,7 @@ COUNTERS = {
                       "first and densify in place where compact cannot shrink a request (gather path)",
     "packs": "plans a pressure round made on the gather path to densify in place a request compact could not "
              "shrink, so that it holds ceil(live / block size) blocks (in plans_committed too)",
-    "copies_verified": "copies whose K/V digests strict verify compared",
+    "copies_verified": "copies whose K/V digests strict verify compared (one per shard under tensor parallelism)",
     "mismatches": "copies whose digests differed",
     "quarantined": "requests failed by quarantine",
     "write_slots_audited": "write slots checked against the token tables",
