@@ -888,9 +888,16 @@ class VTokenRuntime:
         return held
 
     def _remove(self, req_id: object) -> None:
+        shared = self.table.shared_blocks(req_id) if self.read_path is ReadPath.GATHER else []
         blocks = self.table.remove_request(req_id)
         self.scores.remove_request(req_id)
         self.manager.on_request_removed(req_id, blocks)
+        # NOTE: a block the leaver shared may now be one holder's alone, and hold none of its live tokens: a dead
+        # block that was not private when it died. Naive-Evict's release searches those holders whole at the end
+        # of the next step (``_release_dead``); with no other trigger they would keep it until they leave
+        for b in shared:
+            for holder in self.table.owners(b):
+                self._release_deferred[holder] = None
         assert req_id not in self.table and self.manager.in_flight(req_id) is None
 
 

@@ -99,6 +99,28 @@ def test_a_shared_block_stays_while_another_request_holds_it():
     assert shared in rt.block_ids("b") and shared in rt.block_ids("a")
 
 
+def test_a_shared_block_that_died_is_released_once_its_other_holder_leaves():
+    """"b" evicts every token of the block it shares with "a"; while "a" holds it, it stays. When "a" finishes the
+    block is "b"'s alone and dead: the next step's end searches "b" and releases it (no eviction of "b" needed)."""
+    def tags(r, t):
+        return t + 1 if t < S else tag(r, t)
+
+    rt, engine = make({("b", 1): [0, 1, 2, 3]})
+    rt.admit("a")
+    step(rt, engine, {"a": 9}, tags)
+    shared = rt.block_ids("a")[0]
+    rt.admit("b", share_prefix_of="a", shared_blocks=1)
+    step(rt, engine, {"a": 1, "b": 5}, tags)
+    rt.finish("a")
+    assert rt.pool.ref_count(shared) == 1 and rt.block_ids("b")[0] == shared and list(rt._release_deferred) == ["b"]
+    step(rt, engine, {"b": 1}, tags)  # no eviction this step: the deferred search finds the block
+    rec = rt.manager.in_flight("b")
+    assert rec is not None and rec.plan.kind is PlanKind.RELEASE and rec.plan.src_blocks == (shared,)
+    step(rt, engine, {"b": 1}, tags)
+    assert shared not in rt.block_ids("b") and rt.pool.ref_count(shared) == 0
+    assert rt.reclaim_stats.blocks_released == 1
+
+
 def test_a_plan_in_flight_defers_the_release_until_the_plan_has_settled():
     rt, engine = make({("a", 1): [8, 9, 10, 11]}, auto_complete=False)
     rt.admit("a")
