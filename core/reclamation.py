@@ -294,15 +294,9 @@ class ReclamationManager:
         raises: UnknownRequestError, PlanConflictError (I4); either way nothing changes.
         """
         self._check_plannable(req_id)
-        if evicted_positions is not None and self.config.planner is PlanKind.DENSIFY:
-            plan = self._densify_tail(req_id, evicted_positions)
-            if plan is not None:
-                return self._record(req_id, plan)
         if self.config.planner is PlanKind.DENSIFY:
-            plan = plan_densify(self.table.snapshot(req_id, self._shared_blocks(req_id)))
-        else:
-            plan = self._plan_compact(req_id, pack)
-        return self._record(req_id, plan)
+            return self._record(req_id, self._plan_densify(req_id, evicted_positions))
+        return self._record(req_id, self._plan_compact(req_id, pack))
 
     def plan_pack(self, req_id: object, evicted_positions: list[int] | None = None) -> PlanRecord | NoPlan:
         """Plan densifying the request in place, whatever the configured planner: the pressure round's packing
@@ -312,10 +306,7 @@ class ReclamationManager:
         plan: V3 compares them under ``verify_fast_paths``).
         raises: UnknownRequestError, PlanConflictError (I4); either way nothing changes."""
         self._check_plannable(req_id)
-        plan = self._densify_tail(req_id, evicted_positions) if evicted_positions is not None else None
-        if plan is None:
-            plan = plan_densify(self.table.snapshot(req_id, self._shared_blocks(req_id)))
-        rec = self._record(req_id, plan)
+        rec = self._record(req_id, self._plan_densify(req_id, evicted_positions))
         self.stats.packs_made += isinstance(rec, PlanRecord)
         return rec
 
@@ -389,6 +380,12 @@ class ReclamationManager:
         cost: with prefix caching on and no pressure, compaction leaves the prompt's hashed blocks unpacked
         (docs/results.md, "Capacity, part 3")."""
         return self.pool.ref_count(block_id) == 1 and not self.pool.is_cached(block_id)
+
+    def _plan_densify(self, req_id: object, evicted_positions: list[int] | None) -> Plan | NoPlan:
+        """Densify's plan: from the step's evictions when they are the request's only holes (``_densify_tail``,
+        O(evicted)), else from a full snapshot (``plan_densify``, O(L))."""
+        plan = self._densify_tail(req_id, evicted_positions) if evicted_positions is not None else None
+        return plan if plan is not None else plan_densify(self.table.snapshot(req_id, self._shared_blocks(req_id)))
 
     def _densify_tail(self, req_id: object, evicted_positions: list[int]) -> Plan | NoPlan | None:
         """``plan_densify_tail``'s plan, or None when the step's evictions are not the request's only holes or

@@ -47,6 +47,7 @@ before schedule k can hand it out (``manager_hooks.uncache``).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
@@ -115,9 +116,7 @@ class VTokenWorkerMeta(KVConnectorWorkerMetadata):
             if self.victims[r] != other.victims[r]:
                 raise InvariantViolation("TP1", f"request {r!r}: two ranks ranked different victims "
                                                 f"({self.victims[r][:8]}... and {other.victims[r][:8]}...)")
-        by_rank = dict(self.verified_by_rank)
-        for k, v in other.verified_by_rank.items():
-            by_rank[k] = by_rank.get(k, 0) + v
+        by_rank = dict(Counter(self.verified_by_rank) + Counter(other.verified_by_rank))
         return VTokenWorkerMeta(self.done + other.done, self.failed + other.failed, self.verified + other.verified,
                                 self.mismatches + other.mismatches, self.audited + other.audited,
                                 max(self.seconds, other.seconds), {**self.victims, **other.victims},
@@ -151,7 +150,8 @@ class VTokenConnector(KVConnectorBase_V1):
         self.shards = ShardReports(vllm_config.parallel_config.tensor_parallel_size)
         self.worker = None  # WorkerTokens, worker side
         self.engine: TorchCopyEngine | None = None
-        self.rank: int | None = None  # worker side: the tensor-parallel rank (None without tensor parallelism)
+        self.tp_group = None  # worker side: the tensor-parallel group (None without tensor parallelism)
+        self.rank: int | None = None  # worker side: its rank in that group
         self._reported = VTokenWorkerMeta()
 
     @property
@@ -201,8 +201,7 @@ class VTokenConnector(KVConnectorBase_V1):
             w.mismatches += meta.mismatches
             w.audited += meta.audited
             w.seconds += meta.seconds
-            for k, v in meta.verified_by_rank.items():
-                w.verified_by_rank[k] = w.verified_by_rank.get(k, 0) + v
+            w.verified_by_rank = dict(Counter(w.verified_by_rank) + Counter(meta.verified_by_rank))
         if isinstance(meta, VTokenWorkerMeta):
             self.tokens.after_step(meta.attention, meta.victims, meta.scored)
         else:
@@ -277,7 +276,8 @@ class VTokenConnector(KVConnectorBase_V1):
         match_threads_to_cores()
         cache = paged_cache(kv_caches, self.vllm_config)
         s = self.settings
-        self.rank = _tp_rank(self.vllm_config)
+        self.tp_group = _tp_group(self.vllm_config)
+        self.rank = None if self.tp_group is None else self.tp_group.rank_in_group
         self.engine = TorchCopyEngine(cache, Verifier(cache, VerifyConfig(
             s.strict_verify, sample_every=s.sample_every, on_mismatch=s.on_mismatch,
             evidence_dir=s.evidence_dir, seed=s.seed), rank=self.rank))
@@ -309,7 +309,7 @@ class VTokenConnector(KVConnectorBase_V1):
         scored = frozenset(layers[-s.score_layers:] if s.score_layers else layers) if s.policy in SCORE_POLICIES \
             else frozenset()
         self.worker = WorkerTokens(runner, self.engine, self.block_size, scored,
-                                   check_attention=s.strict_verify == "strict", tp_group=_tp_group(self.vllm_config))
+                                   check_attention=s.strict_verify == "strict", tp_group=self.tp_group)
 
     def _worker(self):
         if self.worker is None:
@@ -351,16 +351,9 @@ class VTokenConnector(KVConnectorBase_V1):
         return None
 
 
-def _tp_rank(vllm_config) -> int | None:
-    """This worker's tensor-parallel rank, None without tensor parallelism (``distributed/parallel_state.py``)."""
-    if vllm_config.parallel_config.tensor_parallel_size == 1:
-        return None
-    from vllm.distributed import get_tensor_model_parallel_rank
-    return get_tensor_model_parallel_rank()
-
-
 def _tp_group(vllm_config):
-    """The tensor-parallel group whose ranks' attention rows make one score row, None without tensor parallelism."""
+    """This worker's tensor-parallel group (``distributed/parallel_state.py``: its ``rank_in_group``, and the ranks
+    whose attention rows make one score row), None without tensor parallelism."""
     if vllm_config.parallel_config.tensor_parallel_size == 1:
         return None
     from vllm.distributed import get_tp_group
