@@ -231,7 +231,7 @@ class VTokenRuntime:
         self.read_path = read_path
         self.seed = seed
         self.table = TokenTable(pool.num_blocks, pool.block_size)
-        self.scores = TokenScores(score_window)
+        self.scores = TokenScores(score_window, getattr(policy, "statistics", ()))
         self.reclaim = reclaim
         self.manager = ReclamationManager(pool, self.table, engine,
                                           reclaim or ReclaimConfig(ordering=ordering or Ordering.POLL))
@@ -295,6 +295,7 @@ class VTokenRuntime:
         if prefix:
             self.table.sync_new_tokens(req_id, prefix, len(prefix) * self.pool.block_size)
             self.scores.extend(req_id, len(prefix) * self.pool.block_size)
+            self.scores.copy_keys(req_id, share_prefix_of, len(prefix) * self.pool.block_size)  # the same keys
         assert self.table.total_len(req_id) == self.table.write_pos(req_id) == len(prefix) * self.pool.block_size
 
     def finish(self, req_id: object) -> None:
@@ -483,8 +484,13 @@ class VTokenRuntime:
         self.engine.before_compute()  # pre-attention hook: the forward waits on ordered copies (I3)
         return self._last
 
-    def end_step(self, attention: Mapping[object, Sequence[float]] | None = None) -> dict[object, list[int]]:
+    def end_step(self, attention: Mapping[object, Sequence[float]] | None = None,
+                 key_norms: Mapping[object, Sequence[float]] | None = None) -> dict[object, list[int]]:
         """Record this step's attention, select victims and evict, plan and launch reclamation.
+
+        ``attention``: request -> the newest query's weights over the tokens it read (``StepRequest.read_tokens``);
+        ``key_norms``: request -> the key norms of the tokens it wrote this step (``new_tokens``), for a policy
+        that reads them (Knorm; others ignore them, checked all the same).
 
         This step's rows are recorded before victims are chosen, so the
         policy sees every attention row computed so far (Algorithm 1 line 2
@@ -501,7 +507,8 @@ class VTokenRuntime:
             raise StepOrderError("end_step without begin_step")
         step = self._last
         rows = self._step_rows(step, attention)
-        victims = self._record_and_choose(self.table.request_ids(), rows)
+        keys = self._step_keys(step, key_norms)
+        victims = self._record_and_choose(self.table.request_ids(), rows, keys)
         # -- validated; mutate --
         self._evict_and_reclaim(victims)
         self._last = None
@@ -532,6 +539,23 @@ class VTokenRuntime:
             rows[r] = (read_tokens, row)
         return rows
 
+    def _step_keys(self, step: StepInputs, key_norms: Mapping[object, Sequence[float]] | None
+                   ) -> dict[object, tuple[list[int], array]]:
+        """``end_step``'s key norms, validated: request -> (the tokens it wrote, their norms). O(new tokens)."""
+        if key_norms is None:
+            return {}
+        check_mapping("key_norms", key_norms)
+        keys = {}
+        for r, norms in key_norms.items():
+            if not is_known_key(step.requests, r):
+                raise UnknownRequestError(f"request {r!r}: key norms for a request that was not in "
+                                          f"step {step.iteration}")
+            new = step.requests[r].new_tokens
+            if r not in self.table or self.table.total_len(r) < new.stop:
+                continue  # finished during the step, as for rows
+            keys[r] = (list(new), check_weights(f"request {r!r}: key norms", norms, len(new)))
+        return keys
+
     # ---- for engines that allocate and schedule themselves (vLLM) -----------------------
     def sync(self, req_id: object, new_blocks: Sequence[int], total_len: int) -> list[int]:
         """Algorithm 1 line 1 with blocks the engine allocated: register tokens up to ``total_len``
@@ -549,16 +573,19 @@ class VTokenRuntime:
         return slots
 
     def evict_and_reclaim(self, req_ids: Sequence[object],
-                          attention: Mapping[object, tuple[Sequence[int], Sequence[float]]] | None = None
+                          attention: Mapping[object, tuple[Sequence[int], Sequence[float]]] | None = None,
+                          key_norms: Mapping[object, tuple[Sequence[int], Sequence[float]]] | None = None
                           ) -> dict[object, list[int]]:
         """Algorithm 1 lines 2, 3 and 5 for ``req_ids`` after a forward: record this step's attention rows
-        (request -> (token ids read, weights)), select victims (from every row so far, this step's included),
-        evict, plan and launch reclamation. Validated first: a bad row or an invalid policy answer raises and
-        changes nothing."""
+        (request -> (token ids read, weights)) and key norms (request -> (token ids, norms)), select victims
+        (from every row so far, this step's included), evict, plan and launch reclamation. Validated first: a bad
+        row or an invalid policy answer raises and changes nothing."""
         ids = as_list("req_ids", req_ids)
         if attention is not None:
             check_mapping("attention", attention)
-        unknown = [r for r in ids + list(attention or {}) if r not in self.table]
+        if key_norms is not None:
+            check_mapping("key_norms", key_norms)
+        unknown = [r for r in ids + list(attention or {}) + list(key_norms or {}) if r not in self.table]
         if unknown:
             raise UnknownRequestError(f"unknown request(s) {unknown[:5]}")
         if len(set(ids)) != len(ids):
@@ -569,7 +596,13 @@ class VTokenRuntime:
                 raise InvalidArgumentError(f"request {r!r}: attention must map a request to (token ids, weights), "
                                            f"got {pair!r:.80}")
             rows[r] = self.scores.check_row(r, *pair)
-        victims = self._record_and_choose(ids, rows)
+        keys = {}
+        for r, pair in (key_norms or {}).items():
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise InvalidArgumentError(f"request {r!r}: key_norms must map a request to (token ids, norms), "
+                                           f"got {pair!r:.80}")
+            keys[r] = self.scores.check_keys(r, *pair)
+        victims = self._record_and_choose(ids, rows, keys)
         self._evict_and_reclaim(victims)
         return victims
 
@@ -590,16 +623,20 @@ class VTokenRuntime:
 
     # ---- helpers ----------------------------------------------------------------------
     def _record_and_choose(self, req_ids: Sequence[object],
-                           rows: Mapping[object, tuple[Sequence[int], Sequence[float]]]) -> dict[object, list[int]]:
-        """Record validated rows, then choose victims; if choosing raises, the rows are taken back."""
-        saved = {r: self.scores._save(r, ids) for r, (ids, _) in rows.items()}
+                           rows: Mapping[object, tuple[Sequence[int], Sequence[float]]],
+                           keys: Mapping[object, tuple[Sequence[int], Sequence[float]]] = {}) -> dict[object, list[int]]:
+        """Record validated rows and key norms, then choose victims; if choosing raises, both are taken back."""
+        s = self.scores
+        saved = [(r, ids, s._save(r, ids)) for r, (ids, _) in (*rows.items(), *keys.items())]  # before either
         for r, (ids, weights) in rows.items():
-            self.scores._apply(r, ids, weights)
+            s._apply(r, ids, weights)
+        for r, (ids, norms) in keys.items():
+            s._apply_keys(r, ids, norms)
         try:
             return self._choose_victims(req_ids)
         except BaseException:
-            for r, (ids, _) in rows.items():
-                self.scores._restore(r, ids, saved[r])
+            for r, ids, before in saved:
+                s._restore(r, ids, before)
             raise
 
     def token_budget(self, total_len: int) -> int:
@@ -685,10 +722,12 @@ class VTokenRuntime:
 
     def _view(self, r: object) -> RequestView:
         total = self.table.total_len(r)
-        accumulated, persistence = self.scores.readers(r)  # unchecked: policies sort by them
+        s = self.scores
+        accumulated, persistence = s.readers(r)  # unchecked: policies sort by them
         return RequestView(
             req_id=r, live=self.table.live_tokens(r),  # a rank view: O(1), not a list
             total_len=total, budget=self.token_budget(total), accumulated=accumulated, persistence=persistence,
+            latest=s.reader(r, "latest"), key_norm=s.reader(r, "key_norm"),
             seed=self.seed, step=self.iteration, protected=self._protected(r),
         )
 

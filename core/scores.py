@@ -8,8 +8,15 @@ weights over the tokens it read); policies only ever read the results.
                   decay 1 - 1/window makes it a soft history window).
 Stored as two ``array('f')`` per request: 8 bytes per token.
 
-A row is checked whole before any score changes: distinct int token ids of the
-request, as many finite, non-negative weights.
+Two more statistics are kept only for a policy that reads them (its
+``statistics``; 4 bytes per token each):
+  latest(t):      t's weight in the newest row that included it (TOVA);
+  key_norm(t):    the L2 norm of t's key (mean over heads and scored layers),
+                  recorded once, where the key is written (Knorm): a key
+                  statistic, never an attention score.
+
+A row (or a batch of key norms) is checked whole before any score changes:
+distinct int token ids of the request, as many finite, non-negative values.
 """
 
 from __future__ import annotations
@@ -22,15 +29,48 @@ from .errors import (ConfigError, DuplicateRequestError, InvalidArgumentError, T
                      UnknownRequestError)
 
 _INT = {int}
+ROW_STATISTICS = ("accumulated", "persistence", "latest")  # what attention rows feed
+KEY_STATISTICS = ("key_norm",)  # what the keys feed, once per token
+STATISTICS = ROW_STATISTICS + KEY_STATISTICS
+OPTIONAL = ("latest", "key_norm")  # kept only when a policy reads them
+
+
+def check_statistics(what: str, names: object, error: type = ConfigError) -> tuple[str, ...]:
+    """``names`` as a tuple of distinct statistic names (``STATISTICS``), else ``error`` naming the bad one."""
+    out = as_list(what, names, error)
+    for n in out:
+        if n not in STATISTICS:
+            raise error(f"{what}: unknown statistic {n!r} (known: {list(STATISTICS)})")
+    if len(set(out)) != len(out):
+        raise error(f"{what}: a statistic is named twice: {out}")
+    return tuple(out)
+
+
+def _unrecorded(name: str):
+    def read(token_id: int) -> float:
+        raise InvalidArgumentError(f"statistic {name!r} is not recorded: only a policy that lists it in its "
+                                   f"statistics gets it")
+    return read
 
 
 class TokenScores:
-    def __init__(self, window: int = 32) -> None:
+    def __init__(self, window: int = 32, statistics: Sequence[str] = ()) -> None:
         if not is_int(window) or window < 1:
             raise ConfigError(f"score window must be >= 1, got {window!r}")
         self.decay = 1.0 - 1.0 / window
         self._acc: dict[object, array] = {}
         self._persist: dict[object, array] = {}
+        # NOTE: the optional statistics exist only when asked for: a policy that does not read them pays no
+        # memory and no time for them (H2O's per-step cost is as it was)
+        wanted = check_statistics("statistics", statistics)
+        self._extra: dict[str, dict[object, array]] = {n: {} for n in OPTIONAL if n in wanted}
+        self._latest = self._extra.get("latest")
+        self._key = self._extra.get("key_norm")
+
+    @property
+    def recorded(self) -> tuple[str, ...]:
+        """The statistics kept: accumulated and persistence always, the optional ones asked for."""
+        return ("accumulated", "persistence", *self._extra)
 
     def add_request(self, req_id: object) -> None:
         check_request_id(req_id)
@@ -38,12 +78,16 @@ class TokenScores:
             raise DuplicateRequestError(f"request {req_id!r} already has scores")
         self._acc[req_id] = array("f")
         self._persist[req_id] = array("f")
+        for arrays in self._extra.values():
+            arrays[req_id] = array("f")
 
     def remove_request(self, req_id: object) -> None:
         """Forget a request's scores (removing an unknown request is harmless)."""
         try:
             self._acc.pop(req_id, None)
             self._persist.pop(req_id, None)
+            for arrays in self._extra.values():
+                arrays.pop(req_id, None)
         except TypeError:  # unhashable: never registered
             pass
 
@@ -61,6 +105,8 @@ class TokenScores:
         if grow > 0:
             acc.frombytes(bytes(4 * grow))
             per.frombytes(bytes(4 * grow))
+            for arrays in self._extra.values():
+                arrays[req_id].frombytes(bytes(4 * grow))
 
     def check_row(self, req_id: object, token_ids: Sequence[int], weights: Sequence[float]
                   ) -> tuple[list[int], array]:
@@ -69,8 +115,17 @@ class TokenScores:
         Raises UnknownRequestError, TokenOutOfRangeError (an id outside the scored tokens) or
         InvalidArgumentError (ids not distinct ints, weights not as many finite non-negative numbers).
         """
+        return self._check_values(req_id, token_ids, weights, "attention row")
+
+    def check_keys(self, req_id: object, token_ids: Sequence[int], norms: Sequence[float]
+                   ) -> tuple[list[int], array]:
+        """Key norms as ``record_keys`` takes them, validated whole like a row (``check_row``)."""
+        return self._check_values(req_id, token_ids, norms, "key norms")
+
+    def _check_values(self, req_id: object, token_ids: Sequence[int], weights: Sequence[float], kind: str
+                      ) -> tuple[list[int], array]:
         acc, _ = self._get(req_id)
-        what = f"request {req_id!r}: attention row"
+        what = f"request {req_id!r}: {kind}"
         ids = as_list(what, token_ids)
         # plain ints inside [0, len(acc)), checked in C; anything else is found (and named) by the loop below
         plain = not ids or set(map(type, ids)) == _INT and min(ids) >= 0 and max(ids) < len(acc)
@@ -86,7 +141,8 @@ class TokenScores:
             raise InvalidArgumentError(f"{what}: token {dup} appears twice")
         row = check_weights(what, weights)
         if len(ids) != len(row):
-            raise InvalidArgumentError(f"request {req_id!r}: {len(ids)} tokens but {len(row)} weights")
+            unit = "weights" if kind == "attention row" else "norms"
+            raise InvalidArgumentError(f"request {req_id!r}: {len(ids)} tokens but {len(row)} {unit}")
         return ids, row
 
     def record(self, req_id: object, token_ids: Sequence[int], weights: Sequence[float]) -> None:
@@ -103,6 +159,27 @@ class TokenScores:
         for t, w in zip(ids, row):
             acc[t] += w
             per[t] = per[t] * d + (1.0 if w >= mean else 0.0)
+        if self._latest is not None:
+            latest = self._latest[req_id]
+            for t, w in zip(ids, row):
+                latest[t] = w
+
+    def record_keys(self, req_id: object, token_ids: Sequence[int], norms: Sequence[float]) -> None:
+        """Key norms of the request's tokens, as the keys are written (a later norm of a token replaces it)."""
+        ids, row = self.check_keys(req_id, token_ids, norms)
+        self._apply_keys(req_id, ids, row)
+
+    def _apply_keys(self, req_id: object, ids: list[int], row: Sequence[float]) -> None:
+        """Record key norms ``check_keys`` returned (nothing unless a policy reads them)."""
+        if self._key is not None:
+            key = self._key[req_id]
+            for t, v in zip(ids, row):
+                key[t] = v
+
+    def copy_keys(self, req_id: object, source: object, n: int) -> None:
+        """The key norms of ``source``'s first ``n`` tokens become ``req_id``'s (a shared prefix: the same keys)."""
+        if self._key is not None:
+            self._key[req_id][:n] = self._key[source][:n]
 
     def save(self, req_id: object, token_ids: Sequence[int]) -> list[tuple[float, float]]:
         """The (accumulated, persistence) of ``token_ids``, for ``restore`` if what follows a ``record`` fails."""
@@ -119,20 +196,22 @@ class TokenScores:
         for t, (a, p) in zip(ids, saved):
             acc[t], per[t] = a, p
 
-    def _save(self, req_id: object, ids: list[int]) -> tuple[int, array, array]:
-        """``save`` for ids ``check_row`` validated: both arrays over the ids' span, copied whole (a memcpy:
-        cheaper than reading each saved score into a Python float)."""
-        acc, per = self._acc[req_id], self._persist[req_id]
+    def _save(self, req_id: object, ids: list[int]) -> tuple[int, list[array]]:
+        """``save`` for ids ``check_row`` or ``check_keys`` validated: every array over the ids' span, copied whole
+        (a memcpy: cheaper than reading each saved score into a Python float)."""
+        arrays = self._arrays(req_id)
         if not ids:
-            return 0, array("f"), array("f")
+            return 0, []
         lo, hi = min(ids), max(ids) + 1
-        return lo, acc[lo:hi], per[lo:hi]
+        return lo, [a[lo:hi] for a in arrays]
 
-    def _restore(self, req_id: object, ids: list[int], saved: tuple[int, array, array]) -> None:
-        acc, per = self._acc[req_id], self._persist[req_id]
-        lo, a, p = saved
-        acc[lo:lo + len(a)] = a
-        per[lo:lo + len(p)] = p
+    def _restore(self, req_id: object, ids: list[int], saved: tuple[int, list[array]]) -> None:
+        lo, copies = saved
+        for a, c in zip(self._arrays(req_id), copies):
+            a[lo:lo + len(c)] = c
+
+    def _arrays(self, req_id: object) -> list[array]:
+        return [self._acc[req_id], self._persist[req_id], *(arrays[req_id] for arrays in self._extra.values())]
 
     def accumulated(self, req_id: object, token_id: int) -> float:
         acc = self._get(req_id)[0]
@@ -153,6 +232,31 @@ class TokenScores:
         """
         acc, per = self._get(req_id)
         return acc.__getitem__, per.__getitem__
+
+    def latest(self, req_id: object, token_id: int) -> float:
+        return self._optional("latest", req_id, token_id)
+
+    def key_norm(self, req_id: object, token_id: int) -> float:
+        return self._optional("key_norm", req_id, token_id)
+
+    def _optional(self, name: str, req_id: object, token_id: int) -> float:
+        values = self._get(req_id)[0]
+        self._check_token(req_id, token_id, len(values))
+        if name not in self._extra:
+            _unrecorded(name)(token_id)
+        return self._extra[name][req_id][token_id]
+
+    def reader(self, req_id: object, name: str):
+        """One statistic of the request as a one-argument function of a token id, unchecked like ``readers``;
+        a statistic not recorded reads as an error naming it (``InvalidArgumentError``)."""
+        acc, per = self._get(req_id)
+        if name == "accumulated":
+            return acc.__getitem__
+        if name == "persistence":
+            return per.__getitem__
+        if name in self._extra:
+            return self._extra[name][req_id].__getitem__
+        return _unrecorded(check_statistics("statistic", [name], InvalidArgumentError)[0])
 
     @staticmethod
     def _check_token(req_id: object, token_id: int, n: int) -> None:

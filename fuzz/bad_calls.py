@@ -399,17 +399,20 @@ class BadCalls:
 
     def _scores_state(self) -> tuple:
         sc = self.rt.scores
-        return tuple((r, tuple(a), tuple(p)) for r in self.table.request_ids() for a, p in [sc._get(r)])
+        return tuple((r, *map(tuple, sc._arrays(r))) for r in self.table.request_ids())
 
     def _bad_attention(self, req, kind, index):
         """One step whose end_step is first given a bad row: refused, nothing recorded or evicted; then the
         step ends with the good rows."""
         rt, real_end = self.rt, self.rt.end_step
 
-        def end_step(weights):
-            rows = {r: list(w) for r, w in weights.items() if len(w)}
+        def end_step(weights, keys=None):
+            # an odd index spoils the step's key norms instead of its attention rows (they are checked alike)
+            spoil_keys = index % 2 == 1 and keys is not None and any(len(k) for k in keys.values())
+            given = keys if spoil_keys else weights
+            rows = {r: list(w) for r, w in given.items() if len(w)}
             if kind == "unknown":
-                bad, exc = {**weights, "no-such-request": [1.0]}, E.UnknownRequestError
+                bad, exc = {**given, "no-such-request": [1.0]}, E.UnknownRequestError
             elif rows:
                 r = sorted(rows)[index % len(rows)]
                 row = rows[r]
@@ -417,13 +420,14 @@ class BadCalls:
                     row = row + [0.0]
                 else:
                     row[index % len(row)] = {"nan": float("nan"), "inf": float("inf"), "negative": -0.25}[kind]
-                bad, exc = {**weights, r: row}, E.InvalidArgumentError
+                bad, exc = {**given, r: row}, E.InvalidArgumentError
             else:
-                return real_end(weights)
+                return real_end(weights, keys)
             before = self._scores_state()
-            self._rejected(exc, real_end, bad)
-            assert self._scores_state() == before, f"a rejected attention row ({kind}) changed the scores"
-            return real_end(weights)
+            self._rejected(exc, real_end, *((weights, bad) if spoil_keys else (bad, keys)))
+            assert self._scores_state() == before, \
+                f"a rejected {'key norm' if spoil_keys else 'attention row'} ({kind}) changed the scores"
+            return real_end(weights, keys)
 
         rt.end_step = end_step
         try:
@@ -524,17 +528,17 @@ class BadCalls:
         raises): end_step raises PolicyError and changes nothing, scores included; then ends normally."""
         rt, real_end, policy = self.rt, self.rt.end_step, self.policy
 
-        def end_step(weights):
+        def end_step(weights, keys=None):
             policy.misbehave, policy.misbehaved = kind, None
             before = (self.state(), self._scores_state())
             try:
-                out = real_end(weights)
+                out = real_end(weights, keys)
             except E.PolicyError:
                 assert policy.misbehaved == kind, "end_step raised PolicyError for a valid answer"
                 assert (self.state(), self._scores_state()) == before, \
                     f"a refused policy answer ({kind}) changed the state or the scores"
                 EVENTS["rejected_calls"] += 1
-                return real_end(weights)
+                return real_end(weights, keys)
             finally:
                 policy.misbehave = None
             assert policy.misbehaved is None, f"end_step accepted the policy's invalid answer ({kind})"

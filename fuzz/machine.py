@@ -15,6 +15,7 @@ failing program printed by Hypothesis replays as it is.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -48,6 +49,12 @@ from .profiles import PROFILES, Profile
 
 
 
+def key_norm(tag: int) -> float:
+    """The fuzzer's model of a key's norm: a function of the token's content (a shared prefix's tokens then have
+    their source's norms, as in a real KV cache), 16 levels apart by 1/4096 so ties are common."""
+    return ((tag * 2654435761) >> 7 & 0xF) / 4096.0
+
+
 @dataclass
 class FuzzPolicy:
     """A real policy plus victims the fuzzer queued (arbitrary choices, in-flight tokens included).
@@ -63,6 +70,11 @@ class FuzzPolicy:
     misbehave: str | None = None  # the next invalid answer to give
     misbehaved: str | None = None  # the last one given
     asked: set = field(default_factory=set)  # the requests asked since the machine last cleared it
+    key_norm_of: Callable | None = None  # request -> (token -> the norm its key must have), for the key oracle
+
+    @property
+    def statistics(self) -> tuple[str, ...]:
+        return getattr(self.base, "statistics", ())
 
     def select_victims(self, view: RequestView) -> list[int]:
         req = self._request_of(view)
@@ -80,7 +92,8 @@ class FuzzPolicy:
         if self.base is not None and len(chosen) < view.excess:
             base = list(self.base.select_victims(view))
             if self.oracles is not None:
-                self.oracles.scores.check_view(req, view)
+                self.oracles.scores.check_view(req, view, self.statistics,
+                                               self.key_norm_of(req) if self.key_norm_of else None)
                 check_policy_choice(self.base, view, base)
             chosen += [t for t in base if t not in chosen][: view.excess - len(chosen)]
         return chosen
@@ -151,6 +164,7 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
                                     check_every=check_every, max_sources=max_sources, ordering=prof.ordering,
                                     burst_df=burst_df)
         self.policy = FuzzPolicy(None if policy == "none" else make_policy(policy))
+        self.policy.key_norm_of = lambda req: lambda t: key_norm(self.content[req][t])
         self.rt = VTokenRuntime(self.pool, self.engine, RenamedRequests(self.policy, self.policy.names), budget,
                                 reclaim, prof.read_path, seed=0, evict_every=evict_every)
         self.oracles = self.policy.oracles = Oracles(self.rt, self.engine).attach()
@@ -350,7 +364,7 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
                 self.content[r] += self._tags(n)
             self.prefill.pop(r, None)
         store = self.store
-        weights = {}
+        weights, keys = {}, {}
         assert set(inputs.requests) == set(self.table.request_ids()), "a running request is missing from the step"
         self.mirror.apply(inputs)
         self.mirror.check(inputs)
@@ -368,13 +382,14 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
             want = [self.shadow[r][t] for t in req.read_tokens]
             assert got == want, f"request {r}: attention read {got}, shadow has {want} (I1)"
             weights[r] = attention_weights(r, req.read_tokens, self.table.total_len(r))
+            keys[r] = [key_norm(self.content[r][t]) for t in req.new_tokens]
         if self.engine.pending():
             EVENTS["steps_with_copies_in_flight"] += 1
         if between is not None:
             between()
         # a row of a request that left during the step is dropped (end_step's contract): shadow the others
         shadowed = {r: (inputs.requests[r].read_tokens, w) for r, w in weights.items() if r in self.table}
-        self._evict_chosen(shadowed, rt.end_step, weights)
+        self._evict_chosen(shadowed, rt.end_step, weights, keys)
         EVENTS["steps"] += 1
         return True
 
@@ -489,14 +504,18 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
         for r, t, slot in writes:
             self.store.write(slot, self.content[r][t])
             self.shadow[r][t] = self.content[r][t]
-        rows = {}
+        rows, keys = {}, {}
+        for r, t, _ in writes:
+            ids, norms = keys.setdefault(r, ([], []))
+            ids.append(t)
+            norms.append(key_norm(self.content[r][t]))
         read = next_read_view(rt)
         for r in running:
             tokens = self.table.live_token_ids(r)
             got = [read(s) for s in self.table.attention_slots(r)]
             assert got == [self.shadow[r][t] for t in tokens], f"request {r}: read {got} (I1)"
             rows[r] = (tokens, attention_weights(r, tokens, self.table.total_len(r)))
-        self._evict_chosen(rows, rt.evict_and_reclaim, running, rows)
+        self._evict_chosen(rows, rt.evict_and_reclaim, running, rows, keys)
         EVENTS["engine_steps"] += 1
 
     @rule(req=requests)
@@ -865,6 +884,10 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
         if self.rt is None:
             return
         self.oracles.check_state()
+        if "key_norm" in self.rt.scores.recorded:  # every live token's key norm, decision or not (Knorm)
+            for r in self.table.request_ids():
+                view = self.rt.policy_view(r)
+                self.oracles.scores.check_view(r, view, ("key_norm",), self.policy.key_norm_of(r))
         EVENTS["oracle_checks"] += 1
 
     def check_all_invariants(self) -> None:

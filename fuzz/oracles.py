@@ -49,9 +49,11 @@ from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.plan import NoPlanReason, Plan, PlanKind
 from vtoken.core.policies.base import RequestView
 from vtoken.core.policies.h2o import H2O
+from vtoken.core.policies.knorm import Knorm
 from vtoken.core.policies.random_policy import RandomPolicy
 from vtoken.core.policies.scissorhands import Scissorhands
 from vtoken.core.policies.streaming_llm import StreamingLLM
+from vtoken.core.policies.tova import TOVA
 from vtoken.core.reclamation import PlanRecord, PlanState
 from vtoken.core.runtime import ReadPath
 
@@ -120,6 +122,12 @@ def check_policy_choice(policy: object, view: RequestView, victims: list[int]) -
     elif isinstance(policy, RandomPolicy):
         pool = _evictable(view, policy.keep_recent)
         _lowest_first(name, victims, pool, lambda t: (), min(excess, len(pool)))
+    elif isinstance(policy, TOVA):  # the newest query's weights only
+        pool = _evictable(view, policy.keep_recent)
+        _lowest_first(name, victims, pool, lambda t: (view.latest(t),), min(excess, len(pool)))
+    elif isinstance(policy, Knorm):  # the largest key norms leave first
+        pool = _evictable(view, policy.keep_recent)
+        _lowest_first(name, victims, pool, lambda t: (-view.key_norm(t),), min(excess, len(pool)))
     else:
         raise OracleViolation("policy", f"no reference rule for policy {name!r}")
 
@@ -127,45 +135,64 @@ def check_policy_choice(policy: object, view: RequestView, victims: list[int]) -
 class ScoreShadow:
     """The scores a policy must see: each step's attention rows accumulated by the definitions of
     docs/spec.md (H2O: the sum of a token's weights; Scissorhands: a decayed count of the rows in which it
-    got at least the row's mean). Kept in float32, as the core stores them, so the two agree exactly."""
+    got at least the row's mean; TOVA: the weight in the newest row that read it). Kept in float32, as the
+    core stores them, so the two agree exactly. Key norms (Knorm) are a function of a token's content, which
+    the caller gives ``check_view``."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
         self.acc: dict[object, dict[int, float]] = {}
         self.per: dict[object, dict[int, float]] = {}
+        self.lat: dict[object, dict[int, float]] = {}
         self._undo: list = []
 
     def forget(self, req: object) -> None:
         self.acc.pop(req, None)
         self.per.pop(req, None)
+        self.lat.pop(req, None)
 
     def apply(self, rows: dict[object, tuple[list[int], list[float]]]) -> None:
         """Record one step's rows; ``undo`` takes them back (the step was refused)."""
-        self._undo = [(r, dict(self.acc.get(r, {})), dict(self.per.get(r, {}))) for r in rows]
+        self._undo = [(r, dict(self.acc.get(r, {})), dict(self.per.get(r, {})), dict(self.lat.get(r, {})))
+                      for r in rows]
         f32 = array("f", [0.0])
         for r, (ids, weights) in rows.items():
             if not ids:
                 continue
-            acc, per = self.acc.setdefault(r, {}), self.per.setdefault(r, {})
+            acc, per, lat = self.acc.setdefault(r, {}), self.per.setdefault(r, {}), self.lat.setdefault(r, {})
             mean = 1.0 / len(ids)
             for t, w in zip(ids, weights):
                 f32[0] = acc.get(t, 0.0) + w
                 acc[t] = f32[0]
                 f32[0] = per.get(t, 0.0) * self.decay + (1.0 if w >= mean else 0.0)
                 per[t] = f32[0]
+                f32[0] = w
+                lat[t] = f32[0]
 
     def undo(self) -> None:
-        for r, acc, per in self._undo:
-            self.acc[r], self.per[r] = acc, per
+        for r, acc, per, lat in self._undo:
+            self.acc[r], self.per[r], self.lat[r] = acc, per, lat
         self._undo = []
 
-    def check_view(self, req: object, view: RequestView) -> None:
-        acc, per = self.acc.get(req, {}), self.per.get(req, {})
+    def check_view(self, req: object, view: RequestView, statistics: tuple[str, ...] = (),
+                   key_norm: Callable[[int], float] | None = None) -> None:
+        """The view's scores are the shadow's: accumulated and persistence always, and the optional
+        ``statistics`` the policy reads (``latest``; ``key_norm`` against ``key_norm(t)``, in float32)."""
+        acc, per, lat = self.acc.get(req, {}), self.per.get(req, {}), self.lat.get(req, {})
+        f32 = array("f", [0.0])
         for t in view.live:
             got, want = (view.accumulated(t), view.persistence(t)), (acc.get(t, 0.0), per.get(t, 0.0))
             if got != want:
                 raise OracleViolation("policy", f"request {req!r} token {t}: the policy sees accumulated, "
                                                 f"persistence {got}; the attention rows give {want}")
+            if "latest" in statistics and view.latest(t) != lat.get(t, 0.0):
+                raise OracleViolation("policy", f"request {req!r} token {t}: the policy sees latest "
+                                                f"{view.latest(t)}; the newest row that read it gives {lat.get(t, 0.0)}")
+            if "key_norm" in statistics and key_norm is not None:
+                f32[0] = key_norm(t)
+                if view.key_norm(t) != f32[0]:
+                    raise OracleViolation("policy", f"request {req!r} token {t}: the policy sees key norm "
+                                                    f"{view.key_norm(t)}; its key gives {f32[0]}")
 
 
 # ---- the trigger ---------------------------------------------------------------------------------

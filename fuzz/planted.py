@@ -11,7 +11,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from vtoken.core import block_pool, compact, densify, live_index, reclamation, runtime, token_table
+from vtoken.core import block_pool, compact, densify, live_index, reclamation, runtime, scores, token_table
 from vtoken.core.sim import inmemory
 from vtoken.core.block_pool import blocks_needed
 from vtoken.core.copy_engine import CopyStatus
@@ -611,6 +611,26 @@ def _pressure_packs_only_excess_blocks():
     return {(reclamation.ReclamationManager, "plan_round"): plan_round}
 
 
+def _latest_accumulates():
+    original = scores.TokenScores._apply
+
+    def _apply(self, req_id, ids, row):
+        latest = self._latest[req_id] if self._latest is not None else None
+        before = [latest[t] for t in ids] if latest is not None else []
+        original(self, req_id, ids, row)
+        for t, old, w in zip(ids, before, row):  # TOVA's statistic summed like H2O's, not replaced
+            latest[t] = old + w
+
+    return {(scores.TokenScores, "_apply"): _apply}
+
+
+def _shared_prefix_loses_key_norms():
+    def copy_keys(self, req_id, source, n):
+        return None  # a prefix hit's tokens keep zero key norms, as if their keys were never written
+
+    return {(scores.TokenScores, "copy_keys"): copy_keys}
+
+
 BUGS: dict[str, PlantedBug] = {
     b.name: b
     for b in [
@@ -712,6 +732,10 @@ BUGS: dict[str, PlantedBug] = {
                    "Naive-Evict's release skips the request (release fast path)", _eviction_counts_no_emptied_block),
         PlantedBug("release_takes_the_append_block", "Naive-Evict's release takes the cursor's block once its "
                    "written tokens are dead, though appends still go there", _release_takes_the_append_block),
+        PlantedBug("latest_accumulates", "TOVA's latest-row statistic adds each row to the last instead of "
+                   "replacing it (policy statistics)", _latest_accumulates),
+        PlantedBug("shared_prefix_loses_key_norms", "a request admitted on a shared prefix gets zero key norms for "
+                   "its prefix, so Knorm never evicts it (policy statistics)", _shared_prefix_loses_key_norms),
         PlantedBug("compact_underfills_destinations", "compact leaves a slot of a destination empty and spills into "
                    "the last (planner quality)", _compact_underfills_destinations),
     ]

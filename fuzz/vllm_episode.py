@@ -32,9 +32,11 @@ from pathlib import Path
 from vtoken.core.errors import InvariantViolation
 from vtoken.integration.bench.vllm_engine import drop_frames, start_llm
 from vtoken.integration.vllm import manager_hooks
+from vtoken.integration.vllm.settings import SCORE_POLICIES
 
 MODEL = str(Path(manager_hooks.__file__).parent / "models" / "byte-llama")
-SCORE_POLICIES = ("h2o", "scissorhands")
+ATTENTION_SCORED = ("h2o", "scissorhands")  # the first draw's score policies (its stream is kept as it was)
+LATER_POLICIES = ("tova", "knorm")  # drawn from a stream of their own, so earlier episodes replay unchanged
 LOGPROB_TOL = 1e-3  # same token, caching on vs off: roundoff measured <= 1e-5; wrong K/V moves it by ~0.1-2
 TIE = 1e-3  # a first differing token is legitimate only where the top two logprobs are this close
 
@@ -104,8 +106,11 @@ class Episode:
         vt["theta_f"] = rng.choice([0.0, 0.1, 0.3, 0.6])
         vt["headroom"] = rng.choice([0, 1, 2]) if vt["reclaim"] == "compact" else 0
         if vt["policy"] != "none" and rng.random() < 0.4:
-            vt["policy"] = rng.choice(SCORE_POLICIES)  # scores: the gather backend or the score pass
+            vt["policy"] = rng.choice(ATTENTION_SCORED)  # scores: the gather backend or the score pass
             vt["score_layers"] = rng.choice([0, 1, 2])
+            later = random.Random(f"{seed}:later_policies")
+            if later.random() < 0.5:  # TOVA (the same rows) or Knorm (key norms from the cache, no score pass)
+                vt["policy"] = later.choice(LATER_POLICIES)
         # caching on, except a quarter of the score-policy episodes: the others also run with caching off
         # (differential), which covers that engine with every oracle too
         prefix_caching = vt["policy"] not in SCORE_POLICIES or prefix_caching < 0.75

@@ -4,8 +4,9 @@ A seeded episode drives one request's read list the way vLLM's worker sees it: t
 the list is now and then resent whole in another order (the dense path's position order), and every step an
 attention row arrives. The core's ``TokenScores`` records the same rows by token id. After every step both
 must hold bit-identical scores, and wherever the list is in logical order (as vLLM's always are)
-``DeviceScores.rank`` must return what H2O's and Scissorhands' ``select_victims`` return, in the same order,
-for random budgets, windows and protected tokens.
+``DeviceScores.rank`` must return what H2O's, Scissorhands', TOVA's and Knorm's ``select_victims`` return, in
+the same order, for random budgets, windows and protected tokens. Key norms (Knorm) arrive as tokens join, and
+now and then again for tokens already there (a list resent whole reads them again).
 """
 
 import random
@@ -16,12 +17,16 @@ import torch
 
 from vtoken.core.policies.base import RequestView
 from vtoken.core.policies.h2o import H2O
+from vtoken.core.policies.knorm import Knorm
 from vtoken.core.policies.scissorhands import Scissorhands
+from vtoken.core.policies.tova import TOVA
 from vtoken.core.scores import TokenScores
 from vtoken.integration.device.scores import DeviceScores
 
 POLICIES = [H2O(), H2O(recent_fraction=0.0), H2O(recent_fraction=0.9), Scissorhands(),
-            Scissorhands(recent_fraction=0.0)]
+            Scissorhands(recent_fraction=0.0), TOVA(), TOVA(keep_recent=0), TOVA(keep_recent=5), Knorm(),
+            Knorm(keep_recent=0), Knorm(keep_recent=4)]
+EVERY = ("accumulated", "persistence", "latest", "key_norm")
 
 
 def f32_bits(xs) -> list[int]:
@@ -42,7 +47,7 @@ def episode(seed: int, steps: int = 60, accumulate=None):
     """Yields (device, reference, ids, live, total) after each step; ``accumulate`` replaces the device's record
     (a planted arithmetic) when given."""
     rng = random.Random(seed)
-    dev, ref = DeviceScores(), TokenScores()
+    dev, ref = DeviceScores(statistics=EVERY), TokenScores(statistics=("latest", "key_norm"))
     ref.add_request("r")
     if accumulate is not None:
         dev.record = accumulate.__get__(dev)
@@ -68,6 +73,12 @@ def episode(seed: int, steps: int = 60, accumulate=None):
             if rng.random() < 0.5:
                 ids = ids.sort().values
             dev.realign("r", old, ids)
+        if joined or rng.random() < 0.2:  # the joined tokens' key norms, sometimes a few older ones' again
+            at = list(range(len(ids) - joined, len(ids))) + rng.sample(range(len(ids)), min(len(ids), rng.randint(0, 2)))
+            at = sorted(set(at))
+            norms = [rng.choice((0.5, 1.0, 2.0)) if rng.random() < 0.3 else rng.random() * 4 for _ in at]
+            dev.set_keys("r", torch.tensor(at, dtype=torch.int64), torch.tensor(norms, dtype=torch.float64))
+            ref.record_keys("r", [ids.tolist()[i] for i in at], norms)
         w = row_for(rng, len(ids))
         dev.record("r", torch.tensor(w, dtype=torch.float64))
         ref.record("r", ids.tolist(), w)
@@ -83,10 +94,13 @@ def compare_episode(seed: int) -> tuple[int, int]:
         acc, per = dev.values("r")
         assert f32_bits(acc.tolist()) == f32_bits(ref.accumulated("r", t) for t in ids.tolist())
         assert f32_bits(per.tolist()) == f32_bits(ref.persistence("r", t) for t in ids.tolist())
+        for name in ("latest", "key_norm"):
+            assert f32_bits(dev.values("r", name).tolist()) == f32_bits(ref.reader("r", name)(t) for t in ids.tolist())
         a, p = ref.readers("r")
         protected = frozenset(rng.sample(live, rng.randint(0, 2)) if live and rng.random() < 0.3 else ())
         view = RequestView("r", live, total, budget=rng.randint(1, max(1, len(live))), accumulated=a,
-                           persistence=p, protected=protected)
+                           persistence=p, latest=ref.reader("r", "latest"), key_norm=ref.reader("r", "key_norm"),
+                           protected=protected)
         if not view.excess:
             continue
         for policy in POLICIES:
@@ -114,8 +128,10 @@ def test_the_episodes_compare_single_victims_too():
 def test_a_float32_accumulation_is_not_the_cores_arithmetic():
     """Teeth: adding the row in float32 (rounding each weight first) drifts from the reference."""
     def float32_record(self, rid, row):
-        self._acc[rid] = self._acc[rid] + row.to(torch.float32)
-        self._per[rid] = self._per[rid] * self.decay + (row >= 1.0 / len(row)).to(torch.float32)
+        acc, per = self._s["accumulated"], self._s["persistence"]
+        acc[rid] = acc[rid] + row.to(torch.float32)
+        per[rid] = per[rid] * self.decay + (row >= 1.0 / len(row)).to(torch.float32)
+        self._s["latest"][rid] = row.to(torch.float32)
 
     drifted = 0
     for seed in range(4):
@@ -187,3 +203,18 @@ def test_a_batch_whose_rows_do_not_fit_the_scores_is_refused_and_changes_nothing
     with pytest.raises(Exception, match=r"V4: attention rows of shape \(1, 3\) for 2 requests"):
         d.record_all(["a", "b"], torch.full((1, 3), 0.5, dtype=torch.float64), [3, 2])
     assert all(torch.equal(x, y) for x, y in zip(before, [t for r in ("a", "b") for t in d.values(r)]))
+
+
+def test_a_descending_key_ranks_largest_first_and_two_keys_cannot_mix_directions():
+    from vtoken.core.errors import InvariantViolation
+    from vtoken.core.policies.base import Ranking
+    dev = DeviceScores(statistics=("key_norm",))
+    ids = torch.arange(6)
+    dev.realign("r", None, ids)
+    dev.set_keys("r", ids, torch.tensor([1.0, 3.0, 0.5, 3.0, 2.0, 9.0], dtype=torch.float64))
+    assert dev.rank("r", ids, Ranking(3, 1, ("-key_norm",)), 5) == [1, 3, 4]  # 5 is recent; 1 before 3 (older)
+    assert dev.rank("r", ids, Ranking(1, 1, ("-key_norm",)), 5) == [1]
+    with pytest.raises(InvariantViolation, match="cannot rank by"):
+        dev.rank("r", ids, Ranking(1, 1, ("latest",)), 5)  # not recorded for this policy
+    with pytest.raises(InvariantViolation, match="cannot rank by"):
+        DeviceScores(statistics=EVERY).rank("r", ids, Ranking(1, 1, ("-key_norm", "accumulated")), 5)

@@ -41,7 +41,7 @@ from vtoken.core.errors import (
 from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.occupancy import SlotOccupancy
 from vtoken.core.plan import Plan, PlanKind
-from vtoken.core.policies import H2O, RandomPolicy, RequestView, Scissorhands, StreamingLLM, make_policy
+from vtoken.core.policies import H2O, TOVA, Knorm, RandomPolicy, RequestView, Scissorhands, StreamingLLM, make_policy
 from vtoken.core.reclamation import PlanRecord, PlanState, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 from vtoken.core.scores import TokenScores
@@ -1259,6 +1259,36 @@ def _end_step_refuses_a_row_of_the_wrong_length():
 
 
 @case
+def _end_step_refuses_key_norms_for_a_request_not_in_the_step():
+    rt = open_step(policy=Knorm())
+    return (rt,), lambda: rt.end_step(None, {"zz": [1.0]}), UnknownRequestError, "'zz'"
+
+
+@case
+def _end_step_refuses_key_norms_of_the_wrong_length():
+    rt = open_step(policy=Knorm())  # 'a' wrote one token this step
+    return (rt,), lambda: rt.end_step(None, {"a": [1.0, 2.0]}), InvalidArgumentError, "2 weights for 1 tokens"
+
+
+@case
+def _end_step_refuses_a_negative_key_norm():
+    rt = open_step(policy=Knorm())
+    return (rt,), lambda: rt.end_step(None, {"a": [-1.5]}), InvalidArgumentError, "-1.5"
+
+
+@case
+def _end_step_refuses_key_norms_as_a_list():
+    rt = open_step(policy=Knorm())
+    return (rt,), lambda: rt.end_step(None, [1.0]), InvalidArgumentError, "key_norms must be a mapping"
+
+
+@case
+def _end_step_records_no_row_when_the_key_norms_are_bad():
+    rt = open_step(policy=TOVA(), budget=1.0)
+    return (rt,), lambda: rt.end_step({"a": [1 / 7] * 7}, {"b": [math.inf]}), InvalidArgumentError, "request 'b'"
+
+
+@case
 def _end_step_refuses_attention_as_a_list():
     rt = open_step()
     return (rt,), lambda: rt.end_step([0.5, 0.5]), InvalidArgumentError, "[0.5, 0.5]"
@@ -1388,6 +1418,24 @@ def _evict_and_reclaim_refuses_a_nan_weight():
 def _evict_and_reclaim_refuses_a_token_past_the_request():
     rt = running(policy=H2O())
     return (rt,), lambda: rt.evict_and_reclaim(["a"], {"a": ([0, 6], [0.5, 0.5])}), TokenOutOfRangeError, "token 6"
+
+
+@case
+def _evict_and_reclaim_refuses_key_norms_without_token_ids():
+    rt = running(policy=Knorm())
+    return (rt,), lambda: rt.evict_and_reclaim(["a"], None, {"a": [0.5]}), InvalidArgumentError, "(token ids, norms)"
+
+
+@case
+def _evict_and_reclaim_refuses_key_norms_of_an_unknown_request():
+    rt = running(policy=Knorm())
+    return (rt,), lambda: rt.evict_and_reclaim(["a"], None, {"zz": ([0], [0.5])}), UnknownRequestError, "'zz'"
+
+
+@case
+def _evict_and_reclaim_refuses_a_key_norm_past_the_request():
+    rt = running(policy=Knorm())
+    return (rt,), lambda: rt.evict_and_reclaim(["a"], None, {"a": ([6], [0.5])}), TokenOutOfRangeError, "token 6"
 
 
 @case

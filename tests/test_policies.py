@@ -17,6 +17,8 @@ from vtoken.core.errors import ConfigError, InvalidArgumentError, TokenOutOfRang
 from vtoken.core.policies import (
     H2O,
     POLICIES,
+    TOVA,
+    Knorm,
     RandomPolicy,
     RequestView,
     Scissorhands,
@@ -26,14 +28,15 @@ from vtoken.core.policies import (
 from vtoken.core.live_index import CHUNK, NO_SLOT, LiveIndex, LiveTokens
 from vtoken.core.scores import TokenScores
 
-ALL = [H2O(), StreamingLLM(), Scissorhands(), RandomPolicy()]
+ALL = [H2O(), StreamingLLM(), Scissorhands(), RandomPolicy(), TOVA(), Knorm()]
 
 
-def view(live, budget, total_len=None, acc=None, per=None, **kw) -> RequestView:
-    acc, per = acc or {}, per or {}
+def view(live, budget, total_len=None, acc=None, per=None, lat=None, key=None, **kw) -> RequestView:
+    acc, per, lat, key = acc or {}, per or {}, lat or {}, key or {}
     return RequestView(
         req_id=kw.pop("req_id", "r"), live=list(live), total_len=total_len if total_len is not None else max(live) + 1,
-        budget=budget, accumulated=lambda t: acc.get(t, 0.0), persistence=lambda t: per.get(t, 0.0), **kw,
+        budget=budget, accumulated=lambda t: acc.get(t, 0.0), persistence=lambda t: per.get(t, 0.0),
+        latest=lambda t: lat.get(t, 0.0), key_norm=lambda t: key.get(t, 0.0), **kw,
     )
 
 
@@ -192,7 +195,7 @@ def test_policies_do_not_mutate_the_view(policy):
 
 
 def test_make_policy_builds_each_registered_policy():
-    assert sorted(POLICIES) == ["h2o", "random", "scissorhands", "streaming_llm"]
+    assert sorted(POLICIES) == ["h2o", "knorm", "random", "scissorhands", "streaming_llm", "tova"]
     for name, cls in POLICIES.items():
         p = make_policy(name)
         assert isinstance(p, cls) and p.name == name
@@ -202,7 +205,8 @@ def test_make_policy_builds_each_registered_policy():
 def test_make_policy_rejects_unknown_names(name):
     with pytest.raises(ConfigError) as err:
         make_policy(name)
-    assert str(err.value) == f"policy must be one of ['h2o', 'random', 'scissorhands', 'streaming_llm'], got {name!r}"
+    assert str(err.value) == (f"policy must be one of ['h2o', 'knorm', 'random', 'scissorhands', 'streaming_llm', "
+                              f"'tova'], got {name!r}")
 
 
 # ---- the paper's integration footprint: each policy is < 50 lines of logic ------------------------------
@@ -247,7 +251,7 @@ class A:
     assert logic_lines(src) == 7
 
 
-POLICY_FILES = ["h2o.py", "streaming_llm.py", "scissorhands.py", "random_policy.py"]
+POLICY_FILES = ["h2o.py", "streaming_llm.py", "scissorhands.py", "random_policy.py", "tova.py", "knorm.py"]
 
 
 @pytest.mark.parametrize("filename", POLICY_FILES)
@@ -452,3 +456,68 @@ def test_a_rankings_bound_is_the_oldest_recent_token_so_candidates_are_the_live_
         assert [t for t in view.live if t < b] == list(view.candidates(keep_recent=k))
     assert H2O().ranking(view) == Ranking(3, 1, ("accumulated",))
     assert Scissorhands().ranking(view) == Ranking(3, 1, ("persistence", "accumulated"))
+
+
+# ---- TOVA and Knorm (issue #23) --------------------------------------------------------------------
+def test_tova_evicts_what_the_newest_row_attends_to_least_whatever_came_before():
+    # token 1 was a heavy hitter for H2O (accumulated 9.0) but the newest row gives it 0.01: TOVA drops it
+    v = view(range(8), budget=5, acc={1: 9.0}, lat={0: 0.3, 1: 0.01, 2: 0.2, 3: 0.05, 4: 0.05, 5: 0.1, 6: 0.2, 7: 0.0})
+    assert TOVA().select_victims(v) == [1, 3, 4]  # least attended first; 3 before 4 on a tie (older first)
+    assert H2O().select_victims(v) != TOVA().select_victims(v)
+    # the newest token stays even at weight 0 (keep_recent 1); keep_recent 0 lets it go
+    assert 7 not in TOVA().select_victims(v) and TOVA(keep_recent=0).select_victims(v) == [7, 1, 3]
+
+
+def test_knorm_evicts_the_largest_key_norms_and_reads_no_attention():
+    v = view(range(8), budget=5, acc={6: 100.0}, lat={6: 1.0},
+             key={0: 0.5, 1: 3.0, 2: 1.0, 3: 3.0, 4: 0.1, 5: 2.0, 6: 9.0, 7: 50.0})
+    assert Knorm().select_victims(v) == [6, 1, 3]  # largest first; 1 before 3 on a tie; 7 is the newest, kept
+    assert Knorm(keep_recent=3).select_victims(v) == [1, 3, 2]
+
+
+def test_the_new_policies_rank_as_their_ranking_says():
+    from vtoken.core.policies.base import Ranking
+    v = view(range(8), budget=5)
+    assert TOVA().ranking(v) == Ranking(3, 1, ("latest",)) and Knorm().ranking(v) == Ranking(3, 1, ("-key_norm",))
+    assert TOVA.statistics == ("latest",) and Knorm.statistics == ("key_norm",)
+
+
+@pytest.mark.parametrize("cls", [TOVA, Knorm])
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", True, None])
+def test_the_new_policies_refuse_a_bad_keep_recent_naming_it(cls, bad):
+    with pytest.raises(ConfigError, match=f"{cls.__name__} keep_recent"):
+        cls(keep_recent=bad)
+
+
+def test_latest_is_the_newest_rows_weight_and_only_a_policy_that_reads_it_pays_for_it():
+    s = TokenScores(statistics=("latest",))
+    s.add_request("r")
+    s.extend("r", 3)
+    s.record("r", [0, 1, 2], [0.5, 0.25, 0.25])
+    s.record("r", [0, 2], [0.125, 0.875])  # token 1 not in this row: keeps its last weight
+    assert [s.latest("r", t) for t in range(3)] == [0.125, 0.25, 0.875]
+    assert [s.accumulated("r", t) for t in range(3)] == [0.625, 0.25, 1.125]  # the others are unchanged by it
+    plain = TokenScores()
+    plain.add_request("r")
+    plain.extend("r", 3)
+    assert plain.recorded == ("accumulated", "persistence")
+    with pytest.raises(InvalidArgumentError, match="statistic 'latest' is not recorded"):
+        plain.latest("r", 0)
+    with pytest.raises(InvalidArgumentError, match="statistic 'key_norm' is not recorded"):
+        plain.reader("r", "key_norm")(0)
+    with pytest.raises(ConfigError, match="unknown statistic 'attention'"):
+        TokenScores(statistics=("attention",))
+
+
+def test_key_norms_are_recorded_once_per_write_and_checked_whole():
+    s = TokenScores(statistics=("key_norm",))
+    s.add_request("r")
+    s.extend("r", 4)
+    s.record_keys("r", [0, 1, 2], [1.5, 2.0, 0.25])
+    assert [s.key_norm("r", t) for t in range(4)] == [1.5, 2.0, 0.25, 0.0]
+    for ids, norms, match in (([3], [-1.0], "not a finite non-negative"), ([3], [float("nan")], "not a finite"),
+                              ([3, 3], [1.0, 1.0], "appears twice"), ([4], [1.0], "unknown token 4"),
+                              ([3], [1.0, 2.0], "1 tokens but 2 norms")):
+        with pytest.raises((InvalidArgumentError, TokenOutOfRangeError), match=match):
+            s.record_keys("r", ids, norms)
+    assert [s.key_norm("r", t) for t in range(4)] == [1.5, 2.0, 0.25, 0.0]  # nothing changed

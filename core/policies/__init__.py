@@ -5,11 +5,14 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .base import EvictionPolicy, RenamedRequests, RequestView
 from .h2o import H2O
+from .knorm import Knorm
 from .random_policy import RandomPolicy
 from .scissorhands import Scissorhands
 from .streaming_llm import StreamingLLM
+from .tova import TOVA
 
-POLICIES = {"h2o": H2O, "streaming_llm": StreamingLLM, "scissorhands": Scissorhands, "random": RandomPolicy}
+POLICIES = {"h2o": H2O, "streaming_llm": StreamingLLM, "scissorhands": Scissorhands, "random": RandomPolicy,
+            "tova": TOVA, "knorm": Knorm}
 
 
 def make_policy(name: str) -> EvictionPolicy:
@@ -18,5 +21,5 @@ def make_policy(name: str) -> EvictionPolicy:
     return POLICIES[name]()
 
 
-__all__ = ["EvictionPolicy", "RequestView", "H2O", "StreamingLLM", "Scissorhands", "RandomPolicy",
-           "POLICIES", "make_policy"]
+__all__ = ["EvictionPolicy", "RequestView", "H2O", "StreamingLLM", "Scissorhands", "RandomPolicy", "TOVA",
+           "Knorm", "POLICIES", "make_policy"]

@@ -24,6 +24,10 @@ class RequestView:
         budget: how many live tokens the request may keep.
         accumulated: token id -> accumulated attention (H2O).
         persistence: token id -> persistence of importance (Scissorhands).
+        latest: token id -> its weight in the newest attention row (TOVA).
+        key_norm: token id -> its key's L2 norm (Knorm).
+        (Each reads 0.0 in a view built by hand; the runtime gives a policy the statistics it lists in its
+        ``statistics``, and an error for one it reads without listing it: ``core/scores.py``.)
         seed: the run's seed, for randomized policies.
         step: the engine's iteration.
         protected: tokens the runtime forbids evicting (e.g. shared-prefix tokens on the dense path).
@@ -40,6 +44,8 @@ class RequestView:
     budget: int
     accumulated: Callable[[int], float] = lambda t: 0.0
     persistence: Callable[[int], float] = lambda t: 0.0
+    latest: Callable[[int], float] = lambda t: 0.0
+    key_norm: Callable[[int], float] = lambda t: 0.0
     seed: int = 0
     step: int = 0
     protected: frozenset[int] = field(default_factory=frozenset)
@@ -48,7 +54,8 @@ class RequestView:
         if ((self.live.__class__ is LiveTokens or self.live.__class__ is list) and self.total_len.__class__ is int and self.budget.__class__ is int
                 and self.seed.__class__ is int and self.step.__class__ is int
                 and self.protected.__class__ is frozenset and len(self.live) <= self.total_len
-                and self.budget >= 1 and self.step >= 0 and callable(self.accumulated) and callable(self.persistence)):
+                and self.budget >= 1 and self.step >= 0 and callable(self.accumulated) and callable(self.persistence)
+                and callable(self.latest) and callable(self.key_norm)):
             return  # what the runtime builds, per request per step: no ABC checks
         what = f"view of request {self.req_id!r}"
         if isinstance(self.live, (str, bytes)) or not isinstance(self.live, Sequence):
@@ -59,6 +66,8 @@ class RequestView:
         check_int(f"{what}: step", self.step, 0)
         check_callable(f"{what}: accumulated", self.accumulated, InvalidArgumentError)
         check_callable(f"{what}: persistence", self.persistence, InvalidArgumentError)
+        check_callable(f"{what}: latest", self.latest, InvalidArgumentError)
+        check_callable(f"{what}: key_norm", self.key_norm, InvalidArgumentError)
         if not isinstance(self.protected, Set):
             raise InvalidArgumentError(f"{what}: protected must be a set of token ids, got {self.protected!r:.80}")
 
@@ -78,6 +87,9 @@ class RequestView:
 
 class EvictionPolicy(Protocol):
     name: str
+    # the optional statistics it reads (``core/scores.py``: "latest", "key_norm"), which the runtime records for it
+    # alone; a policy without this attribute reads none of them
+    statistics: tuple[str, ...]
 
     def select_victims(self, view: RequestView) -> list[int]:
         """Token ids to evict now: live, unprotected, distinct; at most ``view.excess``."""
@@ -88,8 +100,9 @@ class Ranking(NamedTuple):
     """A score policy's choice as data, for a ranker that holds the scores itself (vLLM's workers rank on the
     device: ``integration/device/scores.py``). The victims are the ``count`` smallest of
     ``view.candidates(keep_recent)``, ordered by the scores named in ``keys`` (``"persistence"``,
-    ``"accumulated"``; the first most significant), then by token id, smallest first. The policy's own
-    ``select_victims`` is the reference: it returns exactly these, in this order."""
+    ``"accumulated"``, ``"latest"``, ``"key_norm"``; the first most significant; a name after ``"-"`` orders
+    largest first, for one key alone), then by token id, smallest first. The policy's own ``select_victims`` is the
+    reference: it returns exactly these, in this order."""
 
     count: int
     keep_recent: int
@@ -123,6 +136,10 @@ class RenamedRequests:
     @property
     def name(self) -> str:
         return self.policy.name
+
+    @property
+    def statistics(self) -> tuple[str, ...]:
+        return getattr(self.policy, "statistics", ())
 
     def select_victims(self, view: RequestView) -> list[int]:
         if view.req_id in self.names:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .base import Ranking, RequestView, check_policy_params
 
@@ -12,6 +13,7 @@ from .base import Ranking, RequestView, check_policy_params
 class H2O:
     recent_fraction: float = 0.5  # share of the budget kept as the recent window (H2O's default split)
     name: str = "h2o"
+    statistics: ClassVar[tuple[str, ...]] = ("accumulated",)
 
     def __post_init__(self) -> None:
         check_policy_params(self, fractions=("recent_fraction",))

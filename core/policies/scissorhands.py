@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .base import Ranking, RequestView, check_policy_params
 
@@ -12,6 +13,7 @@ from .base import Ranking, RequestView, check_policy_params
 class Scissorhands:
     recent_fraction: float = 0.25
     name: str = "scissorhands"
+    statistics: ClassVar[tuple[str, ...]] = ("persistence", "accumulated")
 
     def __post_init__(self) -> None:
         check_policy_params(self, fractions=("recent_fraction",))

@@ -156,6 +156,13 @@ def attention_weights(req_id: int, tokens: list[int], total_len: int) -> list[fl
     return [w / z for w in raw]
 
 
+def key_norm(req_id: int, token_id: int) -> float:
+    """The model's key norm for a token: low for the tokens ``attention_weights`` favours (sinks, the heavy
+    hitters), as Knorm's paper observes in real models, high for the rest, with a per-token spread."""
+    h = ((token_id * 2654435761) ^ (req_id * 40503)) & 0xFFFF
+    return (1.0 if h % 10 == 0 or token_id < 4 else 4.0) + (h % 97) / 97.0
+
+
 def build_runtime(cfg: SimConfig) -> tuple[VTokenRuntime, InMemoryCopyEngine]:
     pool = BlockPool(cfg.num_blocks, cfg.block_size, cfg.headroom)
     engine = InMemoryCopyEngine(TagStore(cfg.num_blocks, cfg.block_size), auto_complete=cfg.copy_delay == 0)
@@ -228,8 +235,10 @@ class Simulator:
             self.mirror.apply(inputs)
             self.mirror.check(inputs)
         attention = self._forward(inputs)
+        keys = {r: [key_norm(r, t) for t in req.new_tokens] for r, req in inputs.requests.items()} \
+            if "key_norm" in rt.scores.recorded else None  # only for a policy that reads them (Knorm)
         rt.set_pressure(self._blocks_short())
-        rt.end_step(attention)
+        rt.end_step(attention, keys)
         for r in list(self.running):
             if r in appends:  # every forward emits one token per request (prefill included)
                 self.generated[r] += 1

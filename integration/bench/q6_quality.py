@@ -32,7 +32,8 @@ EVICTING = VLLM_EVICTING
 SYSTEMS = ("full",) + EVICTING
 Q6_LABELS = {**LABELS, "full": "Full cache"}
 Q6_COLORS = {**COLORS, "full": COLORS["native"]}
-POLICY_COLORS = {"streaming_llm": "#2ca02c", "random": "#9467bd", "h2o": "#d62728", "scissorhands": "#1f77b4"}
+POLICY_COLORS = {"streaming_llm": "#2ca02c", "random": "#9467bd", "h2o": "#d62728", "scissorhands": "#1f77b4",
+                 "tova": "#ff7f0e", "knorm": "#8c564b"}
 QUALITY = ("agreement_prefix", "agreement_overall", "first_divergence", "rouge_l_f1", "mean_logprob", "text_match")
 COUNTERS = ("relocations", "verified", "mismatches", "quarantined", "copies_done", "copies_failed", "tokens_evicted",
             "tokens_moved", "plans_committed", "blocks_released", "attention_rows", "write_slots_audited")
@@ -250,11 +251,22 @@ def plot(report: dict, path: Path) -> None:
                    do("axhline", full, color=Q6_COLORS["full"], ls=":", lw=1, label="generated length (no divergence)"),
                    do("set_ylim", 0, full * 1.35), do("grid", alpha=0.3),
                    do("legend", fontsize=6, ncol=2, loc="upper left")]
+    # quality against budget, one line per policy: Naive-Evict's ROUGE-L (compact's is the same, bit for bit)
+    rouge = [do("errorbar", xs, [v["median"] for v in ss], yerr=[[v["median"] - v["min"] for v in ss],
+                                                                  [v["max"] - v["median"] for v in ss]],
+                color=POLICY_COLORS.get(policy, "k"), marker="o", ms=4, capsize=2, label=policy)
+             for policy in policies
+             for ss in [[sm["by_budget"][x][policy]["naive_evict"]["rouge_l_f1"] for x in budgets]]]
+    rouge += [do("set_xticks", xs), do("set_xlim", min(xs) - 0.1, max(xs) + 0.1), do("set_ylim", 0, 1.05),
+              do("set_xlabel", "budget (fraction of tokens kept)"),
+              do("set_ylabel", "byte ROUGE-L F1 vs full cache (median)"),
+              do("axhline", 1.0, color=Q6_COLORS["full"], ls=":", lw=1), do("grid", alpha=0.3),
+              do("legend", fontsize=7, loc="lower right")]
     first = agreement("agreement_overall", "agreement with full cache (% of bytes)")
     i = sm["identity"]
     figure(path, [[replace(first, steps=(*first.steps, do("legend", fontsize=7, loc="lower right"))),
                    agreement("agreement_prefix", "bytes before 1st divergence (% of output)"),
-                   Panel(steps=divergence)]],
+                   Panel(steps=divergence), Panel(steps=rouge)]],
            f"Q6 quality on vLLM CPU, byte-llama greedy (median, min–max over seeds); compact ≡ Naive-Evict "
            f"in {i['identical']}/{i['pairs']} pairs, {sm['verify']['mismatches']} verify mismatches",
-           figsize=(16, 4.5))
+           figsize=(21, 4.5))

@@ -22,7 +22,7 @@ from vtoken.core.sim.workloads import WORKLOADS, make_workload
 from .server import ENGINE as SERVER_ENGINE
 
 MIN_REPEATS = 5
-POLICIES = ("streaming_llm", "random", "h2o", "scissorhands")  # what vtoken inside vLLM evicts with
+POLICIES = ("streaming_llm", "random", "h2o", "scissorhands", "tova", "knorm")  # what vtoken inside vLLM evicts with
 
 
 # ---- checks: each raises ConfigError naming the field ------------------------------------------------
@@ -222,7 +222,7 @@ class VllmSettings(Settings):
     max_tokens: int = 160  # generated greedily, ignore_eos
     budgets: tuple[float, ...] = (0.3, 0.5, 0.7)  # live tokens kept per request (ratio)
     policies: tuple[str, ...] = POLICIES
-    score_layers: int = 1  # H2O, Scissorhands: attention rows from the last layer (the dense score pass)
+    score_layers: int = 1  # score policies: attention rows (or key norms) from the last layer
     block_size: int = 32
     threads: int = 1  # torch threads in the (in-process) engine; 2 OpenMP threads stall on a shared 2-core box
     overhead_policy: str = "random"  # Q4, Q7: victims spread over blocks, so reclamation has work; no score pass

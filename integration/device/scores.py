@@ -1,11 +1,13 @@
-"""Attention statistics where attention is computed: H2O's and Scissorhands' scores as tensors, and their ranking.
+"""Token statistics where attention is computed: the score policies' statistics as tensors, and their ranking.
 
-The core's ``TokenScores`` (two ``array('f')`` per request, fed one host-side row per step) is the reference;
-``DeviceScores`` keeps the same two statistics per request as float32 tensors aligned with the worker's copy of
-the request's read list (token ids in logical order), and updates them with the same arithmetic:
+The core's ``TokenScores`` (``array('f')`` per statistic and request, fed host-side rows) is the reference;
+``DeviceScores`` keeps the statistics a policy reads per request as float32 tensors aligned with the worker's copy
+of the request's read list (token ids in logical order), and updates them with the same arithmetic:
 
   accumulated(t)  <- float32(float64(accumulated(t)) + w_t)
   persistence(t)  <- float32(float64(persistence(t)) * decay + (1 if w_t >= 1/n else 0))
+  latest(t)       <- float32(w_t)
+  key_norm(t)     <- float32(norm), set once per token from its key in the KV cache (``set_keys``)
 
 with w the row in float64 and n its length. Each step is two separate float64 operations rounded once to
 float32, as the core's ``acc[t] += w`` and ``per[t] * d + ...`` are in Python (no fused multiply-add), so the
@@ -30,53 +32,68 @@ from vtoken.core.scores import TokenScores
 
 # two keys: each score's float32 bits (31 bits: scores are finite and >= 0), the first key most significant
 _KEY_BITS = 31
-_SCORES = ("accumulated", "persistence")
+_SCORES = ("accumulated", "persistence", "latest", "key_norm")
 
 
 class DeviceScores:
-    def __init__(self, window: int = 32) -> None:
+    def __init__(self, window: int = 32, statistics: tuple[str, ...] = ("accumulated", "persistence")) -> None:
         self.decay = TokenScores(window).decay  # the core's decay for the same window, computed the same way
-        self._acc: dict[str, torch.Tensor] = {}
-        self._per: dict[str, torch.Tensor] = {}
+        unknown = [n for n in statistics if n not in _SCORES]
+        if unknown or not statistics:
+            raise InvariantViolation("V4", f"device scores for statistics {statistics!r}: known {_SCORES}")
+        # NOTE: only the statistics the policy reads: name -> request -> float32 tensor aligned with its read list
+        self._s: dict[str, dict[str, torch.Tensor]] = {n: {} for n in _SCORES if n in statistics}
+
+    @property
+    def statistics(self) -> tuple[str, ...]:
+        return tuple(self._s)
 
     def drop(self, rid: str) -> None:
-        self._acc.pop(rid, None)
-        self._per.pop(rid, None)
+        for values in self._s.values():
+            values.pop(rid, None)
 
-    def values(self, rid: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(accumulated, persistence), aligned with the request's read list."""
-        return self._acc[rid], self._per[rid]
+    def values(self, rid: str, name: str | None = None):
+        """One statistic (``name``) of the request, aligned with its read list; without a name, (accumulated,
+        persistence)."""
+        if name is None:
+            return self._s["accumulated"][rid], self._s["persistence"][rid]
+        return self._s[name][rid]
+
+    def _first(self) -> dict[str, torch.Tensor]:
+        return next(iter(self._s.values()))
 
     # ---- what changes the read list changes the scores ------------------------------------------------
     def realign(self, rid: str, old_ids: torch.Tensor | None, new_ids: torch.Tensor) -> None:
         """The read list was replaced by ``new_ids``: each token keeps its scores, matched by id in the list it
         replaces (``old_ids``, the ids the scores are aligned with; None for none); a token new to the list starts
         at zero. O(L log L) in torch."""
-        acc = torch.zeros(len(new_ids), dtype=torch.float32, device=new_ids.device)
-        per = torch.zeros_like(acc)
-        if old_ids is not None and len(old_ids) and len(new_ids) and rid in self._acc:
-            old_acc, old_per = self._acc[rid], self._per[rid]
-            if len(old_acc) != len(old_ids):
-                raise InvariantViolation("V4", f"request {rid!r}: {len(old_acc)} scores for a read list of "
+        fresh = {n: torch.zeros(len(new_ids), dtype=torch.float32, device=new_ids.device) for n in self._s}
+        if old_ids is not None and len(old_ids) and len(new_ids) and rid in self._first():
+            n_old = len(self._first()[rid])
+            if n_old != len(old_ids):
+                raise InvariantViolation("V4", f"request {rid!r}: {n_old} scores for a read list of "
                                                f"{len(old_ids)} tokens")
             order = torch.argsort(old_ids)
             sorted_ids = old_ids[order]
             at = torch.searchsorted(sorted_ids, new_ids).clamp_(max=len(old_ids) - 1)
             found = sorted_ids[at] == new_ids
             src = order[at[found]]
-            acc[found], per[found] = old_acc[src], old_per[src]
-        self._acc[rid], self._per[rid] = acc, per
+            for n, values in fresh.items():
+                values[found] = self._s[n][rid][src]
+        for n, values in fresh.items():
+            self._s[n][rid] = values
 
     def keep(self, rid: str, keep: torch.Tensor) -> None:
         """Evictions: the read list kept the entries where ``keep`` (bool, aligned) is set."""
-        self._acc[rid], self._per[rid] = self._acc[rid][keep], self._per[rid][keep]
+        for values in self._s.values():
+            values[rid] = values[rid][keep]
 
     def extend(self, rid: str, n: int) -> None:
         """``n`` tokens joined the end of the read list, with no attention yet."""
-        z = torch.zeros(n, dtype=torch.float32, device=self._acc[rid].device)
-        self._acc[rid], self._per[rid] = torch.cat((self._acc[rid], z)), torch.cat((self._per[rid], z))
+        for values in self._s.values():
+            values[rid] = torch.cat((values[rid], torch.zeros(n, dtype=torch.float32, device=values[rid].device)))
 
-    # ---- a step's attention, and the victims it ranks ---------------------------------------------------
+    # ---- a step's attention and keys, and the victims they rank -----------------------------------------
     def record(self, rid: str, row: torch.Tensor) -> None:
         """One attention row (float64, aligned with the read list), as ``TokenScores.record`` takes it."""
         self.record_all([rid], row.unsqueeze(0), [len(row)])
@@ -90,22 +107,37 @@ class DeviceScores:
                 or max(lengths, default=0) > rows.shape[1]:
             raise InvariantViolation("V4", f"attention rows of shape {tuple(rows.shape)} for {len(rids)} requests "
                                            f"of up to {max(lengths, default=0)} tokens")
+        first = self._first()
         for rid, n in zip(rids, lengths):
-            if len(self._acc[rid]) != n:
+            if len(first[rid]) != n:
                 raise InvariantViolation("V4", f"request {rid!r}: an attention row of {n} tokens for "
-                                               f"{len(self._acc[rid])} scored tokens")
+                                               f"{len(first[rid])} scored tokens")
         width = max(lengths, default=0)
         if not width:
             return
-        acc = pad_sequence([self._acc[r] for r in rids], batch_first=True)
-        per = pad_sequence([self._per[r] for r in rids], batch_first=True)
         rows = rows[:, :width]
-        # each row's mean as TokenScores._apply computes it (1 / n in float64; a padded entry is never kept)
-        above = rows >= 1.0 / torch.tensor(lengths, dtype=torch.float64, device=rows.device).unsqueeze(1)
-        acc = acc.to(torch.float64).add_(rows).to(torch.float32)
-        per = per.to(torch.float64).mul_(self.decay).add_(above).to(torch.float32)
-        for i, (rid, n) in enumerate(zip(rids, lengths)):
-            self._acc[rid], self._per[rid] = acc[i, :n], per[i, :n]
+        new = {}
+        if "accumulated" in self._s:
+            acc = pad_sequence([self._s["accumulated"][r] for r in rids], batch_first=True)
+            new["accumulated"] = acc.to(torch.float64).add_(rows).to(torch.float32)
+        if "persistence" in self._s:
+            per = pad_sequence([self._s["persistence"][r] for r in rids], batch_first=True)
+            # each row's mean as TokenScores._apply computes it (1 / n in float64; a padded entry is never kept)
+            above = rows >= 1.0 / torch.tensor(lengths, dtype=torch.float64, device=rows.device).unsqueeze(1)
+            new["persistence"] = per.to(torch.float64).mul_(self.decay).add_(above).to(torch.float32)
+        if "latest" in self._s:
+            new["latest"] = rows.to(torch.float32)
+        for name, batch in new.items():
+            values = self._s[name]
+            for i, (rid, n) in enumerate(zip(rids, lengths)):
+                values[rid] = batch[i, :n]
+
+    def set_keys(self, rid: str, at: torch.Tensor, norms: torch.Tensor) -> None:
+        """Key norms (float64) of the read list's entries ``at``, as ``TokenScores.record_keys`` takes them."""
+        if "key_norm" in self._s:
+            values = self._s["key_norm"][rid].clone()
+            values[at] = norms.to(torch.float32)
+            self._s["key_norm"][rid] = values
 
     def rank(self, rid: str, ids: torch.Tensor, ranking: Ranking, bound: int, protected: tuple[int, ...] = ()
              ) -> list[int]:
@@ -119,14 +151,18 @@ class DeviceScores:
         already in id order, and a stable order on the keys breaks ties by id."""
         if ranking.count <= 0:
             return []
-        if not 1 <= len(ranking.keys) <= 2 or any(k not in _SCORES for k in ranking.keys):
-            raise InvariantViolation("V4", f"request {rid!r}: cannot rank by {ranking.keys!r} (at most two of "
-                                           f"{_SCORES})")
-        scores = {"accumulated": self._acc[rid], "persistence": self._per[rid]}
-        if len(ranking.keys) == 1:  # the score itself: float order is the core's (-0.0 == 0.0 included)
-            key = scores[ranking.keys[0]]
+        keys = ranking.keys
+        names = [k.removeprefix("-") for k in keys]
+        if not 1 <= len(keys) <= 2 or any(n not in self._s for n in names) \
+                or (len(keys) == 2 and any(k.startswith("-") for k in keys)):
+            raise InvariantViolation("V4", f"request {rid!r}: cannot rank by {keys!r} (one of {self.statistics}, "
+                                           f"largest first after '-', or two of them, smallest first)")
+        if len(keys) == 1:  # the score itself: float order is the core's (-0.0 == 0.0 included; -x is exact)
+            key = self._s[names[0]][rid]
+            if keys[0].startswith("-"):
+                key = -key
         else:  # both scores' float32 bits in one int64 (+ 0.0 turns -0.0 into +0.0, whose bits order as it does)
-            first, second = (scores[k] + 0.0 for k in ranking.keys)
+            first, second = (self._s[n][rid] + 0.0 for n in names)
             key = (first.view(torch.int32).to(torch.int64) << _KEY_BITS) | second.view(torch.int32).to(torch.int64)
         k = int(torch.searchsorted(ids, torch.tensor(bound, dtype=ids.dtype, device=ids.device)))
         c_ids, c_key = ids[:k], key[:k]

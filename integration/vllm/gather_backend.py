@@ -30,7 +30,7 @@ import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from ..device.gather_attention import attention, check_agreement
-from .settings import SCORE_POLICIES, VTokenSettings
+from .settings import ATTENTION_POLICIES, VTokenSettings
 
 CLASS_PATH = "vtoken.integration.vllm.gather_backend.VTokenCPUAttentionBackend"
 
@@ -52,7 +52,7 @@ class VTokenCPUAttentionBackend(CPUAttentionBackend):
         s = engine_settings()
         if s is not None and s.read_path == "gather":
             return VTokenGatherImpl
-        if s is not None and s.policy in SCORE_POLICIES:
+        if s is not None and s.policy in ATTENTION_POLICIES:  # Knorm reads keys only: the stock impl serves it
             return VTokenScoreImpl
         return CPUAttentionBackendImpl
 
@@ -96,7 +96,7 @@ class VTokenGatherImpl(CPUAttentionBackendImpl):
 
 
 class VTokenScoreImpl(CPUAttentionBackendImpl):
-    """Dense path with H2O or Scissorhands: the stock kernel, then the score pass on the scored layers: each
+    """Dense path with a policy that reads attention (H2O, Scissorhands, TOVA): the stock kernel, then the score pass on the scored layers: each
     request's newest query over its live tokens, weights only."""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,

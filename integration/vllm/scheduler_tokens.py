@@ -36,11 +36,8 @@ from dataclasses import dataclass, field, replace
 from vtoken.core.block_pool import Purpose, blocks_needed, blocks_short
 from vtoken.core.errors import InvariantViolation
 from vtoken.core.plan import PlanKind
+from vtoken.core.policies import POLICIES as CORE_POLICIES
 from vtoken.core.policies.base import RankedPolicy, RenamedRequests, RequestView
-from vtoken.core.policies.h2o import H2O
-from vtoken.core.policies.random_policy import RandomPolicy
-from vtoken.core.policies.scissorhands import Scissorhands
-from vtoken.core.policies.streaming_llm import StreamingLLM
 from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
 from vtoken.core.runtime import ReadChanges, ReadPath, VTokenRuntime
 from vtoken.core.token_table import Move
@@ -51,8 +48,7 @@ from .settings import SCORE_POLICIES, VTokenSettings
 from .worker_copies import WorkerCopyEngine
 
 READ_CHECK_EVERY = 16  # strict verify: each request's read list is sent whole for the workers to check this often
-POLICIES = {"none": None, "streaming_llm": StreamingLLM, "random": RandomPolicy, "h2o": H2O,
-            "scissorhands": Scissorhands}
+POLICIES = {"none": None, **CORE_POLICIES}
 
 
 def reclaim_config(settings: VTokenSettings) -> ReclaimConfig | None:
@@ -144,6 +140,12 @@ class WorkerRanked:
     @property
     def name(self) -> str:
         return self.ranked.name
+
+    @property
+    def statistics(self) -> tuple[str, ...]:
+        """What the core's scores record: the reference's statistics under strict verify (the rows and key norms
+        travel then), else nothing beyond the two every runtime keeps (no memory for statistics never fed)."""
+        return self.ranked.statistics if self.check else ()
 
     def order(self, view: RequestView) -> tuple:
         """What the workers need to rank ``view``'s request: O(log L), plus the protected ids (dense path, shared
@@ -369,21 +371,23 @@ class SchedulerTokens:
         self.stats.copies_failed += len(failed)
         return corrupted
 
-    def after_step(self, attention: dict | None = None, ranked: dict | None = None, scored: int = 0
-                   ) -> dict[str, list[int]]:
+    def after_step(self, attention: dict | None = None, ranked: dict | None = None, scored: int = 0,
+                   key_norms: dict | None = None) -> dict[str, list[int]]:
         """Evict and reclaim after a forward. Score policies: ``ranked``, the victims the workers ranked;
-        ``scored``, the rows they recorded; ``attention`` (strict verify), those rows, for the core's reference
-        scores. Requests that left meanwhile are dropped. Returns each request's victims."""
+        ``scored``, the rows they recorded; ``attention`` and ``key_norms`` (strict verify), those rows and the
+        key norms they took, for the core's reference scores. Requests that left meanwhile are dropped. Returns
+        each request's victims."""
         t0 = time.perf_counter()
         rt = self.rt
         decoding = [r for r in rt.running() if rt.total_len(r) >= self.prompt_len[r]]
         rows = {r: row for r, row in (attention or {}).items() if r in rt}
+        keys = {r: norms for r, norms in (key_norms or {}).items() if r in rt}
         if self.ranked is not None:
             decoding = [r for r in decoding if r in self._scheduled]  # what was ranked (``_rank_orders``)
             self.ranked.victims = dict(ranked or {})
         rt.set_pressure(self.blocks_short())
         self.stats.pressure_steps += rt.pressure > 0
-        victims = rt.evict_and_reclaim(decoding, rows)
+        victims = rt.evict_and_reclaim(decoding, rows, keys)
         if self.ranked is not None:
             self.ranked.victims, self.ranked.sent = {}, {}
         self.stats.attention_rows += scored

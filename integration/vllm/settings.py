@@ -14,9 +14,20 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 from vtoken.core.errors import ConfigError
+from vtoken.core.policies import POLICIES as _CORE_POLICIES
+from vtoken.core.scores import ROW_STATISTICS
 
-POLICIES = ("none", "streaming_llm", "random", "h2o", "scissorhands")
-SCORE_POLICIES = ("h2o", "scissorhands")  # need attention scores: vtoken's attention backend records them
+POLICIES = ("none", "streaming_llm", "random", "h2o", "scissorhands", "tova", "knorm")
+# rank victims from per-token statistics, which live on the workers (``integration/device/scores.py``)
+SCORE_POLICIES = tuple(p for p in POLICIES if hasattr(_CORE_POLICIES.get(p), "ranking"))
+# of those, the ones that read attention rows: vtoken's attention backend records them (H2O, Scissorhands, TOVA);
+# the others read key statistics only (Knorm), which the workers take from the KV cache, and the stock kernels serve
+ATTENTION_POLICIES = tuple(p for p in SCORE_POLICIES if set(_CORE_POLICIES[p].statistics) & set(ROW_STATISTICS))
+
+
+def statistics_of(policy: str) -> tuple[str, ...]:
+    """What a policy's ranking reads ("accumulated", "persistence", "latest", "key_norm"); () for none."""
+    return tuple(getattr(_CORE_POLICIES.get(policy), "statistics", ()))
 RECLAIM = ("densify", "compact", "off")
 READ_PATHS = ("dense", "gather")
 VERIFY = ("off", "sampled", "strict")
@@ -37,7 +48,7 @@ class VTokenSettings:
     theta_f: float = 0.0  # reclaim when the waste ratio F exceeds this (compact only)
     max_sources: int = 8  # B: source blocks per compact plan
     headroom: int = 0  # blocks of vLLM's pool kept free for compaction destinations (compact only)
-    score_layers: int = 1  # H2O, Scissorhands: the newest query's attention on the last N layers; 0: all layers
+    score_layers: int = 1  # score policies: attention (or keys, Knorm) on the last N layers; 0: all layers
     strict_verify: str = "off"
     sample_every: int = 16
     on_mismatch: str = "raise"

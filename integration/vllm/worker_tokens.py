@@ -17,9 +17,10 @@ Per step (``apply``, called from ``handle_preemptions``, before ``_update_states
      evictions, a commit's moves, appends): only a first step or a log overflow resends it whole; strict verify
      sends it whole every ``READ_CHECK_EVERY`` steps to check the copy. Score policies' statistics (``DeviceScores``) are aligned
      with the read list and patched with it;
-  5. after the forward (``take_scores``): record the step's attention rows into those statistics and rank the
-     victims the scheduler asked for (``StepOrders.rank``); only the victims go back (and, under strict verify,
-     the rows, for the scheduler's reference scores).
+  5. after the forward (``take_scores``): record the step's attention rows into those statistics, and the key
+     norms of the tokens that joined the read lists (Knorm: read from the KV cache, where the forward wrote them),
+     and rank the victims the scheduler asked for (``StepOrders.rank``); only the victims go back (and, under
+     strict verify, the rows and norms, for the scheduler's reference scores).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.errors import InvariantViolation
+from vtoken.core.scores import ROW_STATISTICS
 
 from ..device.copy_engine import TorchCopyEngine
 from ..device.gather_attention import PAD
@@ -85,14 +87,21 @@ class ReadPlan:
 
 class WorkerTokens:
     def __init__(self, runner, engine: TorchCopyEngine, block_size: int,
-                 scored_layers: frozenset = frozenset(), check_attention: bool = False, tp_group=None) -> None:
+                 scored_layers: frozenset = frozenset(), check_attention: bool = False, tp_group=None,
+                 statistics: tuple[str, ...] = ("accumulated", "persistence"), gather: bool = True,
+                 head_size: int | None = None) -> None:
         groups = len(runner.input_batch.block_table.block_tables)
         if groups != 1:
             raise UnsupportedConfigError(f"vtoken supports one KV cache group (full attention); this model has "
                                          f"{groups}")
         self.runner = runner
         self.engine = engine
-        self.scored_layers = scored_layers  # H2O, Scissorhands: the layers whose attention rows are recorded
+        self.scored_layers = scored_layers  # score policies: the layers whose attention rows or keys are recorded
+        # what the policy reads: attention rows (H2O, Scissorhands, TOVA) and/or key norms (Knorm)
+        self.attention_rows = bool(scored_layers) and bool(set(statistics) & set(ROW_STATISTICS))
+        self.key_layers = sorted(scored_layers) if "key_norm" in statistics else []
+        self.head_size = head_size
+        self.plan_reads = gather or self.attention_rows  # attention reads through the lists: gather, score pass
         self.check_attention = check_attention  # strict verify: V5 on every attention the kernel computes
         # tensor parallelism: each rank attends with its own heads, so a step's rows are summed over the ranks
         # (``take_scores``) and every rank records, and ranks victims from, the mean over all heads
@@ -106,8 +115,9 @@ class WorkerTokens:
         # them on the device, where a patch is one launch for the whole batch
         self.reads: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
         self.reading = False  # this step's orders carried read lists: attention reads through them
-        # H2O, Scissorhands: per-request scores aligned with the read lists, and this step's rankings to run
-        self.scores = DeviceScores() if scored_layers else None
+        # score policies: per-request statistics aligned with the read lists, and this step's rankings to run
+        self.scores = DeviceScores(statistics=tuple(statistics)) if scored_layers else None
+        self.unkeyed: dict[str, list[np.ndarray]] = {}  # Knorm: ids whose key norms the next take_scores reads
         self.ranks: dict = {}
         self.send_rows = False  # strict verify: the rows travel too, for the scheduler's reference scores
         self.read_plan: ReadPlan | None = None  # gather read path: what attention reads this step
@@ -134,6 +144,7 @@ class WorkerTokens:
         self.audit = orders.write_slots
         for rid in orders.forget:
             self.reads.pop(rid, None)
+            self.unkeyed.pop(rid, None)
             if self.scores is not None:
                 self.scores.drop(rid)
         self.ranks, self.send_rows = orders.rank, orders.rows
@@ -159,6 +170,8 @@ class WorkerTokens:
             if self.scores is not None:  # each token keeps its scores, found by id
                 self.scores.realign(rid, None if old is None else torch.from_numpy(old[1]),
                                     torch.from_numpy(self.reads[rid][1]))
+                if self.key_layers:  # every key norm again: read from the cache, they are what they were
+                    self.unkeyed[rid] = [self.reads[rid][1]]
         else:
             have = self.reads.get(rid)
             if have is None or have[2] != c.since:
@@ -188,6 +201,8 @@ class WorkerTokens:
                 ids = np.concatenate((ids, np.array(c.joined, dtype=np.int64)))
                 if self.scores is not None:
                     self.scores.extend(rid, len(c.joined))
+                    if self.key_layers:
+                        self.unkeyed.setdefault(rid, []).append(ids[len(ids) - len(c.joined):])
             self.reads[rid] = (slots, ids, c.version)
         if d.check is not None:
             slots, ids, _ = self.reads[rid]
@@ -216,7 +231,8 @@ class WorkerTokens:
                 self._map_through_table(scheduler_output.total_num_scheduled_tokens)
             if self.audit:
                 self._audit(scheduler_output.total_num_scheduled_tokens)
-            self.read_plan = self._read_plan(scheduler_output.total_num_scheduled_tokens) if self.reading else None
+            self.read_plan = self._read_plan(scheduler_output.total_num_scheduled_tokens) \
+                if self.reading and self.plan_reads else None
             self.seconds += time.perf_counter() - t0
             return out
 
@@ -256,16 +272,18 @@ class WorkerTokens:
         # gather path.
         in_torch = (positions < prompt) & (prompt > LONG_PROMPT)
         fused = in_torch & (prompt > FUSED_PROMPT)
-        rows = torch.zeros(ids.shape, dtype=torch.float64) if self.scored_layers else None
+        rows = torch.zeros(ids.shape, dtype=torch.float64) if self.attention_rows else None
         return ReadPlan(self.engine.cache, slots, ids, query_request, positions, starts[1:] - 1, in_torch, fused,
                         req_ids, rows, self.scored_layers, check=self.check_attention)
 
-    def take_scores(self) -> tuple[dict[str, list[int]], dict[str, tuple[list[int], list[float]]], int]:
+    def take_scores(self) -> tuple[dict[str, list[int]], dict[str, tuple[list[int], list[float]]], int, dict]:
         """After the forward: record this step's attention rows (mean over heads and scored layers) into the
-        requests' scores, then rank the victims of every request the scheduler sent a ranking for. Returns (the
-        victims, per request; under strict verify the rows as (token ids, weights), else nothing; how many rows
-        were recorded). Host work: the victims (and the rows only when they travel)."""
+        requests' scores, and the key norms of the tokens that joined the read lists, then rank the victims of
+        every request the scheduler sent a ranking for. Returns (the victims, per request; under strict verify the
+        rows as (token ids, weights), else nothing; how many rows were recorded; under strict verify the key norms
+        as (token ids, norms), else nothing). Host work: the victims (and rows and norms only when they travel)."""
         t0 = time.perf_counter()
+        keys = self._take_key_norms() if self.unkeyed else {}
         plan, rows, recorded = self.read_plan, {}, 0
         if plan is not None and plan.rows is not None and plan.layers:
             batch = plan.rows / plan.layers if plan.layers > 1 else plan.rows  # x / 1 is x: one op less
@@ -289,7 +307,43 @@ class WorkerTokens:
             victims[rid] = self.scores.rank(rid, torch.from_numpy(self.reads[rid][1]), ranking, bound, protected)
         self.ranks = {}
         self.seconds += time.perf_counter() - t0
-        return victims, rows, recorded
+        return victims, rows, recorded, keys
+
+    def _take_key_norms(self) -> dict[str, tuple[list[int], list[float]]]:
+        """Knorm's statistic where the keys are: for every token that joined a read list since the last call (its
+        key written by this step's forward, or earlier for a prefix-cache hit), the L2 norm of its key in the KV
+        cache, averaged over the KV heads and the scored layers (float64), all requests in one read per layer.
+        Under tensor parallelism each rank holds as many heads, so the mean of the ranks' means is the mean over
+        all heads, as for the attention rows. Returns them as (token ids, norms) when they travel (strict verify)."""
+        rids = [rid for rid in self.unkeyed if rid in self.reads]
+        wanted = [np.concatenate(self.unkeyed[rid]) for rid in rids]
+        self.unkeyed = {}
+        at = []
+        for rid, ids in zip(rids, wanted):  # the read list ascends: each id by binary search
+            where = _places(self.reads[rid][1], ids)
+            if where is None:
+                raise InvariantViolation("V4", f"request {rid!r}: tokens {ids[:8].tolist()} joined its read list "
+                                               f"but are no longer in it before their key norms were read")
+            at.append(where)
+        slots = torch.from_numpy(np.concatenate([self.reads[rid][0][a] for rid, a in zip(rids, at)]))
+        norms = torch.zeros(len(slots), dtype=torch.float64)
+        if len(slots):
+            cache, D = self.engine.cache, self.head_size
+            for layer in self.key_layers:
+                k = cache.read(f"{layer}.K", slots).view(len(slots), -1, D).to(torch.float64)
+                norms += torch.linalg.vector_norm(k, dim=-1).mean(dim=1)
+            norms /= len(self.key_layers)
+        if self.tp_group is not None:  # every rank has the same joined tokens: the collective pairs up
+            torch.distributed.all_reduce(norms, group=self.tp_group.cpu_group)
+            norms /= self.tp_group.world_size
+        out, start = {}, 0
+        for rid, ids, a in zip(rids, wanted, at):
+            part = norms[start:start + len(a)]
+            start += len(a)
+            self.scores.set_keys(rid, torch.from_numpy(a), part)
+            if self.send_rows:
+                out[rid] = (ids.tolist(), part.tolist())
+        return out
 
     def _audit(self, num_tokens: int) -> None:
         """Strict verify: the write slots vLLM will use are exactly the ones the scheduler's table assigned."""
