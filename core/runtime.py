@@ -485,12 +485,14 @@ class VTokenRuntime:
         return self._last
 
     def end_step(self, attention: Mapping[object, Sequence[float]] | None = None,
-                 key_norms: Mapping[object, Sequence[float]] | None = None) -> dict[object, list[int]]:
+                 key_norms: Mapping[object, Sequence[float]] | None = None,
+                 observed: Mapping[object, Sequence[float]] | None = None) -> dict[object, list[int]]:
         """Record this step's attention, select victims and evict, plan and launch reclamation.
 
         ``attention``: request -> the newest query's weights over the tokens it read (``StepRequest.read_tokens``);
         ``key_norms``: request -> the key norms of the tokens it wrote this step (``new_tokens``), for a policy
-        that reads them (Knorm; others ignore them, checked all the same).
+        that reads them (Knorm); ``observed``: request -> its observation window's pooled votes over the tokens it
+        read, at the step its prompt completed (SnapKV). Other policies ignore the last two, checked all the same.
 
         This step's rows are recorded before victims are chosen, so the
         policy sees every attention row computed so far (Algorithm 1 line 2
@@ -508,33 +510,35 @@ class VTokenRuntime:
         step = self._last
         rows = self._step_rows(step, attention)
         keys = self._step_keys(step, key_norms)
-        victims = self._record_and_choose(self.table.request_ids(), rows, keys)
+        votes = self._step_rows(step, observed, "observation")
+        victims = self._record_and_choose(self.table.request_ids(), rows, keys, votes)
         # -- validated; mutate --
         self._evict_and_reclaim(victims)
         self._last = None
         return victims
 
-    def _step_rows(self, step: StepInputs, attention: Mapping[object, Sequence[float]] | None
-                   ) -> dict[object, tuple[list[int], array]]:
-        """``end_step``'s rows, validated: request -> (the tokens it read, their weights). O(row)."""
+    def _step_rows(self, step: StepInputs, attention: Mapping[object, Sequence[float]] | None,
+                   kind: str = "attention row") -> dict[object, tuple[list[int], array]]:
+        """``end_step``'s rows (or observations: ``kind``), validated: request -> (the tokens it read, their weights).
+        O(row)."""
         if attention is not None:
-            check_mapping("attention", attention)
+            check_mapping("attention" if kind == "attention row" else "observed", attention)
         rows = {}
         for r, weights in (attention or {}).items():
             if not is_known_key(step.requests, r):
                 if r in self.table:
-                    raise InvalidArgumentError(f"request {r!r}: attention row for a request admitted after "
+                    raise InvalidArgumentError(f"request {r!r}: {kind} for a request admitted after "
                                                f"begin_step; it read nothing in step {step.iteration}")
-                raise UnknownRequestError(f"request {r!r}: attention row for a request that was not in "
+                raise UnknownRequestError(f"request {r!r}: {kind} for a request that was not in "
                                           f"step {step.iteration}")
             req = step.requests[r]
             if r not in self.table or self.table.total_len(r) < req.new_tokens.stop:
                 continue  # finished during the step (and perhaps admitted again: not the request that read)
-            row = check_weights(f"request {r!r}: attention row", weights)
+            row = check_weights(f"request {r!r}: {kind}", weights)
             read_tokens = req._read_lists(keep=False)[1]
             if len(row) != len(read_tokens):
                 raise InvalidArgumentError(
-                    f"request {r!r}: attention row of {len(row)} weights for {len(read_tokens)} read tokens"
+                    f"request {r!r}: {kind} of {len(row)} weights for {len(read_tokens)} read tokens"
                 )
             rows[r] = (read_tokens, row)
         return rows
@@ -574,18 +578,20 @@ class VTokenRuntime:
 
     def evict_and_reclaim(self, req_ids: Sequence[object],
                           attention: Mapping[object, tuple[Sequence[int], Sequence[float]]] | None = None,
-                          key_norms: Mapping[object, tuple[Sequence[int], Sequence[float]]] | None = None
+                          key_norms: Mapping[object, tuple[Sequence[int], Sequence[float]]] | None = None,
+                          observed: Mapping[object, tuple[Sequence[int], Sequence[float]]] | None = None
                           ) -> dict[object, list[int]]:
         """Algorithm 1 lines 2, 3 and 5 for ``req_ids`` after a forward: record this step's attention rows
-        (request -> (token ids read, weights)) and key norms (request -> (token ids, norms)), select victims
-        (from every row so far, this step's included), evict, plan and launch reclamation. Validated first: a bad
-        row or an invalid policy answer raises and changes nothing."""
+        (request -> (token ids read, weights)), key norms (request -> (token ids, norms)) and observation-window
+        votes (request -> (token ids, votes)), select victims (from every row so far, this step's included), evict,
+        plan and launch reclamation. Validated first: a bad row or an invalid policy answer raises and changes
+        nothing."""
         ids = as_list("req_ids", req_ids)
-        if attention is not None:
-            check_mapping("attention", attention)
-        if key_norms is not None:
-            check_mapping("key_norms", key_norms)
-        unknown = [r for r in ids + list(attention or {}) + list(key_norms or {}) if r not in self.table]
+        for what, given in (("attention", attention), ("key_norms", key_norms), ("observed", observed)):
+            if given is not None:
+                check_mapping(what, given)
+        unknown = [r for r in ids + list(attention or {}) + list(key_norms or {}) + list(observed or {})
+                   if r not in self.table]
         if unknown:
             raise UnknownRequestError(f"unknown request(s) {unknown[:5]}")
         if len(set(ids)) != len(ids):
@@ -596,13 +602,18 @@ class VTokenRuntime:
                 raise InvalidArgumentError(f"request {r!r}: attention must map a request to (token ids, weights), "
                                            f"got {pair!r:.80}")
             rows[r] = self.scores.check_row(r, *pair)
-        keys = {}
+        keys, votes = {}, {}
         for r, pair in (key_norms or {}).items():
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise InvalidArgumentError(f"request {r!r}: key_norms must map a request to (token ids, norms), "
                                            f"got {pair!r:.80}")
             keys[r] = self.scores.check_keys(r, *pair)
-        victims = self._record_and_choose(ids, rows, keys)
+        for r, pair in (observed or {}).items():
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise InvalidArgumentError(f"request {r!r}: observed must map a request to (token ids, votes), "
+                                           f"got {pair!r:.80}")
+            votes[r] = self.scores.check_observed(r, *pair)
+        victims = self._record_and_choose(ids, rows, keys, votes)
         self._evict_and_reclaim(victims)
         return victims
 
@@ -624,14 +635,17 @@ class VTokenRuntime:
     # ---- helpers ----------------------------------------------------------------------
     def _record_and_choose(self, req_ids: Sequence[object],
                            rows: Mapping[object, tuple[Sequence[int], Sequence[float]]],
-                           keys: Mapping[object, tuple[Sequence[int], Sequence[float]]] = {}) -> dict[object, list[int]]:
-        """Record validated rows and key norms, then choose victims; if choosing raises, both are taken back."""
+                           keys: Mapping[object, tuple[Sequence[int], Sequence[float]]] = {},
+                           votes: Mapping[object, tuple[Sequence[int], Sequence[float]]] = {}) -> dict[object, list[int]]:
+        """Record validated rows, key norms and votes, then choose victims; if choosing raises, all are taken back."""
         s = self.scores
-        saved = [(r, ids, s._save(r, ids)) for r, (ids, _) in (*rows.items(), *keys.items())]  # before either
+        saved = [(r, ids, s._save(r, ids)) for r, (ids, _) in (*rows.items(), *keys.items(), *votes.items())]
         for r, (ids, weights) in rows.items():
             s._apply(r, ids, weights)
         for r, (ids, norms) in keys.items():
             s._apply_keys(r, ids, norms)
+        for r, (ids, values) in votes.items():
+            s._apply_observed(r, ids, values)
         try:
             return self._choose_victims(req_ids)
         except BaseException:
@@ -727,7 +741,7 @@ class VTokenRuntime:
         return RequestView(
             req_id=r, live=self.table.live_tokens(r),  # a rank view: O(1), not a list
             total_len=total, budget=self.token_budget(total), accumulated=accumulated, persistence=persistence,
-            latest=s.reader(r, "latest"), key_norm=s.reader(r, "key_norm"),
+            latest=s.reader(r, "latest"), key_norm=s.reader(r, "key_norm"), observed=s.reader(r, "observed"),
             seed=self.seed, step=self.iteration, protected=self._protected(r),
         )
 

@@ -14,6 +14,10 @@ Two more statistics are kept only for a policy that reads them (its
   key_norm(t):    the L2 norm of t's key (mean over heads and scored layers),
                   recorded once, where the key is written (Knorm): a key
                   statistic, never an attention score.
+  observed(t):    the attention t got from the prompt's last queries (its
+                  observation window), averaged over them and the heads, then
+                  pooled over neighbouring tokens: recorded once, at the step
+                  the prompt completes (SnapKV).
 
 A row (or a batch of key norms) is checked whole before any score changes:
 distinct int token ids of the request, as many finite, non-negative values.
@@ -29,10 +33,11 @@ from .errors import (ConfigError, DuplicateRequestError, InvalidArgumentError, T
                      UnknownRequestError)
 
 _INT = {int}
-ROW_STATISTICS = ("accumulated", "persistence", "latest")  # what attention rows feed
+ROW_STATISTICS = ("accumulated", "persistence", "latest")  # what each step's attention rows feed
+WINDOW_STATISTICS = ("observed",)  # what a prompt's observation window feeds, once, at its end
 KEY_STATISTICS = ("key_norm",)  # what the keys feed, once per token
-STATISTICS = ROW_STATISTICS + KEY_STATISTICS
-OPTIONAL = ("latest", "key_norm")  # kept only when a policy reads them
+STATISTICS = ROW_STATISTICS + WINDOW_STATISTICS + KEY_STATISTICS
+OPTIONAL = ("latest", "key_norm", "observed")  # kept only when a policy reads them
 
 
 def check_statistics(what: str, names: object, error: type = ConfigError) -> tuple[str, ...]:
@@ -66,6 +71,7 @@ class TokenScores:
         self._extra: dict[str, dict[object, array]] = {n: {} for n in OPTIONAL if n in wanted}
         self._latest = self._extra.get("latest")
         self._key = self._extra.get("key_norm")
+        self._observed = self._extra.get("observed")
 
     @property
     def recorded(self) -> tuple[str, ...]:
@@ -122,6 +128,11 @@ class TokenScores:
         """Key norms as ``record_keys`` takes them, validated whole like a row (``check_row``)."""
         return self._check_values(req_id, token_ids, norms, "key norms")
 
+    def check_observed(self, req_id: object, token_ids: Sequence[int], values: Sequence[float]
+                       ) -> tuple[list[int], array]:
+        """An observation window's votes as ``record_observed`` takes them, validated whole like a row."""
+        return self._check_values(req_id, token_ids, values, "observation")
+
     def _check_values(self, req_id: object, token_ids: Sequence[int], weights: Sequence[float], kind: str
                       ) -> tuple[list[int], array]:
         acc, _ = self._get(req_id)
@@ -141,7 +152,7 @@ class TokenScores:
             raise InvalidArgumentError(f"{what}: token {dup} appears twice")
         row = check_weights(what, weights)
         if len(ids) != len(row):
-            unit = "weights" if kind == "attention row" else "norms"
+            unit = {"attention row": "weights", "key norms": "norms"}.get(kind, "values")
             raise InvalidArgumentError(f"request {req_id!r}: {len(ids)} tokens but {len(row)} {unit}")
         return ids, row
 
@@ -175,6 +186,18 @@ class TokenScores:
             key = self._key[req_id]
             for t, v in zip(ids, row):
                 key[t] = v
+
+    def record_observed(self, req_id: object, token_ids: Sequence[int], values: Sequence[float]) -> None:
+        """A prompt's observation-window votes over the tokens it read (a later observation replaces them)."""
+        ids, row = self.check_observed(req_id, token_ids, values)
+        self._apply_observed(req_id, ids, row)
+
+    def _apply_observed(self, req_id: object, ids: list[int], row: Sequence[float]) -> None:
+        """Record votes ``check_observed`` returned (nothing unless a policy reads them)."""
+        if self._observed is not None:
+            observed = self._observed[req_id]
+            for t, v in zip(ids, row):
+                observed[t] = v
 
     def copy_keys(self, req_id: object, source: object, n: int) -> None:
         """The key norms of ``source``'s first ``n`` tokens become ``req_id``'s (a shared prefix: the same keys)."""
@@ -238,6 +261,9 @@ class TokenScores:
 
     def key_norm(self, req_id: object, token_id: int) -> float:
         return self._optional("key_norm", req_id, token_id)
+
+    def observed(self, req_id: object, token_id: int) -> float:
+        return self._optional("observed", req_id, token_id)
 
     def _optional(self, name: str, req_id: object, token_id: int) -> float:
         values = self._get(req_id)[0]

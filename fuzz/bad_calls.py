@@ -406,10 +406,14 @@ class BadCalls:
         step ends with the good rows."""
         rt, real_end = self.rt, self.rt.end_step
 
-        def end_step(weights, keys=None):
-            # an odd index spoils the step's key norms instead of its attention rows (they are checked alike)
-            spoil_keys = index % 2 == 1 and keys is not None and any(len(k) for k in keys.values())
-            given = keys if spoil_keys else weights
+        def end_step(weights, keys=None, observed=None):
+            # an index of 1 mod 3 spoils the step's key norms, 2 mod 3 its observations (SnapKV's votes), else its
+            # attention rows: all three are checked alike
+            spoil = {1: "keys", 2: "observed"}.get(index % 3, "rows")
+            inputs = {"rows": weights, "keys": keys, "observed": observed}
+            if spoil != "rows" and not (inputs[spoil] and any(len(v) for v in inputs[spoil].values())):
+                spoil = "rows"
+            given = inputs[spoil]
             rows = {r: list(w) for r, w in given.items() if len(w)}
             if kind == "unknown":
                 bad, exc = {**given, "no-such-request": [1.0]}, E.UnknownRequestError
@@ -422,12 +426,11 @@ class BadCalls:
                     row[index % len(row)] = {"nan": float("nan"), "inf": float("inf"), "negative": -0.25}[kind]
                 bad, exc = {**given, r: row}, E.InvalidArgumentError
             else:
-                return real_end(weights, keys)
+                return real_end(weights, keys, observed)
             before = self._scores_state()
-            self._rejected(exc, real_end, *((weights, bad) if spoil_keys else (bad, keys)))
-            assert self._scores_state() == before, \
-                f"a rejected {'key norm' if spoil_keys else 'attention row'} ({kind}) changed the scores"
-            return real_end(weights, keys)
+            self._rejected(exc, real_end, *({**inputs, spoil: bad}.values()))
+            assert self._scores_state() == before, f"a rejected {spoil} input ({kind}) changed the scores"
+            return real_end(weights, keys, observed)
 
         rt.end_step = end_step
         try:
@@ -528,17 +531,17 @@ class BadCalls:
         raises): end_step raises PolicyError and changes nothing, scores included; then ends normally."""
         rt, real_end, policy = self.rt, self.rt.end_step, self.policy
 
-        def end_step(weights, keys=None):
+        def end_step(weights, keys=None, observed=None):
             policy.misbehave, policy.misbehaved = kind, None
             before = (self.state(), self._scores_state())
             try:
-                out = real_end(weights, keys)
+                out = real_end(weights, keys, observed)
             except E.PolicyError:
                 assert policy.misbehaved == kind, "end_step raised PolicyError for a valid answer"
                 assert (self.state(), self._scores_state()) == before, \
                     f"a refused policy answer ({kind}) changed the state or the scores"
                 EVENTS["rejected_calls"] += 1
-                return real_end(weights, keys)
+                return real_end(weights, keys, observed)
             finally:
                 policy.misbehave = None
             assert policy.misbehaved is None, f"end_step accepted the policy's invalid answer ({kind})"

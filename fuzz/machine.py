@@ -49,6 +49,12 @@ from .profiles import PROFILES, Profile
 
 
 
+def observed_vote(tag: int) -> float:
+    """The fuzzer's model of SnapKV's pooled vote for a token at its prompt's end: a function of its content, 8
+    levels, so ties are common."""
+    return ((tag * 40503) >> 5 & 0x7) / 64.0
+
+
 def key_norm(tag: int) -> float:
     """The fuzzer's model of a key's norm: a function of the token's content (a shared prefix's tokens then have
     their source's norms, as in a real KV cache), 16 levels apart by 1/4096 so ties are common."""
@@ -359,12 +365,13 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
                 self._check_refusal_after_settling(appends)
                 return False
             EVENTS["steps_fitting_only_after_settle"] += 1
+        prefilling = {r for r in appends if r in self.prefill}  # their prompts complete in this step
         for r, n in appends.items():
             if r not in self.prefill:
                 self.content[r] += self._tags(n)
             self.prefill.pop(r, None)
         store = self.store
-        weights, keys = {}, {}
+        weights, keys, observed = {}, {}, {}
         assert set(inputs.requests) == set(self.table.request_ids()), "a running request is missing from the step"
         self.mirror.apply(inputs)
         self.mirror.check(inputs)
@@ -383,21 +390,24 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
             assert got == want, f"request {r}: attention read {got}, shadow has {want} (I1)"
             weights[r] = attention_weights(r, req.read_tokens, self.table.total_len(r))
             keys[r] = [key_norm(self.content[r][t]) for t in req.new_tokens]
+            if r in prefilling:
+                observed[r] = [observed_vote(self.content[r][t]) for t in req.read_tokens]
         if self.engine.pending():
             EVENTS["steps_with_copies_in_flight"] += 1
         if between is not None:
             between()
         # a row of a request that left during the step is dropped (end_step's contract): shadow the others
         shadowed = {r: (inputs.requests[r].read_tokens, w) for r, w in weights.items() if r in self.table}
-        self._evict_chosen(shadowed, rt.end_step, weights, keys)
+        votes = {r: (inputs.requests[r].read_tokens, v) for r, v in observed.items() if r in self.table}
+        self._evict_chosen(shadowed, rt.end_step, weights, keys, observed, votes=votes)
         EVENTS["steps"] += 1
         return True
 
-    def _evict_chosen(self, rows: dict, call, *args) -> None:
-        """``call(*args)`` records this step's attention ``rows`` (request -> (token ids, weights)) and evicts
-        the victims it returns: the score shadow takes the rows first (and gives them back if the call
-        raises), the content shadow loses the victims after."""
-        self.oracles.scores.apply(rows)
+    def _evict_chosen(self, rows: dict, call, *args, votes: dict | None = None) -> None:
+        """``call(*args)`` records this step's attention ``rows`` (request -> (token ids, weights)) and ``votes``
+        (the same, SnapKV's observations) and evicts the victims it returns: the score shadow takes them first (and
+        gives them back if the call raises), the content shadow loses the victims after."""
+        self.oracles.scores.apply(rows, votes or {})
         due = self._due(args[0] if args and call == self.rt.evict_and_reclaim else self.table.request_ids())
         self.policy.asked = set()
         try:
@@ -488,6 +498,7 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
         rt.manager.settle()
         running = self.table.request_ids()
         appends = {r: self.prefill.get(r, 1) for r in running}
+        prefilling = {r for r in running if r in self.prefill}  # their prompts complete in this step
         need = {r: rt.blocks_to_grow(r, n) for r, n in appends.items()}
         if not running or not pool.can_allocate(sum(need.values()), Purpose.ADMISSION):
             return
@@ -504,7 +515,7 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
         for r, t, slot in writes:
             self.store.write(slot, self.content[r][t])
             self.shadow[r][t] = self.content[r][t]
-        rows, keys = {}, {}
+        rows, keys, votes = {}, {}, {}
         for r, t, _ in writes:
             ids, norms = keys.setdefault(r, ([], []))
             ids.append(t)
@@ -515,7 +526,9 @@ class VTokenMachine(BadCalls, RuleBasedStateMachine):
             got = [read(s) for s in self.table.attention_slots(r)]
             assert got == [self.shadow[r][t] for t in tokens], f"request {r}: read {got} (I1)"
             rows[r] = (tokens, attention_weights(r, tokens, self.table.total_len(r)))
-        self._evict_chosen(rows, rt.evict_and_reclaim, running, rows, keys)
+            if r in prefilling:
+                votes[r] = (tokens, [observed_vote(self.content[r][t]) for t in tokens])
+        self._evict_chosen(rows, rt.evict_and_reclaim, running, rows, keys, votes, votes=votes)
         EVENTS["engine_steps"] += 1
 
     @rule(req=requests)

@@ -52,6 +52,7 @@ from vtoken.core.policies.h2o import H2O
 from vtoken.core.policies.knorm import Knorm
 from vtoken.core.policies.random_policy import RandomPolicy
 from vtoken.core.policies.scissorhands import Scissorhands
+from vtoken.core.policies.snapkv import SnapKV
 from vtoken.core.policies.streaming_llm import StreamingLLM
 from vtoken.core.policies.tova import TOVA
 from vtoken.core.reclamation import PlanRecord, PlanState
@@ -128,6 +129,9 @@ def check_policy_choice(policy: object, view: RequestView, victims: list[int]) -
     elif isinstance(policy, Knorm):  # the largest key norms leave first
         pool = _evictable(view, policy.keep_recent)
         _lowest_first(name, victims, pool, lambda t: (-view.key_norm(t),), min(excess, len(pool)))
+    elif isinstance(policy, SnapKV):  # the least observed by the prompt's window, outside the window
+        pool = _evictable(view, policy.window)
+        _lowest_first(name, victims, pool, lambda t: (view.observed(t),), min(excess, len(pool)))
     else:
         raise OracleViolation("policy", f"no reference rule for policy {name!r}")
 
@@ -144,18 +148,25 @@ class ScoreShadow:
         self.acc: dict[object, dict[int, float]] = {}
         self.per: dict[object, dict[int, float]] = {}
         self.lat: dict[object, dict[int, float]] = {}
+        self.obs: dict[object, dict[int, float]] = {}
         self._undo: list = []
 
     def forget(self, req: object) -> None:
-        self.acc.pop(req, None)
-        self.per.pop(req, None)
-        self.lat.pop(req, None)
+        for d in (self.acc, self.per, self.lat, self.obs):
+            d.pop(req, None)
 
-    def apply(self, rows: dict[object, tuple[list[int], list[float]]]) -> None:
-        """Record one step's rows; ``undo`` takes them back (the step was refused)."""
-        self._undo = [(r, dict(self.acc.get(r, {})), dict(self.per.get(r, {})), dict(self.lat.get(r, {})))
-                      for r in rows]
+    def apply(self, rows: dict[object, tuple[list[int], list[float]]],
+              votes: dict[object, tuple[list[int], list[float]]] = {}) -> None:
+        """Record one step's rows and observations (SnapKV's votes: each replaces the last); ``undo`` takes them
+        back (the step was refused)."""
+        self._undo = [(r, *(dict(d.get(r, {})) for d in (self.acc, self.per, self.lat, self.obs)))
+                      for r in {*rows, *votes}]
         f32 = array("f", [0.0])
+        for r, (ids, values) in votes.items():
+            obs = self.obs.setdefault(r, {})
+            for t, v in zip(ids, values):
+                f32[0] = v
+                obs[t] = f32[0]
         for r, (ids, weights) in rows.items():
             if not ids:
                 continue
@@ -170,15 +181,15 @@ class ScoreShadow:
                 lat[t] = f32[0]
 
     def undo(self) -> None:
-        for r, acc, per, lat in self._undo:
-            self.acc[r], self.per[r], self.lat[r] = acc, per, lat
+        for r, acc, per, lat, obs in self._undo:
+            self.acc[r], self.per[r], self.lat[r], self.obs[r] = acc, per, lat, obs
         self._undo = []
 
     def check_view(self, req: object, view: RequestView, statistics: tuple[str, ...] = (),
                    key_norm: Callable[[int], float] | None = None) -> None:
         """The view's scores are the shadow's: accumulated and persistence always, and the optional
         ``statistics`` the policy reads (``latest``; ``key_norm`` against ``key_norm(t)``, in float32)."""
-        acc, per, lat = self.acc.get(req, {}), self.per.get(req, {}), self.lat.get(req, {})
+        acc, per, lat, obs = (d.get(req, {}) for d in (self.acc, self.per, self.lat, self.obs))
         f32 = array("f", [0.0])
         for t in view.live:
             got, want = (view.accumulated(t), view.persistence(t)), (acc.get(t, 0.0), per.get(t, 0.0))
@@ -188,6 +199,9 @@ class ScoreShadow:
             if "latest" in statistics and view.latest(t) != lat.get(t, 0.0):
                 raise OracleViolation("policy", f"request {req!r} token {t}: the policy sees latest "
                                                 f"{view.latest(t)}; the newest row that read it gives {lat.get(t, 0.0)}")
+            if "observed" in statistics and view.observed(t) != obs.get(t, 0.0):
+                raise OracleViolation("policy", f"request {req!r} token {t}: the policy sees observed "
+                                                f"{view.observed(t)}; its prompt's observation gives {obs.get(t, 0.0)}")
             if "key_norm" in statistics and key_norm is not None:
                 f32[0] = key_norm(t)
                 if view.key_norm(t) != f32[0]:

@@ -624,6 +624,18 @@ def _latest_accumulates():
     return {(scores.TokenScores, "_apply"): _apply}
 
 
+def _observation_lands_one_token_late():
+    original = scores.TokenScores._apply_observed
+
+    def _apply_observed(self, req_id, ids, row):
+        # each vote is recorded for the token after the one it belongs to (an off-by-one alignment)
+        shifted = [t + 1 for t in ids]
+        n = len(self._acc[req_id])
+        original(self, req_id, [t for t in shifted if t < n], [v for t, v in zip(shifted, row) if t < n])
+
+    return {(scores.TokenScores, "_apply_observed"): _apply_observed}
+
+
 def _shared_prefix_loses_key_norms():
     def copy_keys(self, req_id, source, n):
         return None  # a prefix hit's tokens keep zero key norms, as if their keys were never written
@@ -734,6 +746,8 @@ BUGS: dict[str, PlantedBug] = {
                    "written tokens are dead, though appends still go there", _release_takes_the_append_block),
         PlantedBug("latest_accumulates", "TOVA's latest-row statistic adds each row to the last instead of "
                    "replacing it (policy statistics)", _latest_accumulates),
+        PlantedBug("observation_lands_one_token_late", "SnapKV's observation votes are recorded one token to the "
+                   "right of the tokens they belong to (policy statistics)", _observation_lands_one_token_late),
         PlantedBug("shared_prefix_loses_key_norms", "a request admitted on a shared prefix gets zero key norms for "
                    "its prefix, so Knorm never evicts it (policy statistics)", _shared_prefix_loses_key_norms),
         PlantedBug("compact_underfills_destinations", "compact leaves a slot of a destination empty and spills into "

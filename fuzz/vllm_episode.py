@@ -36,7 +36,7 @@ from vtoken.integration.vllm.settings import SCORE_POLICIES
 
 MODEL = str(Path(manager_hooks.__file__).parent / "models" / "byte-llama")
 ATTENTION_SCORED = ("h2o", "scissorhands")  # the first draw's score policies (its stream is kept as it was)
-LATER_POLICIES = ("tova", "knorm")  # drawn from a stream of their own, so earlier episodes replay unchanged
+LATER_POLICIES = ("tova", "knorm", "snapkv")  # drawn from a stream of their own: earlier episodes replay unchanged
 LOGPROB_TOL = 1e-3  # same token, caching on vs off: roundoff measured <= 1e-5; wrong K/V moves it by ~0.1-2
 TIE = 1e-3  # a first differing token is legitimate only where the top two logprobs are this close
 
@@ -109,7 +109,7 @@ class Episode:
             vt["policy"] = rng.choice(ATTENTION_SCORED)  # scores: the gather backend or the score pass
             vt["score_layers"] = rng.choice([0, 1, 2])
             later = random.Random(f"{seed}:later_policies")
-            if later.random() < 0.5:  # TOVA (the same rows) or Knorm (key norms from the cache, no score pass)
+            if later.random() < 0.5:  # TOVA (the same rows), Knorm (key norms, no score pass), SnapKV (a window)
                 vt["policy"] = later.choice(LATER_POLICIES)
         # caching on, except a quarter of the score-policy episodes: the others also run with caching off
         # (differential), which covers that engine with every oracle too

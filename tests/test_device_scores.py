@@ -19,14 +19,15 @@ from vtoken.core.policies.base import RequestView
 from vtoken.core.policies.h2o import H2O
 from vtoken.core.policies.knorm import Knorm
 from vtoken.core.policies.scissorhands import Scissorhands
+from vtoken.core.policies.snapkv import SnapKV
 from vtoken.core.policies.tova import TOVA
 from vtoken.core.scores import TokenScores
 from vtoken.integration.device.scores import DeviceScores
 
 POLICIES = [H2O(), H2O(recent_fraction=0.0), H2O(recent_fraction=0.9), Scissorhands(),
             Scissorhands(recent_fraction=0.0), TOVA(), TOVA(keep_recent=0), TOVA(keep_recent=5), Knorm(),
-            Knorm(keep_recent=0), Knorm(keep_recent=4)]
-EVERY = ("accumulated", "persistence", "latest", "key_norm")
+            Knorm(keep_recent=0), Knorm(keep_recent=4), SnapKV(), SnapKV(window=2)]
+EVERY = ("accumulated", "persistence", "latest", "key_norm", "observed")
 
 
 def f32_bits(xs) -> list[int]:
@@ -47,7 +48,7 @@ def episode(seed: int, steps: int = 60, accumulate=None):
     """Yields (device, reference, ids, live, total) after each step; ``accumulate`` replaces the device's record
     (a planted arithmetic) when given."""
     rng = random.Random(seed)
-    dev, ref = DeviceScores(statistics=EVERY), TokenScores(statistics=("latest", "key_norm"))
+    dev, ref = DeviceScores(statistics=EVERY), TokenScores(statistics=("latest", "key_norm", "observed"))
     ref.add_request("r")
     if accumulate is not None:
         dev.record = accumulate.__get__(dev)
@@ -79,6 +80,10 @@ def episode(seed: int, steps: int = 60, accumulate=None):
             norms = [rng.choice((0.5, 1.0, 2.0)) if rng.random() < 0.3 else rng.random() * 4 for _ in at]
             dev.set_keys("r", torch.tensor(at, dtype=torch.int64), torch.tensor(norms, dtype=torch.float64))
             ref.record_keys("r", [ids.tolist()[i] for i in at], norms)
+        if rng.random() < 0.1:  # a prompt completes (or is recomputed): its observation, over the whole list
+            votes = row_for(rng, len(ids))
+            dev.set_values("observed", "r", torch.arange(len(ids)), torch.tensor(votes, dtype=torch.float64))
+            ref.record_observed("r", ids.tolist(), votes)
         w = row_for(rng, len(ids))
         dev.record("r", torch.tensor(w, dtype=torch.float64))
         ref.record("r", ids.tolist(), w)
@@ -94,12 +99,13 @@ def compare_episode(seed: int) -> tuple[int, int]:
         acc, per = dev.values("r")
         assert f32_bits(acc.tolist()) == f32_bits(ref.accumulated("r", t) for t in ids.tolist())
         assert f32_bits(per.tolist()) == f32_bits(ref.persistence("r", t) for t in ids.tolist())
-        for name in ("latest", "key_norm"):
+        for name in ("latest", "key_norm", "observed"):
             assert f32_bits(dev.values("r", name).tolist()) == f32_bits(ref.reader("r", name)(t) for t in ids.tolist())
         a, p = ref.readers("r")
         protected = frozenset(rng.sample(live, rng.randint(0, 2)) if live and rng.random() < 0.3 else ())
         view = RequestView("r", live, total, budget=rng.randint(1, max(1, len(live))), accumulated=a,
                            persistence=p, latest=ref.reader("r", "latest"), key_norm=ref.reader("r", "key_norm"),
+                           observed=ref.reader("r", "observed"),
                            protected=protected)
         if not view.excess:
             continue
@@ -218,3 +224,16 @@ def test_a_descending_key_ranks_largest_first_and_two_keys_cannot_mix_directions
         dev.rank("r", ids, Ranking(1, 1, ("latest",)), 5)  # not recorded for this policy
     with pytest.raises(InvariantViolation, match="cannot rank by"):
         DeviceScores(statistics=EVERY).rank("r", ids, Ranking(1, 1, ("-key_norm", "accumulated")), 5)
+
+
+@pytest.mark.parametrize("kernel", [1, 3, 5, 7])
+def test_the_workers_pooling_is_snapkvs_reference_pooling(kernel):
+    """``WorkerTokens._take_votes`` pools with torch's ``avg_pool1d``; ``snapkv.pool_votes`` is the definition.
+    Lists shorter than the kernel included (a prompt of a few tokens)."""
+    from vtoken.core.policies.snapkv import pool_votes
+    rng = random.Random(kernel)
+    for n in (1, 2, kernel, 3 * kernel + 1, 40):
+        votes = [rng.random() for _ in range(n)]
+        got = torch.nn.functional.avg_pool1d(torch.tensor(votes, dtype=torch.float64).view(1, 1, n), kernel,
+                                             stride=1, padding=kernel // 2).flatten().tolist()
+        assert got == pytest.approx(pool_votes(votes, kernel), rel=1e-12, abs=1e-15)

@@ -41,7 +41,7 @@ from vtoken.core.errors import (
 from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.occupancy import SlotOccupancy
 from vtoken.core.plan import Plan, PlanKind
-from vtoken.core.policies import H2O, TOVA, Knorm, RandomPolicy, RequestView, Scissorhands, StreamingLLM, make_policy
+from vtoken.core.policies import H2O, TOVA, Knorm, SnapKV, RandomPolicy, RequestView, Scissorhands, StreamingLLM, make_policy
 from vtoken.core.reclamation import PlanRecord, PlanState, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 from vtoken.core.scores import TokenScores
@@ -1286,6 +1286,25 @@ def _end_step_refuses_key_norms_as_a_list():
 def _end_step_records_no_row_when_the_key_norms_are_bad():
     rt = open_step(policy=TOVA(), budget=1.0)
     return (rt,), lambda: rt.end_step({"a": [1 / 7] * 7}, {"b": [math.inf]}), InvalidArgumentError, "request 'b'"
+
+
+@case
+def _end_step_refuses_an_observation_of_the_wrong_length():
+    rt = open_step(policy=SnapKV())
+    return (rt,), lambda: rt.end_step(None, None, {"a": [0.5]}), InvalidArgumentError, "observation of 1 weights"
+
+
+@case
+def _end_step_refuses_an_observation_for_a_request_not_in_the_step():
+    rt = open_step(policy=SnapKV())
+    return (rt,), lambda: rt.end_step(None, None, {"zz": [1.0]}), UnknownRequestError, "'zz': observation"
+
+
+@case
+def _evict_and_reclaim_refuses_an_observation_without_token_ids():
+    rt = running(policy=SnapKV())
+    return (rt,), lambda: rt.evict_and_reclaim(["a"], None, None, {"a": [0.5]}), InvalidArgumentError, \
+        "(token ids, votes)"
 
 
 @case

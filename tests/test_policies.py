@@ -19,6 +19,7 @@ from vtoken.core.policies import (
     POLICIES,
     TOVA,
     Knorm,
+    SnapKV,
     RandomPolicy,
     RequestView,
     Scissorhands,
@@ -28,15 +29,15 @@ from vtoken.core.policies import (
 from vtoken.core.live_index import CHUNK, NO_SLOT, LiveIndex, LiveTokens
 from vtoken.core.scores import TokenScores
 
-ALL = [H2O(), StreamingLLM(), Scissorhands(), RandomPolicy(), TOVA(), Knorm()]
+ALL = [H2O(), StreamingLLM(), Scissorhands(), RandomPolicy(), TOVA(), Knorm(), SnapKV()]
 
 
-def view(live, budget, total_len=None, acc=None, per=None, lat=None, key=None, **kw) -> RequestView:
-    acc, per, lat, key = acc or {}, per or {}, lat or {}, key or {}
+def view(live, budget, total_len=None, acc=None, per=None, lat=None, key=None, obs=None, **kw) -> RequestView:
+    acc, per, lat, key, obs = acc or {}, per or {}, lat or {}, key or {}, obs or {}
     return RequestView(
         req_id=kw.pop("req_id", "r"), live=list(live), total_len=total_len if total_len is not None else max(live) + 1,
         budget=budget, accumulated=lambda t: acc.get(t, 0.0), persistence=lambda t: per.get(t, 0.0),
-        latest=lambda t: lat.get(t, 0.0), key_norm=lambda t: key.get(t, 0.0), **kw,
+        latest=lambda t: lat.get(t, 0.0), key_norm=lambda t: key.get(t, 0.0), observed=lambda t: obs.get(t, 0.0), **kw,
     )
 
 
@@ -173,6 +174,7 @@ def test_victims_respect_protected_and_excess(policy):
         "h2o": [1, 3, 5, 7, 8, 9, 10, 13, 14],  # window 5: 15..19 stay; only 9 candidates are left
         "streaming_llm": [5, 7, 8, 9, 10, 13],  # sinks 0..3, window 6 (14..19)
         "scissorhands": [1, 3, 5, 7, 8, 9, 10, 13, 14, 15],  # window 2 (18, 19)
+        "snapkv": [1, 3],  # window 16: 4..19 stay; 1 and 3 are all that is left outside it
     }
     if policy.name in expect:
         assert got == expect[policy.name]
@@ -195,7 +197,7 @@ def test_policies_do_not_mutate_the_view(policy):
 
 
 def test_make_policy_builds_each_registered_policy():
-    assert sorted(POLICIES) == ["h2o", "knorm", "random", "scissorhands", "streaming_llm", "tova"]
+    assert sorted(POLICIES) == ["h2o", "knorm", "random", "scissorhands", "snapkv", "streaming_llm", "tova"]
     for name, cls in POLICIES.items():
         p = make_policy(name)
         assert isinstance(p, cls) and p.name == name
@@ -205,8 +207,8 @@ def test_make_policy_builds_each_registered_policy():
 def test_make_policy_rejects_unknown_names(name):
     with pytest.raises(ConfigError) as err:
         make_policy(name)
-    assert str(err.value) == (f"policy must be one of ['h2o', 'knorm', 'random', 'scissorhands', 'streaming_llm', "
-                              f"'tova'], got {name!r}")
+    assert str(err.value) == (f"policy must be one of ['h2o', 'knorm', 'random', 'scissorhands', 'snapkv', "
+                              f"'streaming_llm', 'tova'], got {name!r}")
 
 
 # ---- the paper's integration footprint: each policy is < 50 lines of logic ------------------------------
@@ -251,7 +253,7 @@ class A:
     assert logic_lines(src) == 7
 
 
-POLICY_FILES = ["h2o.py", "streaming_llm.py", "scissorhands.py", "random_policy.py", "tova.py", "knorm.py"]
+POLICY_FILES = ["h2o.py", "streaming_llm.py", "scissorhands.py", "random_policy.py", "tova.py", "knorm.py", "snapkv.py"]
 
 
 @pytest.mark.parametrize("filename", POLICY_FILES)
@@ -521,3 +523,25 @@ def test_key_norms_are_recorded_once_per_write_and_checked_whole():
         with pytest.raises((InvalidArgumentError, TokenOutOfRangeError), match=match):
             s.record_keys("r", ids, norms)
     assert [s.key_norm("r", t) for t in range(4)] == [1.5, 2.0, 0.25, 0.0]  # nothing changed
+
+
+def test_snapkv_keeps_what_the_prompts_window_voted_for_and_then_a_recent_window():
+    from vtoken.core.policies.snapkv import pool_votes
+    # a 12-token prompt, window 3: tokens 9..11 stay; of 0..8 the least voted leave (2 of them, budget 10)
+    votes = {0: 0.3, 1: 0.01, 2: 0.2, 3: 0.02, 4: 0.02, 5: 0.1, 6: 0.05, 7: 0.1, 8: 0.05, 9: 0.0, 10: 0.0, 11: 0.0}
+    v = view(range(12), budget=10, obs=votes)
+    assert SnapKV(window=3).select_victims(v) == [1, 3]  # 3 before 4 on a tie (older first)
+    # decode: generated tokens (12, 13) have no vote, so the oldest of them leaves first, past the window
+    v = view([0, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], budget=12, obs=votes)
+    assert SnapKV(window=3).select_victims(v) == [9]  # 9 voted 0.0, older than 10 and the generated 12
+    # kvpress's avg_pool1d: stride 1, zero padding kernel // 2, counted
+    assert pool_votes([0.0, 0.0, 1.0, 0.0, 0.0, 0.0], 3) == [0.0, 1 / 3, 1 / 3, 1 / 3, 0.0, 0.0]
+    assert pool_votes([3.0, 0.0], 3) == [1.0, 1.0] and pool_votes([0.5], 1) == [0.5]
+
+
+@pytest.mark.parametrize("kw, match", [({"window": 0}, "SnapKV window must be >= 1"),
+                                       ({"kernel": 4}, "SnapKV kernel must be odd"),
+                                       ({"kernel": -1}, "SnapKV kernel"), ({"window": 2.0}, "SnapKV window")])
+def test_snapkv_refuses_bad_parameters_naming_them(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        SnapKV(**kw)

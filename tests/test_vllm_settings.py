@@ -23,7 +23,8 @@ def test_the_documented_block_parses():
 
 
 @pytest.mark.parametrize("block, message", [
-    ({"policy": "lru"}, "vtoken.policy must be one of ['none', 'streaming_llm', 'random', 'h2o', 'scissorhands'], got 'lru'"),
+    ({"policy": "lru"}, "vtoken.policy must be one of ['none', 'streaming_llm', 'random', 'h2o', 'scissorhands', 'tova', 'knorm', "
+     "'snapkv'], got 'lru'"),
     ({"budget": 1.5}, "vtoken.budget must be a ratio in (0, 1]"),
     ({"budget": 0}, "or a token count >= 1 (e.g. 512), got 0"),
     ({"budget": True}, "vtoken.budget"),

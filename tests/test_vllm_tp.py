@@ -48,10 +48,12 @@ def test_nothing_evicted_with_forced_relocations_is_bit_identical_to_plain_vllm(
     assert w["verified"] == 2 * r0["verified"]  # one verification per shard
 
 
-@pytest.mark.parametrize("policy", ["h2o", "streaming_llm", "random"])
+@pytest.mark.parametrize("policy", ["h2o", "streaming_llm", "random", "knorm", "snapkv"])
 def test_compact_is_bit_identical_to_naive_evict(runs, policy):
-    """Gather path at 0.5: compact and Naive-Evict evict the same tokens (H2O from the ranks' all-reduced rows),
-    so they generate the same ids and logprobs; compact's relocations are verified on both ranks."""
+    """Gather path at 0.5: compact and Naive-Evict evict the same tokens (H2O from the ranks' all-reduced rows,
+    Knorm from their all-reduced key norms, SnapKV from their all-reduced votes; a rank ranking from its own heads
+    would be refused, TP1), so they generate the same ids and logprobs; compact's relocations are verified on both
+    ranks, and under strict verify the core's reference chose every victim the ranks chose (V4)."""
     base = {"policy": policy, "budget": 0.5, "read_path": "gather", "seed": 3}
     off = runs(f"{policy} off", {**base, "reclaim": "off"})
     compact = runs(f"{policy} compact", {**base, "reclaim": "compact", "strict_verify": "strict"})

@@ -253,11 +253,12 @@ def shared_prefix_prompts(n: int = 4, prefix: int = 70):
 
 def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int = 1, probe: bool = False,
         multiprocess: bool = False, count_preemptions: bool = False, rows: bool = False, setup=None,
-        keys: bool = False, **overrides) -> dict:
+        keys: bool = False, observed: bool = False, **overrides) -> dict:
     """Generate ``passes`` times on one engine. In-process runs also return the scheduler's vtoken state
     after the last pass (stats, pool accounting), with ``probe`` the attention probe's records, and with
     ``rows`` every attention row the scheduler's scores recorded: (request by arrival, token ids, weights), and
-    with ``keys`` every batch of key norms they recorded (Knorm under strict verify): (request, token ids, norms).
+    with ``keys`` every batch of key norms they recorded (Knorm under strict verify): (request, token ids, norms),
+    and with ``observed`` every observation (SnapKV under strict verify): (request, token ids, votes).
     ``setup``: (function, kwargs) run in every worker before the first pass (``collective_rpc``); its answers
     are ``res["setup"]``."""
     from vllm import SamplingParams
@@ -284,6 +285,12 @@ def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int
             apply_keys = scores._apply_keys
             scores._apply_keys = lambda r, ids, n: (taken.append((names[r], list(ids), list(n))),
                                                     apply_keys(r, ids, n))[1]
+        if observed:
+            res["observed"] = seen = []
+            scores, names = conn.tokens.rt.scores, conn.tokens.policy_names
+            apply_observed = scores._apply_observed
+            scores._apply_observed = lambda r, ids, v: (seen.append((names[r], list(ids), list(v))),
+                                                        apply_observed(r, ids, v))[1]
         if count_preemptions:
             res["preempted"] = preempted = []
             sched = llm.llm_engine.engine_core.engine_core.scheduler

@@ -8,11 +8,12 @@ from .h2o import H2O
 from .knorm import Knorm
 from .random_policy import RandomPolicy
 from .scissorhands import Scissorhands
+from .snapkv import SnapKV
 from .streaming_llm import StreamingLLM
 from .tova import TOVA
 
 POLICIES = {"h2o": H2O, "streaming_llm": StreamingLLM, "scissorhands": Scissorhands, "random": RandomPolicy,
-            "tova": TOVA, "knorm": Knorm}
+            "tova": TOVA, "knorm": Knorm, "snapkv": SnapKV}
 
 
 def make_policy(name: str) -> EvictionPolicy:
@@ -22,4 +23,4 @@ def make_policy(name: str) -> EvictionPolicy:
 
 
 __all__ = ["EvictionPolicy", "RequestView", "H2O", "StreamingLLM", "Scissorhands", "RandomPolicy", "TOVA",
-           "Knorm", "POLICIES", "make_policy"]
+           "Knorm", "SnapKV", "POLICIES", "make_policy"]

@@ -26,6 +26,7 @@ class RequestView:
         persistence: token id -> persistence of importance (Scissorhands).
         latest: token id -> its weight in the newest attention row (TOVA).
         key_norm: token id -> its key's L2 norm (Knorm).
+        observed: token id -> the attention it got from the prompt's observation window, pooled (SnapKV).
         (Each reads 0.0 in a view built by hand; the runtime gives a policy the statistics it lists in its
         ``statistics``, and an error for one it reads without listing it: ``core/scores.py``.)
         seed: the run's seed, for randomized policies.
@@ -46,6 +47,7 @@ class RequestView:
     persistence: Callable[[int], float] = lambda t: 0.0
     latest: Callable[[int], float] = lambda t: 0.0
     key_norm: Callable[[int], float] = lambda t: 0.0
+    observed: Callable[[int], float] = lambda t: 0.0
     seed: int = 0
     step: int = 0
     protected: frozenset[int] = field(default_factory=frozenset)
@@ -55,7 +57,7 @@ class RequestView:
                 and self.seed.__class__ is int and self.step.__class__ is int
                 and self.protected.__class__ is frozenset and len(self.live) <= self.total_len
                 and self.budget >= 1 and self.step >= 0 and callable(self.accumulated) and callable(self.persistence)
-                and callable(self.latest) and callable(self.key_norm)):
+                and callable(self.latest) and callable(self.key_norm) and callable(self.observed)):
             return  # what the runtime builds, per request per step: no ABC checks
         what = f"view of request {self.req_id!r}"
         if isinstance(self.live, (str, bytes)) or not isinstance(self.live, Sequence):
@@ -68,6 +70,7 @@ class RequestView:
         check_callable(f"{what}: persistence", self.persistence, InvalidArgumentError)
         check_callable(f"{what}: latest", self.latest, InvalidArgumentError)
         check_callable(f"{what}: key_norm", self.key_norm, InvalidArgumentError)
+        check_callable(f"{what}: observed", self.observed, InvalidArgumentError)
         if not isinstance(self.protected, Set):
             raise InvalidArgumentError(f"{what}: protected must be a set of token ids, got {self.protected!r:.80}")
 
@@ -100,7 +103,7 @@ class Ranking(NamedTuple):
     """A score policy's choice as data, for a ranker that holds the scores itself (vLLM's workers rank on the
     device: ``integration/device/scores.py``). The victims are the ``count`` smallest of
     ``view.candidates(keep_recent)``, ordered by the scores named in ``keys`` (``"persistence"``,
-    ``"accumulated"``, ``"latest"``, ``"key_norm"``; the first most significant; a name after ``"-"`` orders
+    ``"accumulated"``, ``"latest"``, ``"key_norm"``, ``"observed"``; the first most significant; a name after ``"-"`` orders
     largest first, for one key alone), then by token id, smallest first. The policy's own ``select_victims`` is the
     reference: it returns exactly these, in this order."""
 

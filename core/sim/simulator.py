@@ -23,6 +23,7 @@ from ..invariants import check_all
 from ..metrics import measure
 from ..plan import PlanKind
 from ..policies import make_policy
+from ..policies.snapkv import pool_votes
 from ..reclamation import Ordering, ReclaimConfig
 from ..runtime import ReadPath, VTokenRuntime, check_budget
 
@@ -163,6 +164,19 @@ def key_norm(req_id: int, token_id: int) -> float:
     return (1.0 if h % 10 == 0 or token_id < 4 else 4.0) + (h % 97) / 97.0
 
 
+def observation(req_id: int, read_tokens: list[int], prompt_len: int, window: int, kernel: int) -> list[float]:
+    """SnapKV's votes as the model computes them at the end of a prompt of ``prompt_len`` tokens: the attention rows
+    of its last ``window`` queries over ``read_tokens`` (a query at position p reads the tokens up to p), averaged
+    over those queries, then pooled over ``kernel`` neighbours (``snapkv.pool_votes``)."""
+    votes = [0.0] * len(read_tokens)
+    queries = range(max(0, prompt_len - window), prompt_len)
+    for p in queries:
+        seen = [i for i, t in enumerate(read_tokens) if t <= p]
+        for i, w in zip(seen, attention_weights(req_id, [read_tokens[i] for i in seen], p + 1)):
+            votes[i] += w
+    return pool_votes([v / len(queries) for v in votes], kernel)
+
+
 def build_runtime(cfg: SimConfig) -> tuple[VTokenRuntime, InMemoryCopyEngine]:
     pool = BlockPool(cfg.num_blocks, cfg.block_size, cfg.headroom)
     engine = InMemoryCopyEngine(TagStore(cfg.num_blocks, cfg.block_size), auto_complete=cfg.copy_delay == 0)
@@ -237,8 +251,11 @@ class Simulator:
         attention = self._forward(inputs)
         keys = {r: [key_norm(r, t) for t in req.new_tokens] for r, req in inputs.requests.items()} \
             if "key_norm" in rt.scores.recorded else None  # only for a policy that reads them (Knorm)
+        observed = {r: observation(r, req.read_tokens, self.specs[r].prompt_len, rt.policy.window, rt.policy.kernel)
+                    for r, req in inputs.requests.items() if self.specs[r].prompt_len - 1 in req.new_tokens} \
+            if "observed" in rt.scores.recorded else None  # at the end of each prompt, for SnapKV
         rt.set_pressure(self._blocks_short())
-        rt.end_step(attention, keys)
+        rt.end_step(attention, keys, observed)
         for r in list(self.running):
             if r in appends:  # every forward emits one token per request (prefill included)
                 self.generated[r] += 1

@@ -33,7 +33,7 @@ SYSTEMS = ("full",) + EVICTING
 Q6_LABELS = {**LABELS, "full": "Full cache"}
 Q6_COLORS = {**COLORS, "full": COLORS["native"]}
 POLICY_COLORS = {"streaming_llm": "#2ca02c", "random": "#9467bd", "h2o": "#d62728", "scissorhands": "#1f77b4",
-                 "tova": "#ff7f0e", "knorm": "#8c564b"}
+                 "tova": "#ff7f0e", "knorm": "#8c564b", "snapkv": "#e377c2"}
 QUALITY = ("agreement_prefix", "agreement_overall", "first_divergence", "rouge_l_f1", "mean_logprob", "text_match")
 COUNTERS = ("relocations", "verified", "mismatches", "quarantined", "copies_done", "copies_failed", "tokens_evicted",
             "tokens_moved", "plans_committed", "blocks_released", "attention_rows", "write_slots_audited")

@@ -22,7 +22,7 @@ from vtoken.core.sim.workloads import WORKLOADS, make_workload
 from .server import ENGINE as SERVER_ENGINE
 
 MIN_REPEATS = 5
-POLICIES = ("streaming_llm", "random", "h2o", "scissorhands", "tova", "knorm")  # what vtoken inside vLLM evicts with
+POLICIES = ("streaming_llm", "random", "h2o", "scissorhands", "tova", "knorm", "snapkv")  # what vtoken inside vLLM evicts with
 
 
 # ---- checks: each raises ConfigError naming the field ------------------------------------------------

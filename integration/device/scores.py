@@ -8,6 +8,7 @@ of the request's read list (token ids in logical order), and updates them with t
   persistence(t)  <- float32(float64(persistence(t)) * decay + (1 if w_t >= 1/n else 0))
   latest(t)       <- float32(w_t)
   key_norm(t)     <- float32(norm), set once per token from its key in the KV cache (``set_keys``)
+  observed(t)     <- float32(vote), set once per prompt from its observation window (``set_values``)
 
 with w the row in float64 and n its length. Each step is two separate float64 operations rounded once to
 float32, as the core's ``acc[t] += w`` and ``per[t] * d + ...`` are in Python (no fused multiply-add), so the
@@ -32,7 +33,7 @@ from vtoken.core.scores import TokenScores
 
 # two keys: each score's float32 bits (31 bits: scores are finite and >= 0), the first key most significant
 _KEY_BITS = 31
-_SCORES = ("accumulated", "persistence", "latest", "key_norm")
+_SCORES = ("accumulated", "persistence", "latest", "key_norm", "observed")
 
 
 class DeviceScores:
@@ -134,10 +135,15 @@ class DeviceScores:
 
     def set_keys(self, rid: str, at: torch.Tensor, norms: torch.Tensor) -> None:
         """Key norms (float64) of the read list's entries ``at``, as ``TokenScores.record_keys`` takes them."""
-        if "key_norm" in self._s:
-            values = self._s["key_norm"][rid].clone()
-            values[at] = norms.to(torch.float32)
-            self._s["key_norm"][rid] = values
+        self.set_values("key_norm", rid, at, norms)
+
+    def set_values(self, name: str, rid: str, at: torch.Tensor, given: torch.Tensor) -> None:
+        """A statistic set per token (``key_norm``, ``observed``; float64 in) at the read list's entries ``at``, as
+        ``TokenScores`` records them (rounded once to float32); nothing unless the policy reads it."""
+        if name in self._s:
+            values = self._s[name][rid].clone()
+            values[at] = given.to(torch.float32)
+            self._s[name][rid] = values
 
     def rank(self, rid: str, ids: torch.Tensor, ranking: Ranking, bound: int, protected: tuple[int, ...] = ()
              ) -> list[int]:

@@ -107,6 +107,7 @@ class VTokenWorkerMeta(KVConnectorWorkerMetadata):
     attention: dict = field(default_factory=dict)  # strict verify: request -> (token ids, weights), the reference's
     verified_by_rank: dict = field(default_factory=dict)  # tensor parallelism: rank -> relocations it verified
     key_norms: dict = field(default_factory=dict)  # strict verify, Knorm: request -> (token ids, key norms)
+    observed: dict = field(default_factory=dict)  # strict verify, SnapKV: request -> (token ids, votes)
 
     def aggregate(self, other: VTokenWorkerMeta) -> VTokenWorkerMeta:
         """Two ranks' reports as one (vLLM's ``KVOutputAggregator`` folds every rank's, in rank order). Copies are
@@ -122,7 +123,7 @@ class VTokenWorkerMeta(KVConnectorWorkerMetadata):
                                 self.mismatches + other.mismatches, self.audited + other.audited,
                                 max(self.seconds, other.seconds), {**self.victims, **other.victims},
                                 max(self.scored, other.scored), {**self.attention, **other.attention}, by_rank,
-                                {**self.key_norms, **other.key_norms})
+                                {**self.key_norms, **other.key_norms}, {**self.observed, **other.observed})
 
 
 @dataclass
@@ -205,7 +206,7 @@ class VTokenConnector(KVConnectorBase_V1):
             w.seconds += meta.seconds
             w.verified_by_rank = dict(Counter(w.verified_by_rank) + Counter(meta.verified_by_rank))
         if isinstance(meta, VTokenWorkerMeta):
-            self.tokens.after_step(meta.attention, meta.victims, meta.scored, meta.key_norms)
+            self.tokens.after_step(meta.attention, meta.victims, meta.scored, meta.key_norms, meta.observed)
         else:
             self.tokens.after_step()
         if self.settings.strict_verify == "strict":
@@ -290,7 +291,7 @@ class VTokenConnector(KVConnectorBase_V1):
         from vllm.model_executor.models.utils import extract_layer_index
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-        from .settings import SCORE_POLICIES, statistics_of
+        from .settings import SCORE_POLICIES, observation_of, statistics_of
         from .worker_tokens import WorkerTokens
 
         if not isinstance(runner, GPUModelRunner):
@@ -313,7 +314,8 @@ class VTokenConnector(KVConnectorBase_V1):
         self.worker = WorkerTokens(runner, self.engine, self.block_size, scored,
                                    check_attention=s.strict_verify == "strict", tp_group=self.tp_group,
                                    statistics=statistics_of(s.policy), gather=s.read_path == "gather",
-                                   head_size=runner.model_config.get_head_size())
+                                   head_size=runner.model_config.get_head_size(),
+                                   observation=observation_of(s.policy))
 
     def _worker(self):
         if self.worker is None:
@@ -329,16 +331,16 @@ class VTokenConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> VTokenWorkerMeta | None:
         w, c = self._worker(), self.engine.verifier.counters
         done, failed = w.take_reports()
-        victims, rows, scored, keys = w.take_scores() if w.scores is not None else ({}, {}, 0, {})  # in w.seconds
+        victims, rows, scored, keys, observed = w.take_scores() if w.scores is not None else ({}, {}, 0, {}, {})
         now = VTokenWorkerMeta(done, failed, c.verified, c.mismatches, w.audited, w.seconds)
         last, self._reported = self._reported, now
         delta = VTokenWorkerMeta(done, failed, now.verified - last.verified, now.mismatches - last.mismatches,
                                  now.audited - last.audited, now.seconds - last.seconds, victims, scored, rows,
-                                 key_norms=keys)
+                                 key_norms=keys, observed=observed)
         if self.rank is not None and delta.verified:
             delta.verified_by_rank = {self.rank: delta.verified}
         if not (done or failed or delta.verified or delta.mismatches or delta.audited or delta.seconds or victims
-                or scored or keys):
+                or scored or keys or observed):
             return None  # nothing to report: no per-step traffic
         return delta
 

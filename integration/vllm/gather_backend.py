@@ -1,4 +1,5 @@
-"""vtoken's attention backend: the gather read path, and attention scores for H2O and Scissorhands.
+"""vtoken's attention backend: the gather read path, and attention statistics for the score policies (H2O,
+Scissorhands and TOVA: each step's newest row; SnapKV: each prompt's observation window).
 
 vLLM's stock kernels read a dense prefix [0, seq_len) through the block table, so holes left by eviction
 would be read. With ``read_path: gather`` vtoken's impl reads instead the slots the scheduler's token
@@ -84,32 +85,32 @@ class VTokenGatherImpl(CPUAttentionBackendImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         T = plan.query_pos.numel()
-        scored = plan.scores(layer.layer_name)
+        weights_of = plan.weights_of(layer.layer_name)
         q = query[:T].reshape(T, self.num_heads, self.head_size)
-        out, w = _attention(self, layer, q, plan, plan.query_request, plan.query_pos, True,
-                            plan.newest if scored else None, plan.in_torch, plan.fused)
+        out, w = _attention(self, layer, q, plan, plan.query_request, plan.query_pos, True, weights_of,
+                            plan.in_torch, plan.fused)
         output[:T] = out.view((T,) + output.shape[1:]).to(output.dtype)
-        if scored:  # the newest query's weights, mean over heads
-            plan.rows += w.mean(dim=1).to(torch.float64)
-        plan.layers += scored
+        if weights_of is not None:  # the newest queries' weights (rows), the windows' (SnapKV's votes)
+            plan.record(layer.layer_name, w)
         return output
 
 
 class VTokenScoreImpl(CPUAttentionBackendImpl):
-    """Dense path with a policy that reads attention (H2O, Scissorhands, TOVA): the stock kernel, then the score pass on the scored layers: each
-    request's newest query over its live tokens, weights only."""
+    """Dense path with a policy that reads attention (H2O, Scissorhands, TOVA; SnapKV): the stock kernel, then the
+    score pass on the scored layers: each request's newest query over its live tokens, weights only (and, for
+    SnapKV, the observation window's queries of each prompt that completes in the step)."""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None) -> torch.Tensor:
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                               output_block_scale)
         plan = current_plan()
-        if attn_metadata is None or plan is None or not plan.scores(layer.layer_name):
+        weights_of = None if attn_metadata is None or plan is None else plan.weights_of(layer.layer_name)
+        if weights_of is None:
             return out
-        everyone = torch.arange(len(plan.req_ids))
-        q = query[plan.newest].reshape(len(everyone), self.num_heads, self.head_size)
-        _, w = _attention(self, layer, q, plan, everyone, plan.query_pos[plan.newest], False, everyone,
-                          plan.in_torch[plan.newest], plan.fused[plan.newest])
-        plan.rows += w.mean(dim=1).to(torch.float64)
-        plan.layers += 1
+        k = len(weights_of)
+        q = query[weights_of].reshape(k, self.num_heads, self.head_size)
+        _, w = _attention(self, layer, q, plan, plan.query_request[weights_of], plan.query_pos[weights_of], False,
+                          torch.arange(k), plan.in_torch[weights_of], plan.fused[weights_of])
+        plan.record(layer.layer_name, w)
         return out

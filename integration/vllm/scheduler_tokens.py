@@ -372,7 +372,7 @@ class SchedulerTokens:
         return corrupted
 
     def after_step(self, attention: dict | None = None, ranked: dict | None = None, scored: int = 0,
-                   key_norms: dict | None = None) -> dict[str, list[int]]:
+                   key_norms: dict | None = None, observed: dict | None = None) -> dict[str, list[int]]:
         """Evict and reclaim after a forward. Score policies: ``ranked``, the victims the workers ranked;
         ``scored``, the rows they recorded; ``attention`` and ``key_norms`` (strict verify), those rows and the
         key norms they took, for the core's reference scores. Requests that left meanwhile are dropped. Returns
@@ -382,12 +382,13 @@ class SchedulerTokens:
         decoding = [r for r in rt.running() if rt.total_len(r) >= self.prompt_len[r]]
         rows = {r: row for r, row in (attention or {}).items() if r in rt}
         keys = {r: norms for r, norms in (key_norms or {}).items() if r in rt}
+        votes = {r: given for r, given in (observed or {}).items() if r in rt}
         if self.ranked is not None:
             decoding = [r for r in decoding if r in self._scheduled]  # what was ranked (``_rank_orders``)
             self.ranked.victims = dict(ranked or {})
         rt.set_pressure(self.blocks_short())
         self.stats.pressure_steps += rt.pressure > 0
-        victims = rt.evict_and_reclaim(decoding, rows, keys)
+        victims = rt.evict_and_reclaim(decoding, rows, keys, votes)
         if self.ranked is not None:
             self.ranked.victims, self.ranked.sent = {}, {}
         self.stats.attention_rows += scored

@@ -15,19 +15,29 @@ from dataclasses import asdict, dataclass, fields
 
 from vtoken.core.errors import ConfigError
 from vtoken.core.policies import POLICIES as _CORE_POLICIES
-from vtoken.core.scores import ROW_STATISTICS
+from vtoken.core.scores import ROW_STATISTICS, WINDOW_STATISTICS
 
-POLICIES = ("none", "streaming_llm", "random", "h2o", "scissorhands", "tova", "knorm")
+POLICIES = ("none", "streaming_llm", "random", "h2o", "scissorhands", "tova", "knorm", "snapkv")
 # rank victims from per-token statistics, which live on the workers (``integration/device/scores.py``)
 SCORE_POLICIES = tuple(p for p in POLICIES if hasattr(_CORE_POLICIES.get(p), "ranking"))
-# of those, the ones that read attention rows: vtoken's attention backend records them (H2O, Scissorhands, TOVA);
-# the others read key statistics only (Knorm), which the workers take from the KV cache, and the stock kernels serve
-ATTENTION_POLICIES = tuple(p for p in SCORE_POLICIES if set(_CORE_POLICIES[p].statistics) & set(ROW_STATISTICS))
+# of those, the ones that read attention: vtoken's attention backend records it (H2O, Scissorhands, TOVA: each step's
+# newest row; SnapKV: the prompt's observation window, once); the others read key statistics only (Knorm), which the
+# workers take from the KV cache, and the stock kernels serve them
+ATTENTION_POLICIES = tuple(p for p in SCORE_POLICIES
+                           if set(_CORE_POLICIES[p].statistics) & {*ROW_STATISTICS, *WINDOW_STATISTICS})
 
 
 def statistics_of(policy: str) -> tuple[str, ...]:
-    """What a policy's ranking reads ("accumulated", "persistence", "latest", "key_norm"); () for none."""
+    """What a policy's ranking reads ("accumulated", "persistence", "latest", "key_norm", "observed"); () for none."""
     return tuple(getattr(_CORE_POLICIES.get(policy), "statistics", ()))
+
+
+def observation_of(policy: str) -> tuple[int, int] | None:
+    """A policy that reads "observed" (SnapKV): its observation window and pooling kernel, as built by default."""
+    if "observed" not in statistics_of(policy):
+        return None
+    built = _CORE_POLICIES[policy]()
+    return built.window, built.kernel
 RECLAIM = ("densify", "compact", "off")
 READ_PATHS = ("dense", "gather")
 VERIFY = ("off", "sampled", "strict")

@@ -80,16 +80,40 @@ class ReadPlan:
     scored_layers: frozenset = frozenset()  # names of the layers whose attention feeds the rows
     layers: int = 0
     check: bool = False  # strict verify: the kernel's attention against the reference (V5)
+    # SnapKV: the queries of the observation windows of the prompts that complete in this step (indices into the
+    # step's queries), and their rows summed into each request's votes [R, N] float64 over scored layers
+    window: torch.Tensor | None = None
+    votes: torch.Tensor | None = None
+    vote_layers: int = 0
 
     def scores(self, layer_name: str) -> bool:
         return self.rows is not None and layer_name in self.scored_layers
+
+    def observes(self, layer_name: str) -> bool:
+        return self.votes is not None and layer_name in self.scored_layers
+
+    def weights_of(self, layer_name: str) -> torch.Tensor | None:
+        """The queries whose weights this layer records: each request's newest (rows), then the windows' (votes)."""
+        parts = [p for p, on in ((self.newest, self.scores(layer_name)), (self.window, self.observes(layer_name)))
+                 if on]
+        return None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def record(self, layer_name: str, w: torch.Tensor) -> None:
+        """This layer's weights ``[len(weights_of), H, N]``, mean over heads, into the rows and the votes."""
+        if self.scores(layer_name):
+            self.rows += w[: len(self.newest)].mean(dim=1).to(torch.float64)
+            w = w[len(self.newest):]
+            self.layers += 1
+        if self.observes(layer_name):
+            self.votes.index_add_(0, self.query_request[self.window], w.mean(dim=1).to(torch.float64))
+            self.vote_layers += 1
 
 
 class WorkerTokens:
     def __init__(self, runner, engine: TorchCopyEngine, block_size: int,
                  scored_layers: frozenset = frozenset(), check_attention: bool = False, tp_group=None,
                  statistics: tuple[str, ...] = ("accumulated", "persistence"), gather: bool = True,
-                 head_size: int | None = None) -> None:
+                 head_size: int | None = None, observation: tuple[int, int] | None = None) -> None:
         groups = len(runner.input_batch.block_table.block_tables)
         if groups != 1:
             raise UnsupportedConfigError(f"vtoken supports one KV cache group (full attention); this model has "
@@ -101,7 +125,9 @@ class WorkerTokens:
         self.attention_rows = bool(scored_layers) and bool(set(statistics) & set(ROW_STATISTICS))
         self.key_layers = sorted(scored_layers) if "key_norm" in statistics else []
         self.head_size = head_size
-        self.plan_reads = gather or self.attention_rows  # attention reads through the lists: gather, score pass
+        self.observation = observation if scored_layers else None  # SnapKV: (window, kernel)
+        # attention reads through the lists: gather, the score pass
+        self.plan_reads = gather or self.attention_rows or self.observation is not None
         self.check_attention = check_attention  # strict verify: V5 on every attention the kernel computes
         # tensor parallelism: each rank attends with its own heads, so a step's rows are summed over the ranks
         # (``take_scores``) and every rank records, and ranks victims from, the mean over all heads
@@ -273,8 +299,19 @@ class WorkerTokens:
         in_torch = (positions < prompt) & (prompt > LONG_PROMPT)
         fused = in_torch & (prompt > FUSED_PROMPT)
         rows = torch.zeros(ids.shape, dtype=torch.float64) if self.attention_rows else None
+        window = votes = None
+        if self.observation is not None:
+            # NOTE: a prompt completes in this step when its last token is one of the step's queries (a prefill, its
+            # last chunk, or a recompute after preemption); its window is its last w prompt positions among them
+            w = self.observation[0]
+            completes = torch.zeros(n, dtype=torch.bool)
+            completes[query_request[positions == prompt - 1]] = True
+            chosen = (positions < prompt) & (positions >= prompt - w) & completes[query_request]
+            if bool(chosen.any()):
+                window = torch.nonzero(chosen).flatten()
+                votes = torch.zeros(ids.shape, dtype=torch.float64)
         return ReadPlan(self.engine.cache, slots, ids, query_request, positions, starts[1:] - 1, in_torch, fused,
-                        req_ids, rows, self.scored_layers, check=self.check_attention)
+                        req_ids, rows, self.scored_layers, check=self.check_attention, window=window, votes=votes)
 
     def take_scores(self) -> tuple[dict[str, list[int]], dict[str, tuple[list[int], list[float]]], int, dict]:
         """After the forward: record this step's attention rows (mean over heads and scored layers) into the
@@ -284,6 +321,7 @@ class WorkerTokens:
         as (token ids, norms), else nothing). Host work: the victims (and rows and norms only when they travel)."""
         t0 = time.perf_counter()
         keys = self._take_key_norms() if self.unkeyed else {}
+        observed = self._take_votes()
         plan, rows, recorded = self.read_plan, {}, 0
         if plan is not None and plan.rows is not None and plan.layers:
             batch = plan.rows / plan.layers if plan.layers > 1 else plan.rows  # x / 1 is x: one op less
@@ -307,7 +345,32 @@ class WorkerTokens:
             victims[rid] = self.scores.rank(rid, torch.from_numpy(self.reads[rid][1]), ranking, bound, protected)
         self.ranks = {}
         self.seconds += time.perf_counter() - t0
-        return victims, rows, recorded, keys
+        return victims, rows, recorded, keys, observed
+
+    def _take_votes(self) -> dict[str, tuple[list[int], list[float]]]:
+        """SnapKV's statistic for the prompts that completed in this step: each window query's row (mean over heads
+        and scored layers) averaged over the window's queries, then pooled over ``kernel`` neighbours in the read
+        list (``avg_pool1d``, zero padding counted: ``snapkv.pool_votes``). Every rank gets the same (all-reduced)
+        votes, as for the rows. Returns them as (token ids, votes) when they travel (strict verify)."""
+        plan = self.read_plan
+        if plan is None or plan.votes is None or not plan.vote_layers:
+            return {}
+        votes = plan.votes / plan.vote_layers
+        if self.tp_group is not None:  # every rank has the same windows (the same orders and queries)
+            torch.distributed.all_reduce(votes, group=self.tp_group.cpu_group)
+            votes /= self.tp_group.world_size
+        counts = torch.bincount(plan.query_request[plan.window], minlength=len(plan.req_ids))
+        kernel, out = self.observation[1], {}
+        for i in torch.nonzero(counts).flatten().tolist():
+            rid = plan.req_ids[i]
+            n = len(self.reads[rid][1])
+            mean = (votes[i, :n] / int(counts[i])).view(1, 1, n)
+            pooled = torch.nn.functional.avg_pool1d(mean, kernel, stride=1, padding=kernel // 2).flatten()
+            self.scores.set_values("observed", rid, torch.arange(n), pooled)
+            if self.send_rows:
+                out[rid] = (self.reads[rid][1].tolist(), pooled.tolist())
+        plan.votes, plan.vote_layers = None, 0  # recorded once
+        return out
 
     def _take_key_norms(self) -> dict[str, tuple[list[int], list[float]]]:
         """Knorm's statistic where the keys are: for every token that joined a read list since the last call (its
