@@ -58,6 +58,12 @@ def _unrecorded(name: str):
     return read
 
 
+def _set(values: array, ids: list[int], row: Sequence[float]) -> None:
+    """A statistic that each new value replaces (latest, key_norm, observed): float32, rounded once."""
+    for t, v in zip(ids, row):
+        values[t] = v
+
+
 class TokenScores:
     def __init__(self, window: int = 32, statistics: Sequence[str] = ()) -> None:
         if not is_int(window) or window < 1:
@@ -171,9 +177,7 @@ class TokenScores:
             acc[t] += w
             per[t] = per[t] * d + (1.0 if w >= mean else 0.0)
         if self._latest is not None:
-            latest = self._latest[req_id]
-            for t, w in zip(ids, row):
-                latest[t] = w
+            _set(self._latest[req_id], ids, row)
 
     def record_keys(self, req_id: object, token_ids: Sequence[int], norms: Sequence[float]) -> None:
         """Key norms of the request's tokens, as the keys are written (a later norm of a token replaces it)."""
@@ -183,9 +187,7 @@ class TokenScores:
     def _apply_keys(self, req_id: object, ids: list[int], row: Sequence[float]) -> None:
         """Record key norms ``check_keys`` returned (nothing unless a policy reads them)."""
         if self._key is not None:
-            key = self._key[req_id]
-            for t, v in zip(ids, row):
-                key[t] = v
+            _set(self._key[req_id], ids, row)
 
     def record_observed(self, req_id: object, token_ids: Sequence[int], values: Sequence[float]) -> None:
         """A prompt's observation-window votes over the tokens it read (a later observation replaces them)."""
@@ -195,9 +197,7 @@ class TokenScores:
     def _apply_observed(self, req_id: object, ids: list[int], row: Sequence[float]) -> None:
         """Record votes ``check_observed`` returned (nothing unless a policy reads them)."""
         if self._observed is not None:
-            observed = self._observed[req_id]
-            for t, v in zip(ids, row):
-                observed[t] = v
+            _set(self._observed[req_id], ids, row)
 
     def copy_keys(self, req_id: object, source: object, n: int) -> None:
         """The key norms of ``source``'s first ``n`` tokens become ``req_id``'s (a shared prefix: the same keys)."""

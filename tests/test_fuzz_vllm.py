@@ -27,7 +27,8 @@ def test_episodes_are_a_function_of_their_seed():
     assert Episode.draw(42) == Episode.draw(42)
     assert Episode.draw(42) != Episode.draw(43)
     drawn = [Episode.draw(episode_seed(1, i)).vtoken for i in range(40)]
-    assert {v["policy"] for v in drawn} == {"none", "streaming_llm", "random", "h2o", "scissorhands"}
+    assert {v["policy"] for v in drawn} == {"none", "streaming_llm", "random", "h2o", "scissorhands", "tova", "knorm",
+                                            "snapkv"}
     assert {(v["read_path"], v["reclaim"]) for v in drawn} == {("dense", "densify"), ("gather", "compact"),
                                                                ("gather", "off"), ("gather", "densify")}
 

@@ -251,6 +251,15 @@ def shared_prefix_prompts(n: int = 4, prefix: int = 70):
             for i in range(n)]
 
 
+def _capture(scores, method: str, names: dict) -> list:
+    """Wrap ``scores.<method>`` (``_apply``, ``_apply_keys``, ``_apply_observed``) on the instance to record each call as
+    (request by arrival, token ids, values); returns the list it fills."""
+    taken: list = []
+    apply = getattr(scores, method)
+    setattr(scores, method, lambda r, ids, v: (taken.append((names[r], list(ids), list(v))), apply(r, ids, v))[1])
+    return taken
+
+
 def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int = 1, probe: bool = False,
         multiprocess: bool = False, count_preemptions: bool = False, rows: bool = False, setup=None,
         keys: bool = False, observed: bool = False, **overrides) -> dict:
@@ -274,23 +283,10 @@ def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, logprobs=0)
         if setup is not None:
             res["setup"] = llm.collective_rpc(setup[0], kwargs=setup[1])
-        if rows:
-            res["rows"] = recorded = []
-            scores, names = conn.tokens.rt.scores, conn.tokens.policy_names
-            apply = scores._apply  # every validated row the runtime records goes through it
-            scores._apply = lambda r, ids, w: (recorded.append((names[r], list(ids), list(w))), apply(r, ids, w))[1]
-        if keys:
-            res["keys"] = taken = []
-            scores, names = conn.tokens.rt.scores, conn.tokens.policy_names
-            apply_keys = scores._apply_keys
-            scores._apply_keys = lambda r, ids, n: (taken.append((names[r], list(ids), list(n))),
-                                                    apply_keys(r, ids, n))[1]
-        if observed:
-            res["observed"] = seen = []
-            scores, names = conn.tokens.rt.scores, conn.tokens.policy_names
-            apply_observed = scores._apply_observed
-            scores._apply_observed = lambda r, ids, v: (seen.append((names[r], list(ids), list(v))),
-                                                        apply_observed(r, ids, v))[1]
+        for wanted, name, method in ((rows, "rows", "_apply"), (keys, "keys", "_apply_keys"),
+                                     (observed, "observed", "_apply_observed")):
+            if wanted:  # every validated row (norms, votes) the runtime records goes through the method
+                res[name] = _capture(conn.tokens.rt.scores, method, conn.tokens.policy_names)
         if count_preemptions:
             res["preempted"] = preempted = []
             sched = llm.llm_engine.engine_core.engine_core.scheduler

@@ -17,10 +17,11 @@ Per step (``apply``, called from ``handle_preemptions``, before ``_update_states
      evictions, a commit's moves, appends): only a first step or a log overflow resends it whole; strict verify
      sends it whole every ``READ_CHECK_EVERY`` steps to check the copy. Score policies' statistics (``DeviceScores``) are aligned
      with the read list and patched with it;
-  5. after the forward (``take_scores``): record the step's attention rows into those statistics, and the key
-     norms of the tokens that joined the read lists (Knorm: read from the KV cache, where the forward wrote them),
-     and rank the victims the scheduler asked for (``StepOrders.rank``); only the victims go back (and, under
-     strict verify, the rows and norms, for the scheduler's reference scores).
+  5. after the forward (``take_scores``): record the step's attention rows into those statistics, the key norms
+     of the tokens that joined the read lists (Knorm: read from the KV cache, where the forward wrote them) and
+     the votes of the prompts that completed (SnapKV: their observation windows), and rank the victims the
+     scheduler asked for (``StepOrders.rank``); only the victims go back (and, under strict verify, the rows, norms
+     and votes, for the scheduler's reference scores).
 """
 
 from __future__ import annotations
@@ -313,12 +314,13 @@ class WorkerTokens:
         return ReadPlan(self.engine.cache, slots, ids, query_request, positions, starts[1:] - 1, in_torch, fused,
                         req_ids, rows, self.scored_layers, check=self.check_attention, window=window, votes=votes)
 
-    def take_scores(self) -> tuple[dict[str, list[int]], dict[str, tuple[list[int], list[float]]], int, dict]:
+    def take_scores(self) -> tuple[dict[str, list[int]], dict[str, tuple[list[int], list[float]]], int, dict, dict]:
         """After the forward: record this step's attention rows (mean over heads and scored layers) into the
         requests' scores, and the key norms of the tokens that joined the read lists, then rank the victims of
         every request the scheduler sent a ranking for. Returns (the victims, per request; under strict verify the
         rows as (token ids, weights), else nothing; how many rows were recorded; under strict verify the key norms
-        as (token ids, norms), else nothing). Host work: the victims (and rows and norms only when they travel)."""
+        and the votes as (token ids, values), else nothing). Host work: the victims (and rows, norms and votes only
+        when they travel)."""
         t0 = time.perf_counter()
         keys = self._take_key_norms() if self.unkeyed else {}
         observed = self._take_votes()
@@ -388,7 +390,8 @@ class WorkerTokens:
                 raise InvariantViolation("V4", f"request {rid!r}: tokens {ids[:8].tolist()} joined its read list "
                                                f"but are no longer in it before their key norms were read")
             at.append(where)
-        slots = torch.from_numpy(np.concatenate([self.reads[rid][0][a] for rid, a in zip(rids, at)]))
+        slots = torch.from_numpy(np.concatenate([self.reads[rid][0][a] for rid, a in zip(rids, at)])) if rids \
+            else torch.zeros(0, dtype=torch.int64)
         norms = torch.zeros(len(slots), dtype=torch.float64)
         if len(slots):
             cache, D = self.engine.cache, self.head_size
