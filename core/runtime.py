@@ -596,26 +596,24 @@ class VTokenRuntime:
             raise UnknownRequestError(f"unknown request(s) {unknown[:5]}")
         if len(set(ids)) != len(ids):
             raise InvalidArgumentError(f"req_ids name a request twice: {ids[:8]}")
-        rows = {}
-        for r, pair in (attention or {}).items():
-            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise InvalidArgumentError(f"request {r!r}: attention must map a request to (token ids, weights), "
-                                           f"got {pair!r:.80}")
-            rows[r] = self.scores.check_row(r, *pair)
-        keys, votes = {}, {}
-        for r, pair in (key_norms or {}).items():
-            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise InvalidArgumentError(f"request {r!r}: key_norms must map a request to (token ids, norms), "
-                                           f"got {pair!r:.80}")
-            keys[r] = self.scores.check_keys(r, *pair)
-        for r, pair in (observed or {}).items():
-            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise InvalidArgumentError(f"request {r!r}: observed must map a request to (token ids, votes), "
-                                           f"got {pair!r:.80}")
-            votes[r] = self.scores.check_observed(r, *pair)
+        s = self.scores
+        rows, keys, votes = (self._pairs(what, given, check, unit) for what, given, check, unit in (
+            ("attention", attention, s.check_row, "weights"), ("key_norms", key_norms, s.check_keys, "norms"),
+            ("observed", observed, s.check_observed, "votes")))
         victims = self._record_and_choose(ids, rows, keys, votes)
         self._evict_and_reclaim(victims)
         return victims
+
+    @staticmethod
+    def _pairs(what: str, given: Mapping | None, check, unit: str) -> dict[object, tuple[list[int], array]]:
+        """``evict_and_reclaim``'s request -> (token ids, values) mapping ``what``, each pair validated by ``check``."""
+        out = {}
+        for r, pair in (given or {}).items():
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise InvalidArgumentError(f"request {r!r}: {what} must map a request to (token ids, {unit}), "
+                                           f"got {pair!r:.80}")
+            out[r] = check(r, *pair)
+        return out
 
     def detach(self, req_id: object) -> list[int]:
         """Forget a request whose blocks the engine frees itself (finish, abort, preemption).

@@ -58,6 +58,9 @@ def _unrecorded(name: str):
     return read
 
 
+_UNRECORDED = {n: _unrecorded(n) for n in OPTIONAL}  # built once: a view asks for them at every decision
+
+
 def _set(values: array, ids: list[int], row: Sequence[float]) -> None:
     """A statistic that each new value replaces (latest, key_norm, observed): float32, rounded once."""
     for t, v in zip(ids, row):
@@ -269,7 +272,7 @@ class TokenScores:
         values = self._get(req_id)[0]
         self._check_token(req_id, token_id, len(values))
         if name not in self._extra:
-            _unrecorded(name)(token_id)
+            _UNRECORDED[name](token_id)
         return self._extra[name][req_id][token_id]
 
     def reader(self, req_id: object, name: str):
@@ -282,7 +285,10 @@ class TokenScores:
             return per.__getitem__
         if name in self._extra:
             return self._extra[name][req_id].__getitem__
-        return _unrecorded(check_statistics("statistic", [name], InvalidArgumentError)[0])
+        if name in _UNRECORDED:
+            return _UNRECORDED[name]
+        check_statistics("statistic", [name], InvalidArgumentError)  # raises, naming the unknown statistic
+        raise AssertionError(name)
 
     @staticmethod
     def _check_token(req_id: object, token_id: int, n: int) -> None:
