@@ -736,10 +736,11 @@ class VTokenRuntime:
         total = self.table.total_len(r)
         s = self.scores
         accumulated, persistence = s.readers(r)  # unchecked: policies sort by them
+        latest, key_norm, observed = s.optional_readers(r)
         return RequestView(
             req_id=r, live=self.table.live_tokens(r),  # a rank view: O(1), not a list
             total_len=total, budget=self.token_budget(total), accumulated=accumulated, persistence=persistence,
-            latest=s.reader(r, "latest"), key_norm=s.reader(r, "key_norm"), observed=s.reader(r, "observed"),
+            latest=latest, key_norm=key_norm, observed=observed,
             seed=self.seed, step=self.iteration, protected=self._protected(r),
         )
 

@@ -59,6 +59,7 @@ def _unrecorded(name: str):
 
 
 _UNRECORDED = {n: _unrecorded(n) for n in OPTIONAL}  # built once: a view asks for them at every decision
+_NONE_RECORDED = tuple(_UNRECORDED[n] for n in OPTIONAL)
 
 
 def _set(values: array, ids: list[int], row: Sequence[float]) -> None:
@@ -274,6 +275,14 @@ class TokenScores:
         if name not in self._extra:
             _UNRECORDED[name](token_id)
         return self._extra[name][req_id][token_id]
+
+    def optional_readers(self, req_id: object) -> tuple:
+        """The readers of the optional statistics, in ``OPTIONAL``'s order (latest, key_norm, observed), for a view
+        of a request ``readers`` already found: the recorded ones index its arrays, the others raise (``reader``).
+        O(1), and nothing built per call for a policy that records none (the view is built at every decision)."""
+        if not self._extra:
+            return _NONE_RECORDED
+        return tuple(self._extra[n][req_id].__getitem__ if n in self._extra else _UNRECORDED[n] for n in OPTIONAL)
 
     def reader(self, req_id: object, name: str):
         """One statistic of the request as a one-argument function of a token id, unchecked like ``readers``;
