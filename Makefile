@@ -31,10 +31,10 @@ demo: $(STAMP)
 	$(VENV)/bin/vtoken demo
 
 bench-fuzz: $(STAMP)
-	$(PY) tests/bench_fuzz_throughput.py
+	$(PY) tests/bench/bench_fuzz_throughput.py
 
 bench-table: $(STAMP)
-	$(PY) tests/bench_table_memory.py
+	$(PY) tests/bench/bench_table_memory.py
 
 # The evaluation (issue #8), every question at quick scale (~10 min on 2 cores): JSON + PNG in bench-out/.
 bench: $(STAMP)

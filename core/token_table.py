@@ -6,7 +6,7 @@ it in logical token ids; it owns the mapping to physical slots
 counts so the reclamation backend never scans to find waste.
 
 Storage is compact on purpose (≤ 12 bytes of metadata per token, see
-tests/bench_table_memory.py): one ``array('i')`` of slots per request, where a
+tests/bench/bench_table_memory.py): one ``array('i')`` of slots per request, where a
 dead token holds ``NO_SLOT``; a pool-wide ``SlotOccupancy``, whose occupied
 slots of a block one request lists alone are that request's live offsets in it;
 and, per request, a bitmask of its live offsets only for each block it shares

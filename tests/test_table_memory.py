@@ -3,7 +3,8 @@
 import importlib.util
 import pathlib
 
-_spec = importlib.util.spec_from_file_location("bench", pathlib.Path(__file__).with_name("bench_table_memory.py"))
+_spec = importlib.util.spec_from_file_location("bench",
+                                               pathlib.Path(__file__).parent / "bench" / "bench_table_memory.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 

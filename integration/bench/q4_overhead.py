@@ -51,7 +51,7 @@ METRICS = ("tok_s", "p50_ms", "p95_ms")
 C_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
 
 
-# ---- the measurement (also tests/bench_vllm_overhead.py's) ---------------------------------------
+# ---- the measurement (also tests/bench/bench_vllm_overhead.py's) ---------------------------------------
 def run_interleaved(configs: dict[str, dict | None], rounds: list[list[list[int]]], max_tokens: int,
                     block_size: int, threads: int = 1, on_event=None, warmup_tokens: int = 8) -> dict:
     """An ``EngineProcess`` per configuration (None: plain vLLM), all alive; after a warm-up of each round size,

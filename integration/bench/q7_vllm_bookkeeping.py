@@ -59,7 +59,7 @@ def step_costs(counters: dict, wall_s: float, concurrency: int) -> dict:
 def measure_concurrency(vtoken: dict, prompt_sets: list[list[list[int]]], max_tokens: int, block_size: int,
                         threads: int = 1, on_done=None) -> list[dict]:
     """One engine serving ``len(prompt_sets[0])`` running requests: per prompt set, its ``step_costs`` and vtoken's
-    counters (after an untimed warm-up of the first set; attention impls timed). Also tests/bench_vllm_scaling.py's."""
+    counters (after an untimed warm-up of the first set; attention impls timed). Also tests/bench/bench_vllm_scaling.py's."""
     res = run_engine(vtoken, prompt_sets, max_tokens, block_size, threads, on_done, warmup_tokens=min(8, max_tokens),
                      timed_attention=True)
     return [step_costs(one["counters"], one["wall_s"], len(ps)) | {k: one["counters"].get(k, 0) for k in COUNTS}

@@ -93,7 +93,7 @@ class Group:
         """Each segment's strided view (``strided``) as the storage's bits, in segment order, when moving tokens
         through them takes fewer indices than moving rows of ``run`` elements: two per token and segment
         instead of E / run. vLLM's CPU layout stores K dim-major, so its runs are one element long and a row
-        move indexes every element of a token (about three times slower here, ``tests/bench_kv_copy.py``).
+        move indexes every element of a token (about three times slower here, ``tests/bench/bench_kv_copy.py``).
         None when the row move is as good (a token-major layout) or a segment has no strided view."""
         if "tokens" not in self._strided:
             E, bounds = self.elems, sorted(self.segments)

@@ -1,6 +1,6 @@
 """How much of vtoken's per-step growth with the context is the one-off prompt eviction, as one JSON line.
 
-    python tests/bench_generation_length.py [BETA]
+    python tests/bench/bench_generation_length.py [BETA]
 
 Q7's in-process measurement (``q7_vllm_bookkeeping.measure_concurrency``): 8 requests, Random and H2O at budget
 0.5 with densify, ``evict_every`` BETA (default 1), 2 seeds, prompts of 128 and 1,536 held-out tokens, and 32

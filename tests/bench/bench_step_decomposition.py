@@ -1,6 +1,6 @@
 """Where vtoken's per-step cost inside vLLM goes as context grows: steady steps against eviction bursts.
 
-    python tests/bench_step_decomposition.py [--contexts 128 512 1536] [--runs 2] [--out FILE.json]
+    python tests/bench/bench_step_decomposition.py [--contexts 128 512 1536] [--runs 2] [--out FILE.json]
 
 Q7's context axis reports vtoken's microseconds per request per step averaged over a whole generate. With a budget
 of half the prompt, a request's first decode step evicts half its prompt at once (O(L) changes), and every later

@@ -1,6 +1,6 @@
 """Per-request step cost at growing live tokens, in the core and inside vLLM, as one JSON line.
 
-    python tests/bench_context_step.py LABEL [vllm]
+    python tests/bench/bench_context_step.py LABEL [vllm]
 
 Core: ``bench_core_step``'s measurement (16 requests, StreamingLLM at its budget, 16-token blocks, median of
 12 steps) at 256, 2,048 and 8,192 live tokens, gather/compact and dense/densify. With ``vllm``: Q7's in-process

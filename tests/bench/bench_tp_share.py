@@ -1,6 +1,6 @@
 """vtoken's share of the engine step at tensor parallelism 1 and 2, on the same workload (issue #22).
 
-    python tests/bench_tp_share.py        (about 2 minutes on 2 cores)
+    python tests/bench/bench_tp_share.py        (about 2 minutes on 2 cores)
 
 8 requests of 512-token prompts (the tiny Llama, 32-token blocks), 32 generated tokens, greedy; one untimed
 warm-up pass, then 5 timed passes on the same engine (other prompts each), summed. vtoken's time is the scheduler side's (``SchedulerTokens``:
@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: vllm_harness
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 

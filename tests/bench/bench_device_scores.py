@@ -1,7 +1,7 @@
 """Score policies on the workers' device-side scores (issue #20, item 4): vtoken's µs per request per step inside
 vLLM for H2O and Scissorhands, scheduler and worker apart, at growing context, as one JSON line.
 
-    python tests/bench_device_scores.py LABEL
+    python tests/bench/bench_device_scores.py LABEL
 
 Q7's in-process measurement (``q7_vllm_bookkeeping.measure_concurrency``: 8 requests, budget 0.5, 32 generated
 tokens) at prompts of 128, 512 and 1,536 tokens, strict verify off (under it the rows travel too and the core's

@@ -1,6 +1,6 @@
 """The eviction cadence's trade-off inside vLLM: host cost against memory, as one JSON line per configuration.
 
-    python tests/bench_evict_every.py [CONTEXT ...]
+    python tests/bench/bench_evict_every.py [CONTEXT ...]
 
 Q7's in-process measurement (``q7_vllm_bookkeeping.measure_concurrency``: 8 requests, budget 0.5, 96 generated
 tokens, held-out prompts of CONTEXT tokens, default 512 and 1,536) for ``evict_every`` beta in 1, 4, 16, 64, on

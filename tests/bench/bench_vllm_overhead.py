@@ -2,7 +2,7 @@
 (whose measurement this runs: ``q4_overhead.run_interleaved``, one engine process per configuration, interleaved
 rounds, pinned to one core; the byte-llama on held-out prompts).
 
-    python tests/bench_vllm_overhead.py [--rounds 5] [--tokens 64] [--requests 8] [--only on drill ...]
+    python tests/bench/bench_vllm_overhead.py [--rounds 5] [--tokens 64] [--requests 8] [--only on drill ...]
 
 Prints, per configuration, the median decode throughput (tokens/s) over rounds and its ratio to plain vLLM's,
 and the p50/p95 per-step latency (decode steps of all rounds pooled) and the p95's ratio to plain vLLM's.

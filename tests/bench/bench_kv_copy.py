@@ -1,7 +1,7 @@
 """A batched token move (``PagedKVCache.gather`` + ``scatter``) in vLLM's CPU layout, through rows and through the
 strided token views, side by side, as one JSON line.
 
-    python tests/bench_kv_copy.py LABEL [--tokens 6000] [--threads 1]
+    python tests/bench/bench_kv_copy.py LABEL [--tokens 6000] [--threads 1]
 
 The byte-llama's shape (4 layers, 2 KV heads of 32, blocks of 32 slots, fp32: 2 KiB per token), 520 blocks; a
 random permutation's first ``--tokens`` slots moved onto the next ``--tokens``. vLLM's CPU layout stores K

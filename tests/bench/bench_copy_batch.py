@@ -1,6 +1,6 @@
 """vtoken's per-step cost with many running requests, where one copy batch per step matters, as one JSON line.
 
-    python tests/bench_copy_batch.py LABEL
+    python tests/bench/bench_copy_batch.py LABEL
 
 Q7's in-process measurement (``q7_vllm_bookkeeping.measure_concurrency``): 64 requests, prompts of 128 held-out
 tokens, 32 generated, Random and H2O at budget 0.5 with densify, 2 seeds. Per configuration: vtoken's

@@ -1,6 +1,6 @@
 """The core's gather step under permanent pressure, at growing live tokens (issue #21's review: O(L) packs).
 
-    python tests/bench_pressure_step.py LABEL
+    python tests/bench/bench_pressure_step.py LABEL
 
 16 requests, StreamingLLM at a budget of L live tokens, 16-token blocks, lazy compact on the gather path; the
 engine reports itself short of blocks every step (``set_pressure(1)``), so every pressure round packs every

@@ -3,7 +3,7 @@ costs next to vLLM's stock CPU kernel, with more configurations than ``vtoken be
 measurement this runs: ``q7_vllm_bookkeeping.measure_concurrency``, in-process engines, pinned to one core; the
 byte-llama on held-out prompts).
 
-    python tests/bench_vllm_scaling.py [--concurrency 16 32 64 128 256] [--tokens 48]
+    python tests/bench/bench_vllm_scaling.py [--concurrency 16 32 64 128 256] [--tokens 48]
 
 Table 1, per configuration and concurrency C (C requests, max_num_seqs = C): engine step time, and the time
 spent in vtoken per step on the scheduler side (table sync, victim choice, planning) and on the worker side

@@ -1,6 +1,6 @@
 """Per-request core step cost at 256 to 32,768 live tokens, per policy and read path, as one JSON line.
 
-    python tests/bench_context_policies.py LABEL [compacting]
+    python tests/bench/bench_context_policies.py LABEL [compacting]
 
 16 requests, each at its budget (an int budget: one eviction per decode step), 16-token blocks,
 begin_step + end_step, median of 12 steps, no attention rows. Run it alternately in two trees to compare

@@ -1,6 +1,6 @@
 """Fuzzer throughput and invariant-check cost vs system size (a benchmark, not a test).
 
-Run: make bench-fuzz   (or: .venv/bin/python tests/bench_fuzz_throughput.py [--seconds 20])
+Run: make bench-fuzz   (or: .venv/bin/python tests/bench/bench_fuzz_throughput.py [--seconds 20])
 
 Part 1: state-machine steps per second on one core, every invariant checked after every step, per
 profile and for all profiles mixed (a one-worker `vtoken fuzz` campaign).

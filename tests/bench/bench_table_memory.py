@@ -1,6 +1,6 @@
 """Token-table metadata per token at 1M tokens, measured with tracemalloc (not a test: a benchmark).
 
-Run: make bench-table   (or: .venv/bin/python tests/bench_table_memory.py [--tokens N])
+Run: make bench-table   (or: .venv/bin/python tests/bench/bench_table_memory.py [--tokens N])
 
 Reports bytes per token for (a) the per-request tables (slots, block lists,
 per-block bitmasks, request records) and (b) the pool-wide slot occupancy,

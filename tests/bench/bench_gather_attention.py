@@ -1,7 +1,7 @@
 """The gather read path's attention against vLLM's stock CPU kernel at equal live tokens (issue #20, item 6), as
 one JSON line.
 
-    python tests/bench_gather_attention.py LABEL [C ...]
+    python tests/bench/bench_gather_attention.py LABEL [C ...]
 
 Q7's in-process measurement (``q7_vllm_bookkeeping.measure_concurrency``, the byte-llama on held-out 32-token
 prompts, 32 generated tokens, nothing evicted): attention milliseconds per engine step, all layers, timed around

@@ -1,6 +1,6 @@
 """The core's cost of an eviction burst, per evicted token, as context grows, as one JSON line.
 
-    python tests/bench_eviction_burst.py LABEL [--runs 3]
+    python tests/bench/bench_eviction_burst.py LABEL [--runs 3]
 
 With a budget of half the prompt, a request's first decode step evicts half its prompt at once (O(L) changes:
 ``bench_step_decomposition.py`` measures the same burst inside vLLM). Here, in the core alone (8 requests, 16-token

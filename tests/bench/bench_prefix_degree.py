@@ -9,13 +9,13 @@ later one hits the head vLLM cached from the first). Blocks held are read after 
 Systems: Naive-Evict; compact as it is (lazy rounds leave hashed blocks in place); compact with hashed blocks back
 among its sources (the rule before issue #21).
 
-    python tests/bench_prefix_degree.py        (about 6 minutes on 2 cores)
+    python tests/bench/bench_prefix_degree.py        (about 6 minutes on 2 cores)
 """
 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: vllm_harness
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 import vllm_harness as H  # noqa: E402

@@ -5,13 +5,13 @@ Per scenario and policy: Naive-Evict, compact as it is (a block vLLM hashed stay
 round), and compact with hashed blocks back among its sources (the rule before issue #21). Prints block-steps
 (blocks held after each engine step, summed), the peak, and each request's prefix-cached prompt tokens.
 
-    python tests/bench_prefix_stagger.py        (about 5 minutes on 2 cores)
+    python tests/bench/bench_prefix_stagger.py        (about 5 minutes on 2 cores)
 """
 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: vllm_harness
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 import vllm_harness as H  # noqa: E402

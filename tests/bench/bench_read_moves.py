@@ -1,7 +1,7 @@
 """A commit's moves as read-list changes, not full lists (issue #20): vtoken's µs per request per step inside
 vLLM for the configurations that send read lists and commit plans, as one JSON line.
 
-    python tests/bench_read_moves.py LABEL
+    python tests/bench/bench_read_moves.py LABEL
 
 Q7's in-process measurement (``q7_vllm_bookkeeping.measure_concurrency``: 8 requests, budget 0.5, 32 generated
 tokens) at prompts of 512 and 1,536 tokens. Run it alternately in two trees in one session to compare commits
