@@ -1,8 +1,12 @@
 """vtoken.core: the pure-Python vToken runtime (standard library only).
 
 Token tables, a block pool, two relocation planners, the reclamation manager,
-eviction policies, executable invariants and metrics. Every other part of
-vtoken (spec, fuzz, integration) drives this code.
+eviction policies and metrics. Every other part of vtoken (spec, fuzz,
+integration) drives this code.
+
+The oracles that check it (the invariant checkers, the recounts of its
+maintained views, CrossHair's predicates) are in ``vtoken.core.reference``,
+which the runtime never imports when it is imported.
 
 The deterministic simulator, its workloads, the demo and the in-memory copy
 engine (tags instead of tensors) are in ``vtoken.core.sim``, which drives the

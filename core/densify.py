@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import contracts  # noqa: F401  (the docstring contracts call it)
+# NOTE: ``contracts`` in the docstring contracts is core/reference/contracts.py: spec/crosshair_check.py binds it
+# here for CrossHair; the runtime never imports an oracle (core/reference/__init__.py)
 from .errors import InvariantViolation
 from .plan import NoPlan, NoPlanReason, Plan, PlanKind
 from .token_table import Move, RequestSnapshot

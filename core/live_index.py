@@ -12,8 +12,8 @@ O(L) per request per step. This index answers them in O(log L + CHUNK):
 About 0.1 bytes per token. Updated by the token table in O(log L) per appended chunk and per eviction
 (``append``, ``remove``); nothing else changes liveness (moves change slots, not liveness).
 
-NOTE: ``check_against`` is the oracle: it recounts both arrays from the slot array from scratch
-(``check_all``'s V1, run by the fuzzer after every rule and the simulator after every step).
+NOTE: the oracle is ``reference.views.check_live_index``: it recounts both arrays from the slot array from
+scratch (``check_all``'s V1, run by the fuzzer after every rule and the simulator after every step).
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from array import array
 from collections.abc import Sequence
 from itertools import chain, islice
 from typing import Iterator
-
-from .errors import InvariantViolation
 
 CHUNK = 64  # logical ids per chunk: a chunk is scanned in full at most once per lookup
 NO_SLOT = -1
@@ -130,25 +128,6 @@ class LiveIndex:
                     return t
                 skip -= 1
         raise AssertionError(f"live rank {k}: chunk {c} counts {self.counts[c]} live tokens, the slots fewer")
-
-    # ---- the oracle ---------------------------------------------------------------------------
-    def check_against(self, slots: array, where: str) -> None:
-        """Recount ``counts`` and ``tree`` from the slot array (the reference) and compare (V1)."""
-        n = len(slots)
-        want = [0] * -(-n // CHUNK)
-        for t, s in enumerate(slots):
-            if s != NO_SLOT:
-                want[t // CHUNK] += 1
-        if list(self.counts) != want:
-            c = next((c for c, (a, b) in enumerate(zip(self.counts, want)) if a != b), min(len(want), len(self.counts)))
-            got = self.counts[c] if c < len(self.counts) else None
-            raise InvariantViolation("V1", f"{where}: live index chunk {c} (ids [{c * CHUNK}, {(c + 1) * CHUNK})) "
-                                     f"counts {got} live tokens, the slot array {want[c] if c < len(want) else None} "
-                                     f"({len(self.counts)} chunks for {n} tokens)")
-        for i in range(1, len(self.tree)):
-            if self.tree[i] != sum(want[i - (i & -i):i]):
-                raise InvariantViolation("V1", f"{where}: live index tree node {i} sums {self.tree[i]}, its chunks "
-                                         f"{sum(want[i - (i & -i):i]) }")
 
 
 class LiveTokens(Sequence):

@@ -131,35 +131,3 @@ class SlotOccupancy:
 
     def state(self) -> tuple[bytes, bytes, int]:
         return (self._holders.tobytes(), self._block_live.tobytes(), self.live_slots)
-
-    def check_against(self, expected_holders: dict[int, int]) -> None:
-        """Compare with holder counts recomputed from the request tables (I2, occupancy part).
-
-        Every expected slot is compared; that all other slots hold 0 follows from
-        counting zeros in C (``array.count``), so the cost is O(live slots).
-        """
-        S = self.block_size
-        per_block: dict[int, int] = {}
-        for slot, want in expected_holders.items():
-            h = self._holders[slot]
-            if h != want:
-                raise InvariantViolation(
-                    "I2", f"slot {slot} (block {slot // S}, offset {slot % S}) has {h} holder(s) recorded, "
-                    f"{want} in the token tables"
-                )
-            per_block[slot // S] = per_block.get(slot // S, 0) + 1
-        stray = len(self._holders) - self._holders.count(0) - len(expected_holders)
-        if stray:
-            slot = next(i for i, h in enumerate(self._holders) if h and i not in expected_holders)
-            raise InvariantViolation(
-                "I2", f"slot {slot} (block {slot // S}, offset {slot % S}) has {self._holders[slot]} holder(s) "
-                f"recorded, 0 in the token tables"
-            )
-        for b, n in per_block.items():
-            if self._block_live[b] != n:
-                raise InvariantViolation("I2", f"block {b} records {self._block_live[b]} live slots, tables give {n}")
-        if len(self._block_live) - self._block_live.count(0) != len(per_block):
-            b = next(i for i, n in enumerate(self._block_live) if n and i not in per_block)
-            raise InvariantViolation("I2", f"block {b} records {self._block_live[b]} live slots, tables give 0")
-        if self.live_slots != len(expected_holders):
-            raise InvariantViolation("I2", f"live slot total {self.live_slots} != {len(expected_holders)}")

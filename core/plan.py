@@ -11,7 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from . import contracts  # noqa: F401  (the docstring contracts call it)
+# NOTE: ``contracts`` in the docstring contracts is core/reference/contracts.py: spec/crosshair_check.py binds it
+# here for CrossHair; the runtime never imports an oracle (core/reference/__init__.py)
 from .token_table import Move
 
 

@@ -34,7 +34,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
-from . import contracts  # noqa: F401  (the docstring contracts call it)
+# NOTE: ``contracts`` in the docstring contracts is core/reference/contracts.py: spec/crosshair_check.py binds it
+# here for CrossHair; the runtime never imports an oracle (core/reference/__init__.py)
 from .checks import as_list, check_request_id, is_int, is_known_key
 from .errors import (
     BlockListTooShortError,
@@ -50,7 +51,7 @@ from .errors import (
     UnknownRequestError,
     VTokenError,
 )
-from .live_index import CHUNK, NO_SLOT, LiveIndex, LiveTokens
+from .live_index import NO_SLOT, LiveIndex, LiveTokens
 from .occupancy import SlotOccupancy
 _BYTE_ORDER = "little" if array("i", [1]).tobytes()[0] == 1 else "big"  # the arrays' (the machine's)
 
@@ -873,10 +874,10 @@ class TokenTable:
         return [r.blocks[i] for i in found if private(r.blocks[i])]
 
     def compact_candidates(self, req_id: object, max_sources: int, private) -> list[tuple[int, int]]:
-        """``compact.eligible_sources``' first ``max_sources`` as (index, live count), found in the maintained
-        per-block counts: the blocks wholly before the cursor's, not full, ``private(block)``, lowest count first,
-        then lowest index. At most S + max_sources C searches of the counts' bytes, and a private() call per block
-        found; the reference is the scan of a snapshot (V3 compares the plans)."""
+        """``reference.compact.eligible_sources``' first ``max_sources`` as (index, live count), found in the
+        maintained per-block counts: the blocks wholly before the cursor's, not full, ``private(block)``, lowest
+        count first, then lowest index. At most S + max_sources C searches of the counts' bytes, and a private()
+        call per block found; the reference is the scan of a snapshot (V3 compares the plans)."""
         r, S = self._get(req_id), self.block_size
         end = min(r.write_pos // S, len(r.blocks))
         raw, out, size = r.counts[:end].tobytes(), [], r.counts.itemsize
@@ -928,62 +929,6 @@ class TokenTable:
             layout_version=r.layout_version,
             shared_blocks=shared,
         )
-
-    def check_views(self, req_id: object) -> None:
-        """The oracle of the maintained views (V1): the live index against a recount of the slot array, and
-        ranked reads through it against ``live_token_ids``, the scan; the block index and the append run; and
-        (T1) each block's mask against the offsets its live tokens give. Raises InvariantViolation; O(L)."""
-        r, where = self._get(req_id), f"request {req_id!r}"
-        r.live.check_against(r.slots, where)
-        want = self.live_token_ids(req_id)
-        view = self.live_tokens(req_id)
-        if len(view) != len(want) or list(view) != want:
-            raise InvariantViolation("V1", f"{where}: the live index reads {view!r}, the slot array {want[:8]}...")
-        for k in {k for k in (len(want) // 3, len(want) // 2, len(want) - 2) if k >= 0 and want}:  # from inside chunks
-            got = list(view[k:k + CHUNK + 1])
-            if view[k] != want[k] or got != want[k:k + CHUNK + 1]:
-                raise InvariantViolation("V1", f"{where}: from live rank {k} the live index reads {view[k]}, "
-                                         f"{got[:8]}..., the slot array {want[k:k + 8]}...")
-        S = self.block_size
-        # NOTE: what the lookups rely on: unless a splice or removal marked the list stale, a private block's
-        # recorded index is exact (``_in_list`` answers False on a miss without searching). Read, not repaired.
-        for i, b in enumerate(r.blocks):
-            if self._listed[b] == 1 and not r.index_stale and self._index_of[b] != i:
-                raise InvariantViolation("V1", f"{where}: block {b} is at index {i} of its list, the index "
-                                         f"records {self._index_of[b]}")
-        if not 0 <= r.run_pos <= r.write_pos or r.run_token + r.write_pos - r.run_pos != r.total_len:
-            raise InvariantViolation("V1", f"{where}: the append run from position {r.run_pos} (token "
-                                     f"{r.run_token}) does not end at the cursor {r.write_pos} and token {r.total_len}")
-        for p in range(r.run_pos, r.write_pos):
-            t = r.run_token + p - r.run_pos
-            if r.slots[t] not in (NO_SLOT, r.blocks[p // S] * S + p % S):
-                raise InvariantViolation("V1", f"{where}: the append run puts token {t} at position {p}, the "
-                                         f"table has it at slot {r.slots[t]}")
-        if len(r.counts) != len(r.blocks) or any(r.counts[i] != self._live_in(r, b) for i, b in enumerate(r.blocks)):
-            i = next((i for i, b in enumerate(r.blocks) if i >= len(r.counts) or r.counts[i] != self._live_in(r, b)),
-                     len(r.blocks))
-            raise InvariantViolation("V1", f"{where}: the per-block counts record {r.counts[i] if i < len(r.counts) else None} "
-                                     f"live tokens at index {i}, its masks {self._live_in(r, r.blocks[i]) if i < len(r.blocks) else None}")
-        for t, s in enumerate(r.slots):
-            if s != NO_SLOT and s // S not in r.shared and self._token_at[s] != t:
-                raise InvariantViolation("V1", f"{where}: the token map has token {self._token_at[s]} at slot {s}, "
-                                         f"the slot array token {t}")
-        want_shared = {b for b in r.blocks if self._listed[b] > 1}
-        if set(r.shared) != want_shared:
-            raise InvariantViolation("T1", f"{where}: masks are kept for blocks {sorted(r.shared)}, its blocks "
-                                     f"others list too are {sorted(want_shared)}")
-        masks: dict[int, int] = {}
-        for s in r.slots:
-            if s != NO_SLOT:
-                masks[s // S] = masks.get(s // S, 0) | 1 << s % S
-        for b in r.blocks:
-            if self._mask(r, b) != masks.get(b, 0):
-                raise InvariantViolation("T1", f"{where} block {b}: mask {self._mask(r, b):#b} recorded, its live "
-                                         f"tokens give {masks.get(b, 0):#b}")
-        for k in range(0, len(want), max(1, len(want) // 64)):
-            if view[k] != want[k] or list(view[k:k + 3]) != want[k:k + 3]:
-                raise InvariantViolation("V1", f"{where}: live rank {k} reads token {view[k]}, the slot array "
-                                         f"{want[k]}")
 
     def state(self) -> tuple:
         """Every field of every request, for tests proving a rejected call changed nothing."""

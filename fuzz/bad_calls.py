@@ -23,6 +23,7 @@ from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.occupancy import SlotOccupancy
 from vtoken.core.plan import PlanKind
 from vtoken.core.reclamation import PlanRecord, PlanState
+from vtoken.core.reference.views import check_occupancy
 from vtoken.core.token_table import Move
 
 from .events import EVENTS
@@ -107,7 +108,7 @@ class BadCalls:
             return
         slot = sorted(want)[index % len(want)]
         occ._holders[slot] += 1
-        self._violation("I2", (f"slot {slot}",), occ.check_against, dict(want))
+        self._violation("I2", (f"slot {slot}",), check_occupancy, occ, dict(want))
 
     def _teeth_block(self, kind, index):
         """A block's live count off by one: a block with live slots (``block_live``) or one without
@@ -119,7 +120,7 @@ class BadCalls:
             return
         b = blocks[index % len(blocks)]
         occ._block_live[b] += 1
-        self._violation("I2", (f"block {b}",), occ.check_against, dict(want))
+        self._violation("I2", (f"block {b}",), check_occupancy, occ, dict(want))
 
     _teeth_idle = _teeth_block
 

@@ -34,7 +34,7 @@ from vtoken.core.block_pool import BlockPool, Purpose
 from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
 from vtoken.core.sim.read_mirror import ReadListMirror
-from vtoken.core.invariants import check_all, next_read_view
+from vtoken.core.reference.invariants import check_all, next_read_view
 from vtoken.core.policies import POLICIES, RenamedRequests, make_policy
 from vtoken.core.policies.base import RequestView
 from vtoken.core.reclamation import LAUNCH_FAILED, PlanState, ReclaimConfig

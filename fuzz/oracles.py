@@ -1,6 +1,6 @@
 """Oracles for function and progress: what the fuzzer checks beyond the safety invariants I1-I7.
 
-The safety checkers (core/invariants.py) pass on a core that chooses the wrong victims, computes F
+The safety checkers (core/reference/invariants.py) pass on a core that chooses the wrong victims, computes F
 with the wrong denominator, keeps a block too many, never aborts a failed copy or leaks a copy
 handle: every such state is *legal*. Each oracle here recomputes one decision of the core from its
 definition (docs/spec.md, the seed) and from plain reads of the state, never by calling the code it

@@ -12,6 +12,10 @@ command after two set-up steps that a bare ``python -m crosshair`` lacks:
 
 * it registers ``spec/crosshair_states.py``'s creators, so a method's ``self``
   (and a planner's snapshot) is a *reachable* state rather than a fresh object;
+* it binds ``contracts`` (core/reference/contracts.py) in each default target:
+  the runtime's docstring contracts call its predicates, and the runtime never
+  imports an oracle (core/reference/__init__.py), while CrossHair evaluates a
+  condition in its function's module globals;
 * it works around CrossHair 0.0.113 failing on setuptools' editable install of
   this project: ``vtoken`` is then a namespace package whose path is a finder
   hook, and CrossHair's option lookup (``codeconfig.collect_options``) calls
@@ -236,12 +240,23 @@ def _patch_namespace_resources() -> None:
     importlib.resources.files = files_or_nothing
 
 
+def _bind_contracts() -> None:
+    """See the module docstring: ``contracts`` in the modules whose docstring contracts name it."""
+    import importlib
+
+    from vtoken.core.reference import contracts
+
+    for name in DEFAULT_TARGETS:
+        vars(importlib.import_module(name)).setdefault("contracts", contracts)
+
+
 def _crosshair_main(argv: list[str]) -> None:
     _patch_namespace_resources()
     import crosshair.main  # imports (and resets) CrossHair's type registrations: register after it
     from vtoken.spec import crosshair_states
 
     crosshair_states.register()
+    _bind_contracts()
     sys.argv = ["crosshair", *argv]
     crosshair.main.main()
 

@@ -65,7 +65,7 @@ from vtoken.core.errors import (
     VTokenError,
 )
 from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
-from vtoken.core.invariants import next_read_view
+from vtoken.core.reference.invariants import next_read_view
 from vtoken.core.plan import PlanKind
 from vtoken.core.reclamation import Ordering, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime

@@ -1,5 +1,6 @@
 """Imports flow one way (docs/architecture.md), read from the import graph of every module of the distribution.
 
+    vtoken.core  <-  vtoken.core.reference  <-  vtoken.core.sim, vtoken.spec, vtoken.integration.bench
     vtoken.core  <-  vtoken.core.sim, vtoken.spec
     vtoken.core  <-  vtoken.integration.device  <-  vtoken.integration.vllm  <-  vtoken.integration.bench
     vtoken.fuzz may import any of them; nothing imports vtoken.fuzz
@@ -18,16 +19,17 @@ PACKAGE_DIRS = {"core": "vtoken.core", "spec": "vtoken.spec", "integration": "vt
                 "fuzz": "vtoken.fuzz"}
 # layer -> the layers it may import (besides itself); most specific first
 MAY_IMPORT = {
-    "vtoken.core.sim": {"vtoken.core"},
+    "vtoken.core.sim": {"vtoken.core", "vtoken.core.reference"},
+    "vtoken.core.reference": {"vtoken.core"},  # the oracles (core/reference/__init__.py)
     "vtoken.core": set(),
-    "vtoken.spec": {"vtoken.core", "vtoken.core.sim"},
+    "vtoken.spec": {"vtoken.core", "vtoken.core.reference", "vtoken.core.sim"},
     "vtoken.integration.device": {"vtoken.core"},
     "vtoken.integration.vllm": {"vtoken.core", "vtoken.integration.device"},
-    "vtoken.integration.bench": {"vtoken.core", "vtoken.core.sim", "vtoken.integration.device",
-                                 "vtoken.integration.vllm"},
+    "vtoken.integration.bench": {"vtoken.core", "vtoken.core.reference", "vtoken.core.sim",
+                                 "vtoken.integration.device", "vtoken.integration.vllm"},
     "vtoken.integration": set(),
-    "vtoken.fuzz": {"vtoken.core", "vtoken.core.sim", "vtoken.spec", "vtoken.integration.device",
-                    "vtoken.integration.vllm", "vtoken.integration.bench"},
+    "vtoken.fuzz": {"vtoken.core", "vtoken.core.reference", "vtoken.core.sim", "vtoken.spec",
+                    "vtoken.integration.device", "vtoken.integration.vllm", "vtoken.integration.bench"},
 }
 
 
@@ -94,12 +96,18 @@ def test_the_rule_names_a_planted_violation():
     sources[Path("integration/device/verify.py")] += "\nfrom ..vllm import settings\n"
     sources[Path("integration/bench/stats.py")] += "\nimport vtoken.fuzz.machine\n"
     sources[Path("spec/cli.py")] += "\nfrom vtoken.integration.device import kv_cache\n"
+    sources[Path("core/reference/views.py")] += "\nfrom ..sim import simulator\n"
+    sources[Path("integration/vllm/settings.py")] += "\nfrom vtoken.core.reference import invariants\n"
     assert violations(sources) == [
+        "core/reference/views.py: vtoken.core.reference imports vtoken.core.sim",
+        "core/reference/views.py: vtoken.core.reference imports vtoken.core.sim.simulator",
         "core/runtime.py: vtoken.core imports vtoken.core.sim",
         "core/runtime.py: vtoken.core imports vtoken.core.sim.simulator",
         "integration/bench/stats.py: vtoken.integration.bench imports vtoken.fuzz.machine",
         "integration/device/verify.py: vtoken.integration.device imports vtoken.integration.vllm",
         "integration/device/verify.py: vtoken.integration.device imports vtoken.integration.vllm.settings",
+        "integration/vllm/settings.py: vtoken.integration.vllm imports vtoken.core.reference",
+        "integration/vllm/settings.py: vtoken.integration.vllm imports vtoken.core.reference.invariants",
         "spec/cli.py: vtoken.spec imports vtoken.integration.device",
         "spec/cli.py: vtoken.spec imports vtoken.integration.device.kv_cache",
     ]

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import pytest
 
-from vtoken.core import invariants as inv
+from vtoken.core.reference import invariants as inv
 from vtoken.core.block_pool import BlockPool, Purpose, blocks_needed
 from vtoken.core.errors import InvariantViolation
 from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
-from vtoken.core.invariants import check_all
+from vtoken.core.reference.invariants import check_all
 from vtoken.core.plan import PlanKind
 from vtoken.core.reclamation import PlanState, ReclaimConfig, ReclamationManager
 from vtoken.core.sim.simulator import SimConfig, run, synthetic_workload

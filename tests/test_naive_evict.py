@@ -8,7 +8,7 @@ import pytest
 
 from vtoken.core.block_pool import BlockPool
 from vtoken.core.errors import ConfigError, PlanConflictError, UnknownRequestError
-from vtoken.core.invariants import check_all
+from vtoken.core.reference.invariants import check_all
 from vtoken.core.plan import NoPlan, NoPlanReason, PlanKind
 from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime

@@ -1,4 +1,5 @@
-"""SlotOccupancy: O(1) claims and releases, and a checker that names the slot or block at fault.
+"""SlotOccupancy: O(1) claims and releases, and its checker (``reference.views.check_occupancy``), which names
+the slot or block at fault.
 
 Several of these were added after mutation testing (docs/fuzzing.md): mutants that changed the
 checker's branches for stray holders, stray blocks and the live total survived the first suite.
@@ -8,6 +9,7 @@ import pytest
 
 from vtoken.core.errors import BlockOutOfRangeError, InvariantViolation
 from vtoken.core.occupancy import SlotOccupancy, waste_ratio
+from vtoken.core.reference.views import check_occupancy
 
 
 def occ():
@@ -49,8 +51,8 @@ def test_claim_run_refuses_a_run_outside_one_block_and_changes_nothing(first, n)
     assert o.state() == before
 
 
-def test_check_against_accepts_the_matching_tables():
-    occ().check_against({0: 1, 1: 1, 5: 2})
+def test_check_occupancy_accepts_the_matching_tables():
+    check_occupancy(occ(), {0: 1, 1: 1, 5: 2})
 
 
 @pytest.mark.parametrize("expected, message", [
@@ -58,33 +60,33 @@ def test_check_against_accepts_the_matching_tables():
     ({0: 1, 5: 2}, r"^I2: slot 1 \(block 0, offset 1\) has 1 holder\(s\) recorded, 0 in the token tables$"),
     ({0: 1, 1: 1, 5: 2, 9: 1}, r"^I2: slot 9 \(block 2, offset 1\) has 0 holder\(s\) recorded, 1 in the token tables$"),
 ])
-def test_check_against_names_the_slot_that_differs(expected, message):
+def test_check_occupancy_names_the_slot_that_differs(expected, message):
     with pytest.raises(InvariantViolation, match=message) as err:
-        occ().check_against(expected)
+        check_occupancy(occ(), expected)
     assert err.value.invariant == "I2"
 
 
-def test_check_against_names_a_block_whose_count_is_wrong():
+def test_check_occupancy_names_a_block_whose_count_is_wrong():
     o = occ()
     o._block_live[0] += 1
     with pytest.raises(InvariantViolation, match=r"^I2: block 0 records 3 live slots, tables give 2$") as err:
-        o.check_against({0: 1, 1: 1, 5: 2})
+        check_occupancy(o, {0: 1, 1: 1, 5: 2})
     assert err.value.invariant == "I2"
 
 
-def test_check_against_names_a_block_counted_live_with_no_claims():
+def test_check_occupancy_names_a_block_counted_live_with_no_claims():
     o = occ()
     o._block_live[3] = 1
     with pytest.raises(InvariantViolation, match=r"^I2: block 3 records 1 live slots, tables give 0$") as err:
-        o.check_against({0: 1, 1: 1, 5: 2})
+        check_occupancy(o, {0: 1, 1: 1, 5: 2})
     assert err.value.invariant == "I2"
 
 
-def test_check_against_checks_the_live_total():
+def test_check_occupancy_checks_the_live_total():
     o = occ()
     o.live_slots += 1
     with pytest.raises(InvariantViolation, match=r"^I2: live slot total 4 != 3$") as err:
-        o.check_against({0: 1, 1: 1, 5: 2})
+        check_occupancy(o, {0: 1, 1: 1, 5: 2})
     assert err.value.invariant == "I2"
 
 

@@ -12,6 +12,7 @@ from vtoken.core.block_pool import BlockPool, Purpose
 from vtoken.core.compact import SourceChoice, choose_sources, eligible_sources, plan_compaction
 from vtoken.core.densify import plan_densify
 from vtoken.core.plan import NoPlan, NoPlanReason, Plan, PlanKind
+from vtoken.core.reference.views import check_occupancy
 from vtoken.core.token_table import Move, TokenTable
 
 S = 4
@@ -448,7 +449,7 @@ def settle_and_check(table, pool, plan, seed):
     for r in table.request_ids():
         for s in table.attention_slots(r):
             holders[s] = holders.get(s, 0) + 1
-    table.occupancy.check_against(holders)
+    check_occupancy(table.occupancy, holders)
     return n_blocks_before
 
 

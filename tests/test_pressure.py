@@ -8,7 +8,7 @@ import pytest
 
 from vtoken.core.block_pool import BlockPool
 from vtoken.core.errors import InvalidArgumentError
-from vtoken.core.invariants import check_all
+from vtoken.core.reference.invariants import check_all
 from vtoken.core.reclamation import ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore

@@ -20,7 +20,7 @@ from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.errors import (ConfigError, DestinationError, InvariantViolation, PlanConflictError,
                                  PoolExhaustedError, VTokenError)
 from vtoken.core.sim.inmemory import EMPTY_TAG, InMemoryCopyEngine, TagStore
-from vtoken.core.invariants import check_all
+from vtoken.core.reference.invariants import check_all
 from vtoken.core.plan import NoPlan, NoPlanReason, PlanKind
 from vtoken.core.reclamation import (
     LAUNCH_FAILED,

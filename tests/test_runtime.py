@@ -14,7 +14,7 @@ from vtoken.core.errors import (
     VTokenError,
 )
 from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
-from vtoken.core.invariants import check_all
+from vtoken.core.reference.invariants import check_all
 from vtoken.core.plan import PlanKind
 from vtoken.core.policies import H2O, StreamingLLM
 from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig

@@ -47,7 +47,7 @@ from crosshair import register_type
 
 from typing import Sequence
 
-from vtoken.core import contracts
+from vtoken.core.reference import contracts
 from vtoken.core.block_pool import BlockOutOfRangeError, BlockPool, DoubleFreeError
 from vtoken.core.compact import choose_sources
 from vtoken.core.plan import NoPlan, Plan, PlanKind

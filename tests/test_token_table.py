@@ -21,6 +21,7 @@ from vtoken.core.errors import (
     TokenOutOfRangeError,
     UnknownRequestError,
 )
+from vtoken.core.reference.views import check_views
 from vtoken.core.token_table import NO_SLOT, Move, TokenTable
 
 S = 4  # block size used throughout
@@ -284,7 +285,7 @@ def test_evict_tokens_returns_the_positions_they_held_and_equals_evicting_them_o
     assert batch.live_token_ids("A") == [1, 2, 3, 6, 7, 8]
     assert batch.block_live_counts("A") == {3: 3, 1: 2, 5: 1}
     assert batch.take_changes("A").evicted == one_by_one.take_changes("A").evicted
-    batch.check_views("A")
+    check_views(batch, "A")
 
 
 def test_evict_tokens_in_a_shared_block_clears_only_the_evicting_requests_mask(fig3):
@@ -293,7 +294,7 @@ def test_evict_tokens_in_a_shared_block_clears_only_the_evicting_requests_mask(f
     assert t.block_mask("A", 0) == 0b1001 and t.block_mask("B", 0) == 0b1111
     assert [t.occupancy.holders(s) for s in range(4)] == [2, 1, 1, 2]  # B still holds 1 and 2
     assert t.num_live("A") == 3 and t.live_token_ids("A") == [0, 3, 4]
-    t.check_views("A")
+    check_views(t, "A")
 
 
 def test_evict_tokens_is_all_or_none():
@@ -842,10 +843,10 @@ def test_the_live_index_reads_ranks_without_the_scan_and_its_oracle_has_teeth():
     assert len(view) == 144 and view[0] == 2 and view[61] == 66 and view[-1] == 149
     assert view[60:63] == [62, 66, 67] and list(view[140:]) == [146, 147, 148, 149]
     assert list(view) == t.live_token_ids("A")
-    t.check_views("A")
+    check_views(t, "A")
     t._get("A").live.counts[1] += 1  # planted: chunk 1 counts one live token too many
     with pytest.raises(InvariantViolation, match=f"V1: request 'A': live index chunk 1 \\(ids \\[{CHUNK}, "):
-        t.check_views("A")
+        check_views(t, "A")
 
 
 def test_take_changes_lists_evictions_and_moves_since_the_last_take():
@@ -894,4 +895,4 @@ def test_a_splice_that_would_drop_a_live_token_is_refused_and_changes_nothing():
         t.evict_token("A", tok)
     t.splice("A", 1, 1, (), 4)
     assert t.block_ids("A") == [0] and t.write_pos("A") == 4 and t.layout_version("A") == 1
-    t.check_views("A")
+    check_views(t, "A")

@@ -19,7 +19,7 @@ from ..block_pool import BlockPool, Purpose, blocks_needed, blocks_short
 from ..errors import ConfigError, InvariantViolation
 from .inmemory import InMemoryCopyEngine, TagStore
 from .read_mirror import ReadListMirror
-from ..invariants import check_all
+from ..reference.invariants import check_all
 from ..metrics import measure
 from ..plan import PlanKind
 from ..policies import make_policy

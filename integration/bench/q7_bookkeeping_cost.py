@@ -17,7 +17,7 @@ from pathlib import Path
 
 from vtoken.core.block_pool import BlockPool, blocks_needed
 from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
-from vtoken.core.invariants import check_all
+from vtoken.core.reference.invariants import check_all
 from vtoken.core.plan import PlanKind
 from vtoken.core.policies import make_policy
 from vtoken.core.reclamation import Ordering, ReclaimConfig

@@ -14,7 +14,7 @@ import argparse
 import tempfile
 import time
 
-from vtoken.core.invariants import check_all
+from vtoken.core.reference.invariants import check_all
 from vtoken.core.sim.simulator import SimConfig, Simulator, content_tag, synthetic_workload
 from vtoken.fuzz.campaign import CampaignConfig, run_campaign
 from vtoken.fuzz.profiles import PROFILES

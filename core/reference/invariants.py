@@ -16,7 +16,7 @@ scans); call them from tests, the simulator and the fuzzer, not the hot path.
   I7  dense prefix             on the dense path, live tokens fill [0, n_live)
   P1-P3 pool                   see block_pool.py; P3: headroom is borrowed only by evacuation
   V1  maintained views         the token table's live index equals a recount of its slot arrays
-                               (checked with I2, request by request: ``TokenTable.check_views``)
+                               (checked with I2, request by request: ``views.check_views``)
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Callable
 
-from .copy_engine import CopyStatus
-from .errors import InvariantViolation
-from .plan import PlanKind
-from .reclamation import PlanState
+from ..copy_engine import CopyStatus
+from ..errors import InvariantViolation
+from ..plan import PlanKind
+from ..reclamation import PlanState
+from .views import check_occupancy, check_views
 
 
 def _where(S: int, slot: int) -> str:
@@ -99,7 +100,7 @@ def check_i2_unique_mapping(sys) -> None:
             raise InvariantViolation("I2", f"request {r!r}: num_live {table.num_live(r)} != {len(live)} live tokens")
         per_request.append((r, blocks, counts))
     # NOTE: the occupancy first: a private block's live count is read off it (token_table's T1 note)
-    table.occupancy.check_against(dict(holders))
+    check_occupancy(table.occupancy, dict(holders))
     for r, blocks, counts in per_request:
         recorded = table.block_live_counts(r)
         for b in blocks:
@@ -107,7 +108,7 @@ def check_i2_unique_mapping(sys) -> None:
                 raise InvariantViolation(
                     "I2", f"request {r!r} block {b}: live count {recorded.get(b, 0)} recorded, {counts[b]} found"
                 )
-        table.check_views(r)  # V1, once the table's own counts are known to be right
+        check_views(table, r)  # V1, once the table's own counts are known to be right
     recs = list(sys.manager.inflight.values())
     for rec in recs:
         if rec.state in (PlanState.PLANNED, PlanState.COPYING):
