@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: fuzz self-test test demo bench-table bench-fuzz bench clean
+.PHONY: fuzz self-test test demo bench-table bench-fuzz bench results-doc clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV) || { $(PYTHON) -m pip install --quiet --user virtualenv && $(PYTHON) -m virtualenv $(VENV); }
@@ -39,6 +39,10 @@ bench-table: $(STAMP)
 # The evaluation (issue #8), every question at quick scale (~10 min on 2 cores): JSON + PNG in bench-out/.
 bench: $(STAMP)
 	$(VENV)/bin/vtoken bench all --quick --out bench-out
+
+# docs/results.md's marked tables, rendered again from the JSON reports under docs/results/ (after a rerun there).
+results-doc: $(STAMP)
+	$(VENV)/bin/vtoken bench render --docs docs/results.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

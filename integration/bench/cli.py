@@ -1,4 +1,5 @@
-"""``vtoken bench``: a subcommand per target of ``TARGETS`` (sim, vllm, device), and ``all`` (each into <out>/<name>).
+"""``vtoken bench``: a subcommand per target of ``TARGETS`` (sim, vllm, device), ``all`` (each into <out>/<name>),
+and ``render`` (docs.py: a page's tables from their JSON reports).
 
 Registering imports neither torch, vLLM nor matplotlib; a missing one, a bad option or an unusable --out is refused
 in one line (exit 2) before any work.
@@ -22,6 +23,7 @@ from vtoken.core.errors import ConfigError
 from . import (q1_trapped_capacity, q2_paired_frontier, q3_capacity_frontier, q4_overhead, q5_sensitivity,
                q6_prefix_caching, q6_quality, q7_bookkeeping_cost, q7_vllm_bookkeeping, q8_bursty_eviction, q10_context_cost,
                q9_serving_load)
+from . import docs
 from .runner import run_questions
 from .settings import DEVICE, MIN_REPEATS, SIM, VLLM, settings_for
 
@@ -147,6 +149,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_run_options(everything, "bench-out")
     everything.add_argument("--gpu", action="store_true", help="also run the device half on CUDA")
     everything.set_defaults(run=run_all)
+    docs.register(bench_sub)  # vtoken bench render: a page's marked tables from their JSON reports
     p.set_defaults(run=lambda a: (p.print_help(), 2)[1])
 
 

@@ -146,6 +146,8 @@ def table(report: dict) -> list[str]:
     exponents = [[Q7_LABELS[x], *(fmt_spread(e[m], "{:.2f}") if e[m] else "–" for m in FITTED)]
                  for x in SYSTEMS for e in [sm[x]["exponent"]]]
     p = report["summary"]["pinning"]
+    # a report from before the context axis (docs/results/quick/vllm/q7.json) has the concurrency axis only
+    context = [""] + context_table(report) if "by_context" in report["summary"] else []
     return (markdown(("C", "configuration", "step (ms)", "vtoken scheduler (ms)", "vtoken worker (ms)",
                       "share of step", "µs per request", "attention (ms)"), per_step) + [""]
             + markdown(("growth exponent b (metric ~ C^b)", *FITTED), exponents)
@@ -153,7 +155,7 @@ def table(report: dict) -> list[str]:
                f"{report['summary']['policy']} at budget {report['summary']['budget']}; "
                + (f"pinned to core {p['core']}." if p else "not pinned.")
                + " Paper: no host-side compute cost reported; its overhead runs stop at C=48."]
-            + [""] + context_table(report))
+            + context)
 
 
 def context_table(report: dict) -> list[str]:

@@ -45,13 +45,13 @@ from .compat import UnsupportedConfigError
 
 # Prompt tokens of a prompt longer than this are attended in torch (gather_attention.prefill_attention): its
 # queries share one K/V read and BLAS products there, which beat the kernel's one query at a time (64 x 64 query-key
-# pairs is where they cross on the byte-llama: docs/results.md, "Hot path II, part 4"). Every other query, every
-# generated token included, goes to the kernel.
+# pairs is where they cross on the byte-llama: `git show 67c0072:docs/results.md`, "Hot path II, part 4"). Every
+# other query, every generated token included, goes to the kernel.
 LONG_PROMPT = 64
 # Of those, the prompt tokens of a prompt longer than this go to torch's fused attention
 # (gather_attention.prefill_attention), the others to the reference: the fused path's aligned shapes (256-query
 # blocks, keys padded to 512) cost more than they save below ~200 tokens (1.5 against 0.4 ms a layer at 65 tokens,
-# 1.7 against 2.1 at 256, 24 against 73 at 1,536: docs/results.md, "Hot path II, part 7").
+# 1.7 against 2.1 at 256, 24 against 73 at 1,536: `git show 67c0072:docs/results.md`, "Hot path II, part 7").
 FUSED_PROMPT = 256
 
 
@@ -185,10 +185,10 @@ class WorkerTokens:
         Checked: a change must find the copy at its version, and every evicted and moved id in it.
 
         NOTE: the lists are numpy arrays, not tensors: a step's patch is a handful of small operations per
-        request, and numpy's cost per operation here is a third of torch's (docs/results.md, "Hot path II,
-        part 5"); attention and the scores read them through ``torch.from_numpy``, which copies nothing. Ids
-        ascend (a full list is in logical order, evictions keep it, joined tokens are newer than every other,
-        moves change slots only), so every id is found by binary search."""
+        request, and numpy's cost per operation here is a third of torch's (`git show 67c0072:docs/results.md`,
+        "Hot path II, part 5"); attention and the scores read them through ``torch.from_numpy``, which copies
+        nothing. Ids ascend (a full list is in logical order, evictions keep it, joined tokens are newer than
+        every other, moves change slots only), so every id is found by binary search."""
         c = d.changes
         if d.full is not None:
             slots, ids = d.full

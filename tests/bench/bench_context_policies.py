@@ -4,7 +4,7 @@
 
 16 requests, each at its budget (an int budget: one eviction per decode step), 16-token blocks,
 begin_step + end_step, median of 12 steps, no attention rows. Run it alternately in two trees to compare
-commits (docs/results.md, "Hot path I"). ``compacting``: each request is admitted with twice its budget and
+commits (docs/results.md, "Host cost per request and step"). ``compacting``: each request is admitted with twice its budget and
 theta_F is 0.1, so half of it is evicted at once and compact plans and commits in every timed step (Q10's
 regime), on the gather path only.
 """

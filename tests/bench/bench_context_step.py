@@ -6,7 +6,7 @@ Core: ``bench_core_step``'s measurement (16 requests, StreamingLLM at its budget
 12 steps) at 256, 2,048 and 8,192 live tokens, gather/compact and dense/densify. With ``vllm``: Q7's in-process
 measurement (``q7_vllm_bookkeeping.measure_concurrency``: 8 requests, Random and H2O at 0.5, 32 generated tokens),
 vtoken's microseconds per request per step at prompts of 128, 512 and 1,536 tokens. To compare two commits, run
-it alternately in both trees in one session (docs/results.md, "Context-length check, issues #17/#18").
+it alternately in both trees in one session (docs/results.md, "Host cost per request and step").
 """
 import json, statistics, sys, time
 which = sys.argv[1] if len(sys.argv) > 1 else "this tree"

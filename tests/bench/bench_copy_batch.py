@@ -5,7 +5,7 @@
 Q7's in-process measurement (``q7_vllm_bookkeeping.measure_concurrency``): 64 requests, prompts of 128 held-out
 tokens, 32 generated, Random and H2O at budget 0.5 with densify, 2 seeds. Per configuration: vtoken's
 microseconds per request per step, then the worker's milliseconds per step, one per seed. To compare two
-commits, run it alternately in both trees (docs/results.md, "Hot path II, part 1").
+commits, run it alternately in both trees (`git show 67c0072:docs/results.md`, "Hot path II, part 1").
 """
 import json, sys
 

@@ -3,7 +3,7 @@
 16 requests of L live tokens each, one new token per request per step, StreamingLLM evicting back to its budget
 (L), 16-token blocks; the gather path with ``compact`` and the dense path with ``densify`` (EVENT ordering).
 Median of 12 steps. To compare two commits, run it in both trees alternately, in one session (the machines are
-noisy): ``python tests/bench/bench_core_step.py`` (docs/results.md, "Cost of the edge checks").
+noisy): ``python tests/bench/bench_core_step.py`` (`git show 67c0072:docs/results.md`, "Cost of the edge checks").
 """
 
 import statistics

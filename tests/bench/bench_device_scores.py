@@ -7,7 +7,7 @@ Q7's in-process measurement (``q7_vllm_bookkeeping.measure_concurrency``: 8 requ
 tokens) at prompts of 128, 512 and 1,536 tokens, strict verify off (under it the rows travel too and the core's
 scores run as the reference). The worker's time includes, in this tree, ``take_scores`` (recording and ranking);
 in a tree before it, ``take_attention`` (the rows' host copy), which that tree left untimed. Run it alternately in
-two trees in one session to compare commits (docs/results.md, "Hot path II, part 3").
+two trees in one session to compare commits (`git show 67c0072:docs/results.md`, "Hot path II, part 3").
 """
 import json
 import sys

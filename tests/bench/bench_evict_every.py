@@ -7,7 +7,7 @@ tokens, held-out prompts of CONTEXT tokens, default 512 and 1,536) for ``evict_e
 Random + densify and H2O + densify (dense path) and H2O + compact (gather path), 3 seeds each. Per beta: vtoken's
 microseconds per request per step (median over seeds, scheduler + worker timers), copies and token moves, and the
 blocks held per request per decode step against the ideal ceil(live / S) of beta = 1 (sampled after every
-``after_step``, outside vtoken's timers). Results: docs/results.md, "Eviction cadence".
+``after_step``, outside vtoken's timers). Results: docs/results.md, "Host cost per request and step".
 """
 import json, statistics, sys
 

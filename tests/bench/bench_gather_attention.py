@@ -10,7 +10,7 @@ same tokens, at C running requests (default 64 and 256), and their ratio. Then, 
 8 requests, prompts of 512 and 1,536 tokens): the dense path (densify, the stock kernel over [0, n_live)) against
 the gather path (compact, holes left in place), which hold equal live tokens: attention milliseconds and engine
 step milliseconds per step, and the ratios. Run it alternately in two trees in one session to compare commits
-(docs/results.md, "Hot path II, part 4").
+(docs/results.md, "Host cost per request and step").
 """
 import json
 import sys

@@ -6,8 +6,8 @@ Q7's in-process measurement (``q7_vllm_bookkeeping.measure_concurrency``): 8 req
 0.5 with densify, ``evict_every`` BETA (default 1), 2 seeds, prompts of 128 and 1,536 held-out tokens, and 32
 or 256 generated tokens (only 256 when BETA > 1). At the first decode step each request evicts half its prompt
 and densify moves the live tokens into the holes. That is O(L) once per request, spread over the generated
-tokens. vtoken's µs per request per step, the median over the seeds. Results: docs/results.md, "Hot path II,
-part 1".
+tokens. vtoken's µs per request per step, the median over the seeds. Results: `git show 67c0072:docs/results.md`,
+"Hot path II, part 1".
 """
 import json, statistics, sys
 

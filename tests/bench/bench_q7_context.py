@@ -5,7 +5,8 @@ to 1,024, over an hour here), written as q7.json / q7.png / tables to OUT.
 
 The settings are ``vtoken bench vllm``'s (5 seeds, pinned to one core) with ``q7_concurrency = (16, 64)``; the
 context axis is 128, 512, 1,536 and 2,000 prompt tokens at C = 8 and 64, for indirection only, Naive-Evict,
-compact, densify and H2O + densify (``q7_vllm_bookkeeping``). Results: docs/results.md, "Hot path II, part 1".
+compact, densify and H2O + densify (``q7_vllm_bookkeeping``). Results: docs/results.md, "Q7 Host bookkeeping
+inside vLLM".
 """
 import sys
 from dataclasses import replace

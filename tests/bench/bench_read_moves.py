@@ -5,7 +5,7 @@ vLLM for the configurations that send read lists and commit plans, as one JSON l
 
 Q7's in-process measurement (``q7_vllm_bookkeeping.measure_concurrency``: 8 requests, budget 0.5, 32 generated
 tokens) at prompts of 512 and 1,536 tokens. Run it alternately in two trees in one session to compare commits
-(docs/results.md, "Hot path II, part 2").
+(`git show 67c0072:docs/results.md`, "Hot path II, part 2").
 """
 import json
 import sys
