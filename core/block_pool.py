@@ -19,7 +19,7 @@ from array import array
 from collections import Counter, deque
 from typing import Iterable, Protocol, Sequence
 
-from .checks import as_list, check_int, check_member
+from .checks import as_list, check_enum, check_int
 from .errors import (
     BlockOutOfRangeError,
     ConfigError,
@@ -122,7 +122,7 @@ class BlockPool:
             __return__ == (n == 0 or 0 <= n <= self.num_free - (self.headroom if purpose is Purpose.ADMISSION else 0))
         raises: InvalidArgumentError
         """
-        self._check_request(n, purpose)
+        purpose = self._check_request(n, purpose)
         reserve = self.headroom if purpose is Purpose.ADMISSION else 0
         # taking nothing never dips into the headroom, even while evacuation has borrowed it
         return n == 0 or 0 <= n <= len(self._free) - reserve
@@ -138,7 +138,7 @@ class BlockPool:
             # P3: an admission never leaves fewer than ``headroom`` blocks free
             purpose is not Purpose.ADMISSION or n == 0 or self.num_free >= self.headroom
         """
-        self._check_request(n, purpose)
+        purpose = self._check_request(n, purpose)
         if n < 0:
             raise PoolExhaustedError(f"cannot allocate a negative number of blocks ({n}) for {purpose.value}")
         if not self.can_allocate(n, purpose):
@@ -216,10 +216,13 @@ class BlockPool:
             raise BlockOutOfRangeError(f"block {block_id!r} outside the pool [0, {self.num_blocks})")
 
     @staticmethod
-    def _check_request(n: int, purpose: Purpose) -> None:
-        if n.__class__ is not int or purpose.__class__ is not Purpose:
+    def _check_request(n: int, purpose: Purpose | str) -> Purpose:
+        """The purpose as a member (given as one, or as its value "admission" / "evacuation": ``check_enum``), once
+        the count is an int."""
+        if n.__class__ is not int or purpose.__class__ is not Purpose:  # (an int and a member: the hot path)
             check_int("block count", n, error=InvalidArgumentError, hint=f" (for {purpose!r})")
-            check_member("purpose", purpose, Purpose)
+            return check_enum("purpose", purpose, Purpose, error=InvalidArgumentError)
+        return purpose
 
     def snapshot(self) -> tuple:
         """The full state, for tests that check a rejected call changed nothing."""

@@ -7,7 +7,8 @@ culprit in its message:
     or a budget here);
   * a number is finite (no NaN, no infinity) and not a ``bool``;
   * a request id is hashable and neither ``None`` (the "no request" sentinel) nor a ``bool``;
-  * an enum-typed argument is a member, or the string value of one (``ReadPath("gather")``);
+  * an enum-typed argument is a member, or the exact string value of one (``"gather"`` for ``ReadPath.GATHER``),
+    everywhere (``check_enum``);
   * a sequence argument is an iterable that is not a ``str``/``bytes`` (a lone string id iterated as
     characters is never what the caller meant) and not a mapping.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import math
+import sys
 from array import array
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
@@ -41,14 +43,8 @@ def check_int(what: str, value: object, lo: int | None = None, hi: int | None = 
     ends with the offending value's repr.
     """
     if not is_int(value) or (lo is not None and value < lo) or (hi is not None and value > hi):  # type: ignore[operator]
-        if lo is not None and hi is not None:
-            rng = f"an int in [{lo}, {hi}]"
-        elif lo is not None:
-            rng = f"an int >= {lo}"
-        elif hi is not None:
-            rng = f"an int <= {hi}"
-        else:
-            rng = "an int"
+        rng = (f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}") if lo is not None \
+            else f"an int <= {hi}" if hi is not None else "an int"
         raise error(f"{what} must be {rng}{hint}, got {value!r}")
     return value  # type: ignore[return-value]
 
@@ -91,23 +87,23 @@ def is_known_key(mapping: Mapping, key: object) -> bool:
         return False
 
 
-def check_enum(what: str, value: object, cls: type[E], error: type[VTokenError] = ConfigError) -> E:
-    """A member of ``cls``: ``value`` itself, or the member whose value is the string ``value``."""
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, str):
-        for m in cls:
-            if m.value == value:
-                return m
-    raise error(f"{what} must be one of {[m.value for m in cls]} (a {cls.__name__} or its value), got {value!r}")
+def check_enum(what: str, value: object, cls: type[E], error: type[VTokenError] = ConfigError,
+               allowed: tuple[E, ...] | None = None, hint: str = "") -> E:
+    """The one rule for every enum-typed argument of vtoken: the member itself, or the exact string value of one
+    (``ReadPath.GATHER`` or ``"gather"``), turned into the member; anything else (the member's name ``"GATHER"``,
+    another spelling, an int, None) raises ``error`` naming ``what`` and listing the values accepted.
 
-
-def check_member(what: str, value: object, cls: type[E], error: type[VTokenError] = InvalidArgumentError) -> E:
-    """A member of ``cls`` and nothing else (no string form), for per-call arguments on hot paths."""
-    if not isinstance(value, cls):
-        raise error(f"{what} must be a {cls.__name__} ({', '.join(f'{cls.__name__}.{m.name}' for m in cls)}), "
-                    f"got {value!r}")
-    return value
+    ``allowed`` narrows the members accepted (default: all of ``cls``); ``hint`` ends the refusal. A member costs
+    one isinstance check, so per-call arguments on hot paths use it as well as configurations.
+    """
+    members = tuple(cls) if allowed is None else allowed
+    member = value if isinstance(value, cls) else next((m for m in members if m.value == value), None) \
+        if isinstance(value, str) else None
+    if member not in members:
+        article = "an" if cls.__name__[0] in "AEIOU" else "a"
+        raise error(f"{what} must be one of {[m.value for m in members]} ({article} {cls.__name__} or its value), "
+                    f"got {value!r}{hint}")
+    return member  # type: ignore[return-value]
 
 
 _PLAIN_SEQUENCES = frozenset((list, tuple, range))
@@ -154,22 +150,37 @@ def check_token_ids(what: str, ids: object, total_len: int,
     return out
 
 
+# the rows taken as they are; False and True as an array('d') holds them; the largest int a float holds
+_ROWS, _FLOAT_MAX = frozenset((list, tuple, array)), sys.float_info.max
+_FALSE, _TRUE = bytes(8), array("d", [1.0]).tobytes()
+
+
 def check_weights(what: str, weights: object, n: int | None = None,
                   error: type[VTokenError] = InvalidArgumentError) -> array:
-    """An attention row as ``array('d')``: ``n`` (if given) finite, non-negative real weights."""
-    if isinstance(weights, (str, bytes, bytearray, Mapping)) or not isinstance(weights, Iterable):
-        raise error(f"{what}: weights must be a sequence of numbers, got {weights!r}")
+    """An attention row as ``array('d')``: ``n`` (if given) finite, non-negative real weights, none a bool.
+
+    A refusal names the weight and its index."""
+    if weights.__class__ not in _ROWS:  # a list, tuple or array (the hot path) skips the ABC checks (~0.5 us)
+        if isinstance(weights, (str, bytes, bytearray, Mapping)) or not isinstance(weights, Iterable) \
+                or str(getattr(weights, "dtype", "")) in ("bool", "torch.bool"):  # (a numpy or torch mask)
+            raise error(f"{what}: weights must be a sequence of numbers, got {weights!r:.80}")
+        weights = list(weights)  # an iterator is read twice at most: into the array, and for a refusal
     try:
         row = array("d", weights)
     except (TypeError, ValueError, OverflowError):
-        bad = next((w for w in weights if not isinstance(w, (int, float)) or isinstance(w, bool)), weights)
-        raise error(f"{what}: weight {bad!r} is not a number") from None
+        row = None
+    # NOTE: array('d') takes True and False as 1.0 and 0.0, but a bool is no weight. A row can hide one only if it
+    # holds those bit patterns: a C-speed search of its bytes first (a match across two weights only costs the scan)
+    if row is None or weights.__class__ is not array and (_FALSE in (raw := row.tobytes()) or _TRUE in raw):
+        for i, w in enumerate(weights):  # (row None: one of them is not a number, or an int beyond a float)
+            if w.__class__ is bool or not isinstance(w, (int, float)) or isinstance(w, int) and abs(w) > _FLOAT_MAX:
+                raise error(f"{what}: weight {w!r} at index {i} is not a number")
     if n is not None and len(row) != n:
         raise error(f"{what}: {len(row)} weights for {n} tokens")
     if row and not (math.isfinite(sum(row)) and min(row) >= 0.0):  # C loops; NaN and inf poison the sum
-        bad = next((w for w in row if not math.isfinite(w) or w < 0.0), None)
-        if bad is not None:  # (None: finite weights whose sum overflowed, which are fine)
-            raise error(f"{what}: weight {bad!r} is not a finite non-negative number")
+        i = next((i for i, w in enumerate(row) if not math.isfinite(w) or w < 0.0), None)
+        if i is not None:  # (None: finite weights whose sum overflowed, which are fine)
+            raise error(f"{what}: weight {row[i]!r} at index {i} is not a finite non-negative number")
     return row
 
 
@@ -179,5 +190,5 @@ def check_callable(what: str, value: object, error: type[VTokenError] = ConfigEr
     return value
 
 
-__all__ = ["is_int", "check_int", "check_number", "check_request_id", "is_known_key", "check_enum", "check_member",
+__all__ = ["is_int", "check_int", "check_number", "check_request_id", "is_known_key", "check_enum",
            "as_list", "check_mapping", "check_token_ids", "check_weights", "check_callable"]

@@ -13,7 +13,8 @@ from typing import Sequence
 
 # NOTE: ``contracts`` in the docstring contracts is core/reference/contracts.py: spec/crosshair_check.py binds it
 # here for CrossHair; the runtime never imports an oracle (core/reference/__init__.py)
-from .errors import InvariantViolation
+from .checks import check_int, is_int
+from .errors import DestinationError, InvariantViolation
 from .plan import NoPlan, NoPlanReason, Plan, PlanKind
 from .token_table import Move, RequestSnapshot
 
@@ -50,8 +51,11 @@ def choose_sources(snap: RequestSnapshot, max_sources: int, dst_budget: int) -> 
     pre: max_sources >= 1 and dst_budget >= 0
     post: not __return__ or contracts.sources_private_before_the_cursor(snap, __return__, max_sources)
     post: not __return__ or contracts.strict_decrease_within_budget(snap, __return__, dst_budget)
+    raises: InvalidArgumentError
     """
-    assert max_sources >= 1 and dst_budget >= 0
+    # raised, not asserted: an assert is an empty message and vanishes under python -O
+    check_int("max_sources", max_sources, 1, hint=f" (source blocks per plan of request {snap.req_id!r})")
+    check_int("dst_budget", dst_budget, 0, hint=f" (destination blocks for request {snap.req_id!r})")
     ranked = [(i, snap.live_count(i)) for i in eligible_sources(snap)[:max_sources]]
     return choose_ranked(snap.req_id, ranked, snap.blocks.__getitem__, snap.block_size, dst_budget)
 
@@ -86,17 +90,18 @@ def plan_compaction(snap: RequestSnapshot, dst_blocks: Sequence[int], max_source
     pre: max_sources >= 1
     pre: all(b not in snap.blocks and b not in dst_blocks[:i] for i, b in enumerate(dst_blocks))  # distinct, fresh
     post: not __return__ or contracts.compact_fills_in_logical_order(snap, __return__)
+    raises: DestinationError, InvalidArgumentError
     """
+    for i, b in enumerate(dst_blocks):  # the precondition, raised: the caller's mistake, not a broken I4
+        if not is_int(b) or b < 0 or b in dst_blocks[:i] or b in snap.blocks:
+            raise DestinationError(f"request {snap.req_id!r}: destination block {b!r} is not a fresh block id "
+                                   f"(an int >= 0, listed once, not in its block list {list(snap.blocks)})")
     choice = choose_sources(snap, max_sources, len(dst_blocks))
     if not choice:
         return choice
     S = snap.block_size
     sources = set(choice.src_blocks)
     tokens = [(t, s) for t, s in snap.live_slots() if s // S in sources]
-    dsts = tuple(dst_blocks[: choice.num_dst])
-    if len(tokens) != choice.num_live or sources & set(dsts) or set(dsts) & set(snap.blocks):
-        raise InvariantViolation("I4", f"request {snap.req_id!r}: compact would move {len(tokens)} of "
-                                       f"{choice.num_live} live tokens into {dsts}, which must be fresh blocks")
     return compact_plan(snap.req_id, snap.version, S, choice, tokens, dst_blocks)
 
 

@@ -91,8 +91,9 @@ class InvalidArgumentError(VTokenError):
     """An argument has the wrong type or shape, or a value no more specific class covers.
 
     For example an unhashable request id, a bool, float or string where an int is meant, a Purpose
-    given as a string, an attention row with NaN, infinite or negative weights, a row for a request
-    that was not in the step. The message names the argument and repeats the value.
+    given as anything but a member or its value, an attention row with NaN, infinite, negative or bool
+    weights, a row for a request that was not in the step. The message names the argument and repeats
+    the value.
     """
 
 

@@ -49,7 +49,7 @@ from typing import Mapping
 
 from .block_pool import BlockAllocator, Purpose
 from .compact import choose_ranked, choose_sources, compact_plan, plan_compaction
-from .checks import as_list, check_mapping, is_int, is_known_key
+from .checks import as_list, check_enum, check_int, check_mapping, is_int, is_known_key
 from .copy_engine import CopyEngine, CopyHandle, CopyStatus
 from .densify import DensifyTail, plan_densify, plan_densify_tail
 from .errors import (
@@ -110,20 +110,17 @@ class ReclaimConfig:
     def __post_init__(self) -> None:
         """Every field is checked for its type as well as its range (a bool is no int here, a str no number);
         the message starts with the field's name."""
-        if not isinstance(self.planner, PlanKind) or self.planner is PlanKind.RELEASE:
-            raise ConfigError(f"planner must be one of {[k.value for k in PlanKind if k is not PlanKind.RELEASE]}, "
-                              f"got {self.planner!r} (release is no planner: it runs on the gather path whatever "
-                              f"the planner)")
-        if not isinstance(self.ordering, Ordering):
-            raise ConfigError(f"ordering must be one of {[o.value for o in Ordering]}, got {self.ordering!r}")
+        # a member or its value ("compact"), stored as the member (frozen: through object.__setattr__)
+        object.__setattr__(self, "planner", check_enum(
+            "planner", self.planner, PlanKind, allowed=tuple(k for k in PlanKind if k is not PlanKind.RELEASE),
+            hint=" (release is no planner: it runs on the gather path whatever the planner)"))
+        object.__setattr__(self, "ordering", check_enum("ordering", self.ordering, Ordering))
         if not _is_number(self.theta_f) or not 0.0 <= self.theta_f < 1.0:  # NaN fails the range
             raise ConfigError(f"theta_f must be a number in [0, 1), got {self.theta_f!r}")
         if self.low_watermark is not None and (not is_int(self.low_watermark) or self.low_watermark < 0):
             raise ConfigError(f"low_watermark must be None or an int >= 0 (free blocks), got {self.low_watermark!r}")
         for name in ("check_every", "max_sources", "max_plans_per_round"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, getattr(self, name), 1, error=ConfigError)
         if self.burst_df is not None and (isinstance(self.burst_df, bool) or not isinstance(self.burst_df, (int, float))
                                           or not 0.0 < self.burst_df <= 1.0):
             raise ConfigError(f"burst_df must be None (adaptive trigger off) or a number in (0, 1], "

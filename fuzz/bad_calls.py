@@ -40,7 +40,7 @@ BAD_CALLS = tuple(
         ("id", ["unhashable", "bool"]),  # request ids
         ("block", ["foreign", "free_sync", "not_int", "held_sync"]),  # another request's block, a free one,
         # 1.0 / True, a destination a plan in flight holds
-        ("purpose", ["str"]),  # "admission" instead of Purpose.ADMISSION
+        ("purpose", ["str"]),  # "ADMISSION" (a name, not the value "admission") or None instead of Purpose.ADMISSION
         ("attention", ["nan", "inf", "negative", "unknown", "length"]),  # end_step's rows (inside a step)
         ("step", ["begin_twice", "end_first", "not_mapping"]),
     ]
@@ -394,7 +394,9 @@ class BadCalls:
     def _bad_purpose(self, req, kind, index):
         pool = self.pool
         n = max(1, pool.num_free - pool.headroom + 1)  # would dip into the headroom if taken for evacuation
-        name = ("admission", "evacuation", "ADMISSION", None)[index % 4]
+        # a member or its exact value ("admission") is a purpose (checks.check_enum); its name, another spelling
+        # or None is not
+        name = ("ADMISSION", "Evacuation", "admit", None)[index % 4]
         call = pool.allocate if index % 8 < 4 else pool.can_allocate
         self._rejected(E.InvalidArgumentError, call, n, name)
 

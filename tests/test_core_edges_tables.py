@@ -89,10 +89,12 @@ def test_a_non_int_block_count_is_refused_naming_it_and_the_purpose():
             "block count must be an int (for <Purpose.EVACUATION: 'evacuation'>), got True", pool)
 
 
-def test_a_purpose_given_as_its_string_is_refused_naming_it():
+def test_a_purpose_given_as_its_name_is_refused_listing_the_values():
+    """A member or its exact value ("admission") is a purpose (``checks.check_enum``); its name is not."""
     pool = BlockPool(4, 2)
-    refused(lambda: pool.allocate(1, "admission"), InvalidArgumentError,
-            "purpose must be a Purpose (Purpose.ADMISSION, Purpose.EVACUATION), got 'admission'", pool)
+    refused(lambda: pool.allocate(1, "ADMISSION"), InvalidArgumentError,
+            "purpose must be one of ['admission', 'evacuation'] (a Purpose or its value), got 'ADMISSION'", pool)
+    assert pool.allocate(1, "admission") == [0] and pool.can_allocate(1, "evacuation")
 
 
 @pytest.mark.parametrize("args, error, message", [

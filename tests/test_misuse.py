@@ -17,12 +17,14 @@ import pytest
 
 from misuse_snapshot import deep_state, describe_diff
 from vtoken.core.block_pool import BlockPool, Purpose, blocks_needed
+from vtoken.core.compact import choose_sources, plan_compaction
 from vtoken.core.errors import (
     AdmissionClosedError,
     BlockListTooShortError,
     BlockNotOwnedError,
     BlockOutOfRangeError,
     ConfigError,
+    CopyStateError,
     DestinationError,
     DoubleFreeError,
     DuplicateRequestError,
@@ -198,15 +200,15 @@ def _pool_refuses_negative_headroom():
 
 
 @case
-def _pool_allocate_refuses_purpose_as_string():
-    p = pool_()
-    return (p,), lambda: p.allocate(1, "admission"), InvalidArgumentError, "'admission'"
+def _pool_allocate_refuses_purpose_by_its_name_listing_the_values():
+    p = pool_()  # an enum argument takes its member or its exact value ("admission"), not its name
+    return (p,), lambda: p.allocate(1, "ADMISSION"), InvalidArgumentError, "['admission', 'evacuation']"
 
 
 @case
-def _pool_can_allocate_refuses_purpose_as_string():
-    p = pool_()  # 5 free, headroom 2: "admission" as a string used to dip into the headroom
-    return (p,), lambda: p.can_allocate(4, "admission"), InvalidArgumentError, "'admission'"
+def _pool_can_allocate_refuses_an_unknown_purpose_string():
+    p = pool_()  # 5 free, headroom 2: a purpose that is not Purpose.ADMISSION used to dip into the headroom
+    return (p,), lambda: p.can_allocate(4, "admit"), InvalidArgumentError, "'admit'"
 
 
 @case
@@ -808,6 +810,66 @@ def _scores_restore_refuses_a_mismatched_save():
     return (s,), lambda: s.restore("r", [0, 1], [(0.0, 0.0)]), InvalidArgumentError, "request 'r'"
 
 
+# ---- the compact planner (pure functions of a snapshot) -------------------------------------------------------
+def wasted():
+    """8 blocks x 4: 'a' synced 14 tokens in blocks [0..3] and evicted 8 (live 0 | 7 | 8 9 | 12 13): blocks 0, 1
+    and 2 pack into one fresh block. Returns the table (the state) and its snapshot of 'a'."""
+    t = TokenTable(8, 4)
+    t.add_request("a")
+    t.sync_new_tokens("a", [0, 1, 2, 3], 14)
+    for tok in EVICT:
+        t.evict_token("a", tok)
+    return t, t.snapshot("a")
+
+
+@case
+def _plan_compaction_refuses_the_requests_own_block_as_destination():
+    t, snap = wasted()
+    return (t, snap), lambda: plan_compaction(snap, [0], 8), DestinationError, "block 0"
+
+
+@case
+def _plan_compaction_refuses_a_listed_block_it_does_not_pack_as_destination():
+    t, snap = wasted()
+    return (t, snap), lambda: plan_compaction(snap, [3], 8), DestinationError, "block 3"
+
+
+@case
+def _plan_compaction_refuses_a_destination_named_twice():
+    t, snap = wasted()
+    return (t, snap), lambda: plan_compaction(snap, [5, 5], 8), DestinationError, "block 5"
+
+
+@case
+def _plan_compaction_refuses_true_as_destination():
+    t, snap = wasted()
+    return (t, snap), lambda: plan_compaction(snap, [True], 8), DestinationError, "True"
+
+
+@case
+def _plan_compaction_refuses_max_sources_zero():
+    t, snap = wasted()
+    return (t, snap), lambda: plan_compaction(snap, [4], 0), InvalidArgumentError, "max_sources"
+
+
+@case
+def _choose_sources_refuses_max_sources_zero():
+    t, snap = wasted()  # a bare assert before: an empty AssertionError, and accepted under python -O
+    return (t, snap), lambda: choose_sources(snap, 0, 4), InvalidArgumentError, "max_sources must be an int >= 1"
+
+
+@case
+def _choose_sources_refuses_a_negative_destination_budget():
+    t, snap = wasted()
+    return (t, snap), lambda: choose_sources(snap, 1, -1), InvalidArgumentError, "dst_budget must be an int >= 0"
+
+
+@case
+def _choose_sources_refuses_true_as_max_sources():
+    t, snap = wasted()
+    return (t, snap), lambda: choose_sources(snap, True, 4), InvalidArgumentError, "max_sources"
+
+
 # ---- policies and RequestView ----------------------------------------------------------------------------
 @case
 def _h2o_refuses_a_recent_fraction_above_one():
@@ -857,6 +919,21 @@ def _random_refuses_a_negative_recent_window():
 @case
 def _random_refuses_true_as_recent_window():
     return (), lambda: RandomPolicy(keep_recent=True), ConfigError, "True"
+
+
+@case
+def _snapkv_refuses_a_float_window_stating_its_true_bound():
+    return (), lambda: SnapKV(window=2.5), ConfigError, "SnapKV window must be an int >= 1, got 2.5"
+
+
+@case
+def _snapkv_refuses_a_float_kernel_stating_its_true_bound():
+    return (), lambda: SnapKV(kernel=2.5), ConfigError, "SnapKV kernel must be an odd int >= 1, got 2.5"
+
+
+@case
+def _snapkv_refuses_kernel_zero_stating_its_true_bound():
+    return (), lambda: SnapKV(kernel=0), ConfigError, "SnapKV kernel must be an odd int >= 1, got 0"
 
 
 @case
@@ -985,6 +1062,26 @@ def _runtime_refuses_a_pool_that_is_not_an_allocator():
 def _runtime_refuses_an_engine_that_is_not_a_copy_engine():
     pool, _ = bare_parts()
     return (pool,), lambda: VTokenRuntime(pool, TagStore(8, 4)), ConfigError, "submit()"
+
+
+@case
+def _runtime_refuses_a_read_path_by_its_name():
+    pool, eng = bare_parts()  # the member or its exact value ("gather"), never the member's name
+    return (pool, eng), lambda: VTokenRuntime(pool, eng, read_path="GATHER"), ConfigError, "['gather', 'dense']"
+
+
+@case
+def _sim_config_refuses_an_unknown_read_path():
+    from vtoken.core.sim.simulator import SimConfig  # accepted, then a ValueError when the simulation started
+
+    return (), lambda: SimConfig(read_path="sparse"), ConfigError, "read_path must be one of ['gather', 'dense']"
+
+
+@case
+def _sim_config_refuses_an_unknown_ordering():
+    from vtoken.core.sim.simulator import SimConfig
+
+    return (), lambda: SimConfig(ordering="eventual"), ConfigError, "ordering must be one of ['poll', 'event'"
 
 
 @case
@@ -1277,6 +1374,27 @@ def _end_step_refuses_a_negative_key_norm():
 
 
 @case
+def _end_step_refuses_true_as_a_key_norm_naming_request_and_index():
+    rt = open_step(policy=Knorm())  # bools are not numbers: True used to be recorded as a norm of 1.0
+    return (rt,), lambda: rt.end_step(None, {"a": [True]}), InvalidArgumentError, \
+        "request 'a': key norms: weight True at index 0"
+
+
+@case
+def _end_step_refuses_false_as_an_attention_weight_naming_request_and_index():
+    rt = open_step(policy=H2O(), budget=1.0)
+    return (rt,), lambda: rt.end_step({"a": [1 / 7] * 6 + [False]}), InvalidArgumentError, \
+        "request 'a': attention row: weight False at index 6"
+
+
+@case
+def _end_step_refuses_true_as_a_vote_naming_request_and_index():
+    rt = open_step(policy=SnapKV())
+    return (rt,), lambda: rt.end_step(None, None, {"a": [0.5, True] + [0.0] * 5}), InvalidArgumentError, \
+        "request 'a': observation: weight True at index 1"
+
+
+@case
 def _end_step_refuses_key_norms_as_a_list():
     rt = open_step(policy=Knorm())
     return (rt,), lambda: rt.end_step(None, [1.0]), InvalidArgumentError, "key_norms must be a mapping"
@@ -1431,6 +1549,33 @@ def _evict_and_reclaim_refuses_true_as_token():
 def _evict_and_reclaim_refuses_a_nan_weight():
     rt = running(policy=H2O())
     return (rt,), lambda: rt.evict_and_reclaim(["a"], {"a": ([0, 1], [math.nan, 1.0])}), InvalidArgumentError, "nan"
+
+
+@case
+def _evict_and_reclaim_refuses_true_as_a_weight_naming_request_and_index():
+    rt = running(policy=H2O())
+    return (rt,), lambda: rt.evict_and_reclaim(["a"], {"a": ([0, 1], [0.5, True])}), InvalidArgumentError, \
+        "request 'a': attention row: weight True at index 1"
+
+
+@case
+def _evict_and_reclaim_refuses_true_as_a_key_norm_naming_request_and_index():
+    rt = running(policy=Knorm())
+    return (rt,), lambda: rt.evict_and_reclaim(["a"], None, {"a": ([0], [True])}), InvalidArgumentError, \
+        "request 'a': key norms: weight True at index 0"
+
+
+@case
+def _evict_and_reclaim_refuses_false_as_a_vote_naming_request_and_index():
+    rt = running(policy=SnapKV())
+    return (rt,), lambda: rt.evict_and_reclaim(["a"], None, None, {"a": ([0, 1], [0.5, False])}), \
+        InvalidArgumentError, "request 'a': observation: weight False at index 1"
+
+
+@case
+def _scores_record_refuses_true_as_a_weight():
+    s = scores_()
+    return (s,), lambda: s.record("r", [0, 1], [True, 0.5]), InvalidArgumentError, "weight True at index 0"
 
 
 @case
@@ -1678,6 +1823,235 @@ def _tag_store_read_refuses_true_as_slot():
 
 
 @case
+def _mem_tag_store_write_refuses_a_slot_past_the_end():
+    s = TagStore(4, 4)  # 16 slots: slot 16 used to raise IndexError
+    return (s,), lambda: s.write(16, 7), BlockOutOfRangeError, "slot must be an int in [0, 15]"
+
+
+@case
+def _mem_tag_store_write_refuses_a_negative_slot():
+    s = TagStore(4, 4)  # -1 used to write slot 15
+    return (s,), lambda: s.write(-1, 7), BlockOutOfRangeError, "got -1"
+
+
+@case
+def _mem_tag_store_write_refuses_true_as_slot():
+    s = TagStore(4, 4)
+    return (s,), lambda: s.write(True, 7), BlockOutOfRangeError, "got True"
+
+
+@case
+def _mem_tag_store_read_refuses_a_float_slot():
+    s = TagStore(4, 4)
+    return (s,), lambda: s.read(1.0), BlockOutOfRangeError, "got 1.0"
+
+
+@case
+def _mem_tag_store_read_refuses_a_negative_slot():
+    s = TagStore(4, 4)
+    return (s,), lambda: s.read(-16), BlockOutOfRangeError, "got -16"
+
+
+@case
+def _mem_tag_store_write_refuses_a_tag_beyond_64_bits():
+    s = TagStore(4, 4)
+    return (s,), lambda: s.write(0, 2**63), InvalidArgumentError, str(2**63)
+
+
+@case
+def _mem_tag_store_refuses_a_negative_block_count():
+    return (), lambda: TagStore(-1, 4), ConfigError, "num_blocks"
+
+
+# ---- strict verify's configuration, the device scores (torch) ---------------------------------------------------
+@case
+def _verify_config_refuses_sample_every_as_a_string():
+    torch_()
+    from vtoken.integration.device.verify import VerifyConfig
+
+    return (), lambda: VerifyConfig(sample_every="4"), ConfigError, "sample_every must be an int >= 1, got '4'"
+
+
+@case
+def _verify_config_refuses_true_as_sample_every():
+    torch_()
+    from vtoken.integration.device.verify import VerifyConfig
+
+    return (), lambda: VerifyConfig(sample_every=True), ConfigError, "sample_every must be an int >= 1, got True"
+
+
+@case
+def _verify_config_refuses_a_float_sample_every():
+    torch_()
+    from vtoken.integration.device.verify import VerifyConfig
+
+    return (), lambda: VerifyConfig(sample_every=1.5), ConfigError, "sample_every must be an int >= 1, got 1.5"
+
+
+@case
+def _verify_config_refuses_a_mode_by_its_name_listing_the_values():
+    torch_()
+    from vtoken.integration.device.verify import VerifyConfig
+
+    return (), lambda: VerifyConfig(mode="STRICT"), ConfigError, "['off', 'sampled', 'strict'] (a VerifyMode"
+
+
+def dev_scores(statistics=("accumulated", "persistence", "key_norm")):
+    """Device scores over 'r''s read list of 4 tokens, with one row recorded and key norms set."""
+    torch = torch_()
+    from vtoken.integration.device.scores import DeviceScores
+
+    d = DeviceScores(statistics=statistics)
+    ids = torch.arange(4)
+    d.realign("r", None, ids)
+    d.record("r", torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64))
+    d.set_keys("r", ids, torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64))
+    return d, ids
+
+
+@case
+def _device_scores_refuse_an_unknown_statistic():
+    torch_()
+    from vtoken.integration.device.scores import DeviceScores
+
+    return (), lambda: DeviceScores(statistics=("accumulated", "entropy")), ConfigError, "'entropy'"
+
+
+@case
+def _device_scores_refuse_no_statistic():
+    torch_()
+    from vtoken.integration.device.scores import DeviceScores
+
+    return (), lambda: DeviceScores(statistics=()), ConfigError, "statistics"
+
+
+@case
+def _device_scores_set_keys_refuses_a_nan_norm():
+    torch = torch_()
+    d, ids = dev_scores()
+    norms = torch.tensor([1.0, math.nan], dtype=torch.float64)
+    return (d,), lambda: d.set_keys("r", ids[:2], norms), InvalidArgumentError, "request 'r': key_norm"
+
+
+@case
+def _device_scores_set_keys_refuses_a_negative_norm():
+    torch = torch_()
+    d, ids = dev_scores()
+    norms = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    return (d,), lambda: d.set_keys("r", ids[:2], norms), InvalidArgumentError, "-2.0"
+
+
+@case
+def _device_scores_set_keys_refuses_an_infinite_norm():
+    torch = torch_()
+    d, ids = dev_scores()
+    norms = torch.tensor([math.inf], dtype=torch.float64)
+    return (d,), lambda: d.set_keys("r", ids[:1], norms), InvalidArgumentError, "inf"
+
+
+@case
+def _device_scores_set_keys_refuses_an_unknown_request():
+    torch = torch_()
+    d, ids = dev_scores()
+    norms = torch.tensor([1.0], dtype=torch.float64)
+    return (d,), lambda: d.set_keys("zz", ids[:1], norms), UnknownRequestError, "'zz'"
+
+
+@case
+def _device_scores_record_all_refuses_a_row_longer_than_the_scores():
+    torch = torch_()
+    d, _ = dev_scores()
+    rows = torch.full((1, 5), 0.2, dtype=torch.float64)
+    return (d,), lambda: d.record_all(["r"], rows, [5]), InvalidArgumentError, "request 'r'"
+
+
+@case
+def _device_scores_record_all_refuses_rows_for_fewer_requests():
+    torch = torch_()
+    d, _ = dev_scores()
+    rows = torch.full((1, 4), 0.25, dtype=torch.float64)
+    return (d,), lambda: d.record_all(["r", "r"], rows, [4, 4]), InvalidArgumentError, "rows of shape (1, 4)"
+
+
+@case
+def _device_scores_realign_refuses_old_ids_that_are_not_the_scored_list():
+    torch = torch_()
+    d, _ = dev_scores()
+    return (d,), lambda: d.realign("r", torch.arange(3), torch.arange(5)), InvalidArgumentError, "request 'r'"
+
+
+@case
+def _device_scores_rank_refuses_a_statistic_not_recorded():
+    torch_()
+    from vtoken.core.policies.base import Ranking
+
+    d, ids = dev_scores()
+    return (d,), lambda: d.rank("r", ids, Ranking(1, 1, ("latest",)), 3), InvalidArgumentError, "'latest'"
+
+
+# ---- tensor parallelism's copy reports (integration/vllm/worker_copies.py, no vLLM needed) ------------------------
+def shard_reports():
+    """Two ranks; copy 1 reported done by one of them so far."""
+    from vtoken.integration.vllm.worker_copies import ShardReports
+
+    s = ShardReports(2)
+    assert s.settle([1], []) == ([], [])
+    return s
+
+
+@case
+def _shard_reports_refuse_a_float_rank_count():
+    from vtoken.integration.vllm.worker_copies import ShardReports
+
+    return (), lambda: ShardReports(2.5), ConfigError, "ranks must be an int >= 1, got 2.5"
+
+
+@case
+def _shard_reports_refuse_true_as_rank_count():
+    from vtoken.integration.vllm.worker_copies import ShardReports
+
+    return (), lambda: ShardReports(True), ConfigError, "ranks must be an int >= 1, got True"
+
+
+@case
+def _shard_reports_refuse_a_string_rank_count():
+    from vtoken.integration.vllm.worker_copies import ShardReports
+
+    return (), lambda: ShardReports("2"), ConfigError, "ranks must be an int >= 1, got '2'"
+
+
+@case
+def _shard_reports_refuse_none_as_rank_count():
+    from vtoken.integration.vllm.worker_copies import ShardReports
+
+    return (), lambda: ShardReports(None), ConfigError, "ranks must be an int >= 1, got None"
+
+
+@case
+def _shard_reports_settle_counts_nothing_when_one_copy_is_over_reported():
+    s = shard_reports()  # copy 2's report comes first and used to stay counted after the refusal
+    return (s,), lambda: s.settle([2, 1, 1], []), CopyStateError, "copy 1 reported done by 3 ranks"
+
+
+@case
+def _shard_reports_settle_refuses_an_unhashable_handle():
+    s = shard_reports()
+    return (s,), lambda: s.settle([1, [2]], []), InvalidArgumentError, "[2]"
+
+
+@case
+def _shard_reports_settle_refuses_true_as_a_failed_handle():
+    s = shard_reports()
+    return (s,), lambda: s.settle([1], [True]), InvalidArgumentError, "True"
+
+
+@case
+def _shard_reports_settle_refuses_a_lone_handle():
+    s = shard_reports()
+    return (s,), lambda: s.settle(1, []), InvalidArgumentError, "done"
+
+
+@case
 def _tag_store_refuses_a_core_tag_store():
     torch_()
     from vtoken.integration.device.kv_layout import LayoutError
@@ -1737,6 +2111,48 @@ def test_policy_and_read_path_accept_their_names():
     pool, eng = bare_parts()
     rt = VTokenRuntime(pool, eng, policy="h2o", read_path="gather")
     assert isinstance(rt.policy, H2O) and rt.read_path is ReadPath.GATHER
+
+
+def test_every_enum_argument_takes_its_member_or_its_exact_value():
+    """The one rule (``checks.check_enum``, README "Using the core"): a member, or the string that is its value."""
+    from vtoken.core.reclamation import Ordering
+    from vtoken.core.sim.simulator import SimConfig
+
+    pool = pool_()  # 5 free, headroom 2
+    assert pool.can_allocate(5, "evacuation") and not pool.can_allocate(4, "admission")
+    assert pool.allocate(3, "admission") == [3, 4, 5]
+    cfg = ReclaimConfig(planner="densify", ordering="event")
+    assert cfg == ReclaimConfig(PlanKind.DENSIFY, ordering=Ordering.EVENT) and cfg.planner is PlanKind.DENSIFY
+    pool, eng = bare_parts()
+    rt = VTokenRuntime(pool, eng, policy="h2o", reclaim=cfg, read_path="dense")
+    assert rt.read_path is ReadPath.DENSE and rt.manager.config.ordering is Ordering.EVENT
+    pool, eng = bare_parts()
+    assert VTokenRuntime(pool, eng, ordering="force_sync").manager.config.ordering is Ordering.FORCE_SYNC
+    assert SimConfig(read_path=ReadPath.DENSE, ordering="event").read_path is ReadPath.DENSE
+
+
+def test_every_enum_argument_of_the_device_layer_takes_its_member_or_its_exact_value():
+    torch_()
+    from vtoken.integration.device.verify import OnMismatch, VerifyConfig, VerifyMode
+
+    cfg = VerifyConfig("sampled", sample_every=4, on_mismatch="quarantine")
+    assert cfg.mode is VerifyMode.SAMPLED and cfg.on_mismatch is OnMismatch.QUARANTINE
+    assert cfg == VerifyConfig(VerifyMode.SAMPLED, 4, OnMismatch.QUARANTINE)
+
+
+def test_a_bad_argument_is_refused_under_python_dash_o_too():
+    """Checks are raised, never asserted: ``python -O`` strips asserts (choose_sources used to accept 0 there)."""
+    import subprocess
+    import sys
+
+    code = ("from vtoken.core.compact import choose_sources\n"
+            "from vtoken.core.errors import InvalidArgumentError\n"
+            "from vtoken.core.token_table import TokenTable\n"
+            "t = TokenTable(4, 4); t.add_request('a'); t.sync_new_tokens('a', [0, 1], 8)\n"
+            "try:\n    choose_sources(t.snapshot('a'), 0, 4)\n"
+            "except InvalidArgumentError as e:\n    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("refused: max_sources"), out.stdout + out.stderr
 
 
 def test_end_step_drops_the_row_of_a_request_that_finished_during_the_step():

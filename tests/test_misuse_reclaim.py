@@ -124,7 +124,11 @@ CASES = [
     Case("config low_watermark float", _config(low_watermark=1.5), ConfigError, "low_watermark must be None or an int"),
     Case("config max_plans_per_round 0", _config(max_plans_per_round=0), ConfigError, "max_plans_per_round"),
     Case("config burst_df inf", _config(burst_df=float("inf")), ConfigError, "burst_df"),
-    Case("config planner str", _config(planner="densify"), ConfigError, "planner must be one of"),
+    Case("config planner name", _config(planner="DENSIFY"), ConfigError,
+         "planner must be one of ['compact', 'densify', 'relocate'] (a PlanKind or its value), got 'DENSIFY'"),
+    Case("config planner release", _config(planner="release"), ConfigError, "release is no planner"),
+    Case("config ordering name", _config(ordering="EVENT"), ConfigError,
+         "ordering must be one of ['poll', 'event', 'force_sync'] (an Ordering or its value), got 'EVENT'"),
     # ReclamationManager
     Case("should_reclaim negative", lambda s: s.manager.should_reclaim(-1), InvalidArgumentError, "got -1"),
     Case("should_reclaim float", lambda s: s.manager.should_reclaim(2.0), InvalidArgumentError, "got 2.0"),

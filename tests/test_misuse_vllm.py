@@ -110,11 +110,13 @@ ALLOCATOR = [
     (lambda a: a.allocate(100, EVAC), PoolExhaustedError, "evacuation needs 100 blocks", "100"),
     (lambda a: a.can_allocate(2.0, ADM), InvalidArgumentError, "block count must be an int", "2.0"),
     (lambda a: a.can_allocate(False, EVAC), InvalidArgumentError, "block count must be an int", "False"),
-    # purposes
-    (lambda a: a.allocate(2, "admission"), InvalidArgumentError, "purpose must be a Purpose", "'admission'"),
-    (lambda a: a.allocate(7, "evacuation"), InvalidArgumentError, "purpose must be a Purpose", "'evacuation'"),
-    (lambda a: a.allocate(1, None), InvalidArgumentError, "purpose must be a Purpose", "None"),
-    (lambda a: a.can_allocate(1, "admission"), InvalidArgumentError, "purpose must be a Purpose", "'admission'"),
+    # purposes: a member or its exact value ("admission"), nothing else (checks.check_enum)
+    (lambda a: a.allocate(2, "ADMISSION"), InvalidArgumentError, "purpose must be one of ['admission', 'evacuation']",
+     "'ADMISSION'"),
+    (lambda a: a.allocate(7, "evacuate"), InvalidArgumentError, "purpose must be one of", "'evacuate'"),
+    (lambda a: a.allocate(1, None), InvalidArgumentError, "purpose must be one of", "None"),
+    (lambda a: a.can_allocate(1, "Admission"), InvalidArgumentError, "purpose must be one of", "'Admission'"),
+    (lambda a: a.allocate(7, "admission"), HeadroomReservedError, "headroom of 2", "7"),  # the value is the member
     # free
     (lambda a: a.free([float(a.held[1])]), BlockOutOfRangeError, "outside the pool", ".0"),
     (lambda a: a.free([True]), BlockOutOfRangeError, "outside the pool", "True"),

@@ -31,6 +31,7 @@ from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.densify import plan_densify
 from vtoken.core.errors import (
     BlockNotOwnedError,
+    DestinationError,
     BlockOutOfRangeError,
     InvalidArgumentError,
     InvariantViolation,
@@ -212,12 +213,12 @@ def test_commit_accepts_the_boundary_cursors(evict, blocks, cursor):
 # =====================================================================================================
 # Row 2. The compact planner's own assertions on the manager's arguments.
 # =====================================================================================================
-def test_choose_sources_asserts_its_arguments():
+def test_choose_sources_refuses_its_arguments():
     snap = wasteful().table.snapshot("a")
-    with pytest.raises(AssertionError):
-        choose_sources(snap, 0, 1)  # max_sources = 0, however large the budget
-    with pytest.raises(AssertionError):
-        choose_sources(snap, 1, -1)  # a negative destination budget
+    refused(lambda: choose_sources(snap, 0, 1), InvalidArgumentError,  # max_sources = 0, however large the budget
+            "max_sources must be an int >= 1 (source blocks per plan of request 'a'), got 0", snap)
+    refused(lambda: choose_sources(snap, 1, -1), InvalidArgumentError,  # a negative destination budget
+            "dst_budget must be an int >= 0 (destination blocks for request 'a'), got -1", snap)
     # the smallest legal values are answered, not refused
     assert choose_sources(snap, 1, 0) == NoPlan(NoPlanReason.NOT_ENOUGH_HEADROOM, "request 'a': budget 0")
     assert choose_sources(snap, 1, 1) == NoPlan(NoPlanReason.NO_STRICT_DECREASE,
@@ -226,18 +227,17 @@ def test_choose_sources_asserts_its_arguments():
 
 
 @pytest.mark.parametrize("dst", [3, 0], ids=["listed but not a source", "a source"])
-def test_plan_compaction_asserts_its_destinations_are_fresh(dst):
+def test_plan_compaction_refuses_destinations_that_are_not_fresh(dst):
     snap = wasteful().table.snapshot("a")
-    with pytest.raises(InvariantViolation) as info:  # raised, not asserted: it holds under python -O too
-        plan_compaction(snap, [dst], 8)
-    assert str(info.value) == f"I4: request 'a': compact would move 4 of 4 live tokens into ({dst},), which must be " \
-                              f"fresh blocks"
+    refused(lambda: plan_compaction(snap, [5, dst], 8), DestinationError,  # the caller's mistake, not a broken I4
+            f"request 'a': destination block {dst} is not a fresh block id (an int >= 0, listed once, not in its "
+            f"block list [0, 1, 2, 3])", snap)
 
 
-def test_plan_compaction_asserts_max_sources():
+def test_plan_compaction_refuses_max_sources_zero():
     snap = wasteful().table.snapshot("a")
-    with pytest.raises(AssertionError):
-        plan_compaction(snap, [4], 0)
+    refused(lambda: plan_compaction(snap, [4], 0), InvalidArgumentError,
+            "max_sources must be an int >= 1 (source blocks per plan of request 'a'), got 0", snap)
     assert plan_compaction(snap, [4], 8) == Plan(PlanKind.COMPACT, "a", (0, 14), COMPACT_MOVES, (0, 1, 2), (4,))
 
 

@@ -539,8 +539,8 @@ def test_snapkv_keeps_what_the_prompts_window_voted_for_and_then_a_recent_window
     assert pool_votes([3.0, 0.0], 3) == [1.0, 1.0] and pool_votes([0.5], 1) == [0.5]
 
 
-@pytest.mark.parametrize("kw, match", [({"window": 0}, "SnapKV window must be >= 1"),
-                                       ({"kernel": 4}, "SnapKV kernel must be odd"),
+@pytest.mark.parametrize("kw, match", [({"window": 0}, "SnapKV window must be an int >= 1"),
+                                       ({"kernel": 4}, "SnapKV kernel must be an odd int >= 1"),
                                        ({"kernel": -1}, "SnapKV kernel"), ({"window": 2.0}, "SnapKV window")])
 def test_snapkv_refuses_bad_parameters_naming_them(kw, match):
     with pytest.raises(ConfigError, match=match):

@@ -672,8 +672,8 @@ def test_set_budget_rejects_bad_values_and_changes_nothing():
     ({"check_every": 0}, "check_every"),
     ({"max_sources": 0}, "max_sources"),
     ({"max_plans_per_round": 0}, "max_plans_per_round"),
-    ({"planner": "compact"}, "planner"),
-    ({"ordering": "event"}, "ordering"),
+    ({"planner": "Compact"}, "planner"),  # a member or its exact value ("compact"), not another spelling
+    ({"ordering": "EVENT"}, "ordering"),
     ({"burst_df": 0.0}, "burst_df"),
     ({"burst_df": -0.1}, "burst_df"),
     ({"burst_df": 1.5}, "burst_df"),

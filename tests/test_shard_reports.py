@@ -37,7 +37,7 @@ def test_more_done_reports_than_ranks_are_refused():
     s = ShardReports(2)
     with pytest.raises(VTokenError, match="copy 4 reported done by 3 ranks; there are 2"):
         s.settle([4, 4, 4], [])
-    with pytest.raises(VTokenError, match="ranks must be >= 1"):
+    with pytest.raises(VTokenError, match="ranks must be an int >= 1, got 0"):
         ShardReports(0)
 
 

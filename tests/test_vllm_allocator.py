@@ -122,8 +122,8 @@ def test_a_reserve_keeps_vllm_out_of_the_headroom_and_lets_evacuation_in():
 
 @pytest.mark.parametrize("call", [
     lambda a: a.allocate(1.5, ADM), lambda a: a.allocate(True, EVAC), lambda a: a.allocate("1", ADM),
-    lambda a: a.allocate(1, "admission"), lambda a: a.allocate(8, "evacuation"), lambda a: a.can_allocate(1.0, ADM),
-    lambda a: a.can_allocate(1, "evacuation"),
+    lambda a: a.allocate(1, "ADMISSION"), lambda a: a.allocate(8, "Evacuation"), lambda a: a.can_allocate(1.0, ADM),
+    lambda a: a.can_allocate(1, "EVACUATION"),  # a purpose is a member or its exact value ("evacuation")
 ], ids=["float", "bool", "str", "str-purpose", "str-purpose-headroom", "can-float", "can-str-purpose"])
 def test_both_pools_refuse_a_count_or_purpose_of_the_wrong_type(alloc, call):
     """The core's BlockPool and the vLLM adapter raise the same class for the same misuse."""

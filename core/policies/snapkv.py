@@ -14,6 +14,7 @@ import heapq
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
+from ..checks import check_int, is_int
 from ..errors import ConfigError
 from .base import Ranking, RequestView, check_policy_params
 
@@ -26,10 +27,11 @@ class SnapKV:
     statistics: ClassVar[tuple[str, ...]] = ("observed",)
 
     def __post_init__(self) -> None:
-        check_policy_params(self, counts=("window", "kernel"))
-        if self.window < 1 or self.kernel % 2 == 0:
-            bad = ("window", self.window) if self.window < 1 else ("kernel", self.kernel)
-            raise ConfigError(f"SnapKV {bad[0]} must be {'>= 1' if bad[0] == 'window' else 'odd'}, got {bad[1]!r}")
+        check_policy_params(self)
+        # each refusal states the true bound (check_policy_params' counts say ">= 0")
+        check_int("SnapKV window", self.window, 1, error=ConfigError)
+        if not is_int(self.kernel) or self.kernel < 1 or self.kernel % 2 == 0:
+            raise ConfigError(f"SnapKV kernel must be an odd int >= 1, got {self.kernel!r}")
 
     def ranking(self, view: RequestView) -> Ranking:
         return Ranking(view.excess, self.window, ("observed",))

@@ -13,25 +13,41 @@ from array import array
 from typing import Sequence
 
 from ..copy_engine import CopyHandle, CopyRegistry, CopyStatus, check_moves
-from ..errors import CopyStateError
+from ..checks import check_int
+from ..errors import BlockOutOfRangeError, ConfigError, CopyStateError
 from ..token_table import Move
 
 EMPTY_TAG = 0  # a slot never written
+_TAG_LIMIT = 1 << 63  # a tag is a signed 64-bit int (array('q'))
 
 
 class TagStore:
     """One tag per physical slot of the pool."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
+        check_int("num_blocks", num_blocks, 1, error=ConfigError)
+        check_int("block_size", block_size, 1, error=ConfigError)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.tags = array("q", bytes(8 * num_blocks * block_size))
 
     def write(self, slot: int, tag: int) -> None:
+        """Refused as ``TensorTagStore.write`` refuses it: a slot outside the store (a negative one would index
+        from the end), a bool or non-int slot, a tag beyond 64 bits."""
+        if slot.__class__ is not int or not 0 <= slot < len(self.tags):
+            self._refuse_slot(slot)
+        if tag.__class__ is not int or not -_TAG_LIMIT <= tag < _TAG_LIMIT:
+            check_int("tag", tag, -_TAG_LIMIT, _TAG_LIMIT - 1)
         self.tags[slot] = tag
 
     def read(self, slot: int) -> int:
+        if slot.__class__ is not int or not 0 <= slot < len(self.tags):
+            self._refuse_slot(slot)
         return self.tags[slot]
+
+    def _refuse_slot(self, slot: object) -> None:
+        check_int("slot", slot, 0, len(self.tags) - 1, error=BlockOutOfRangeError,
+                  hint=f" ({self.num_blocks} blocks of {self.block_size})")
 
     def state(self) -> bytes:
         return self.tags.tobytes()

@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 from ..block_pool import BlockPool, Purpose, blocks_needed, blocks_short
+from ..checks import check_enum
 from ..errors import ConfigError, InvariantViolation
 from .inmemory import InMemoryCopyEngine, TagStore
 from .read_mirror import ReadListMirror
@@ -75,6 +76,9 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.reclaim not in RECLAIM_MODES:
             raise ConfigError(f"reclaim must be one of {list(RECLAIM_MODES)}, got {self.reclaim!r}")
+        # checked here, not when the simulation builds its runtime (a ValueError then); kept as given
+        check_enum("read_path", self.read_path, ReadPath)
+        check_enum("ordering", self.ordering, Ordering)
         if self.copy_delay < 0 or self.max_running < 1:
             raise ConfigError(f"copy_delay must be >= 0 and max_running >= 1, got {self.copy_delay}, {self.max_running}")
         prev = -1

@@ -24,10 +24,13 @@ joined tokens get zeros (as ``TokenScores.extend`` gives them), a list resent wh
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from vtoken.core.errors import InvariantViolation
+from vtoken.core.checks import check_int
+from vtoken.core.errors import ConfigError, InvalidArgumentError, UnknownRequestError
 from vtoken.core.policies.base import Ranking
 from vtoken.core.scores import TokenScores
 
@@ -39,9 +42,10 @@ _SCORES = ("accumulated", "persistence", "latest", "key_norm", "observed")
 class DeviceScores:
     def __init__(self, window: int = 32, statistics: tuple[str, ...] = ("accumulated", "persistence")) -> None:
         self.decay = TokenScores(window).decay  # the core's decay for the same window, computed the same way
-        unknown = [n for n in statistics if n not in _SCORES]
+        unknown = [n for n in statistics if n not in _SCORES] if isinstance(statistics, (tuple, list)) else None
         if unknown or not statistics:
-            raise InvariantViolation("V4", f"device scores for statistics {statistics!r}: known {_SCORES}")
+            raise ConfigError(f"device scores: statistics must be a non-empty tuple of {_SCORES}, got {statistics!r}"
+                              + (f" (unknown: {unknown})" if unknown else ""))
         # NOTE: only the statistics the policy reads: name -> request -> float32 tensor aligned with its read list
         self._s: dict[str, dict[str, torch.Tensor]] = {n: {} for n in _SCORES if n in statistics}
 
@@ -63,6 +67,10 @@ class DeviceScores:
     def _first(self) -> dict[str, torch.Tensor]:
         return next(iter(self._s.values()))
 
+    def _known(self, rid: str) -> None:
+        if rid not in self._first():
+            raise UnknownRequestError(f"request {rid!r} has no device scores (realign registers its read list)")
+
     # ---- what changes the read list changes the scores ------------------------------------------------
     def realign(self, rid: str, old_ids: torch.Tensor | None, new_ids: torch.Tensor) -> None:
         """The read list was replaced by ``new_ids``: each token keeps its scores, matched by id in the list it
@@ -72,8 +80,8 @@ class DeviceScores:
         if old_ids is not None and len(old_ids) and len(new_ids) and rid in self._first():
             n_old = len(self._first()[rid])
             if n_old != len(old_ids):
-                raise InvariantViolation("V4", f"request {rid!r}: {n_old} scores for a read list of "
-                                               f"{len(old_ids)} tokens")
+                raise InvalidArgumentError(f"request {rid!r}: old_ids name {len(old_ids)} tokens, but its scores are "
+                                           f"aligned with a read list of {n_old}")
             order = torch.argsort(old_ids)
             sorted_ids = old_ids[order]
             at = torch.searchsorted(sorted_ids, new_ids).clamp_(max=len(old_ids) - 1)
@@ -86,11 +94,17 @@ class DeviceScores:
 
     def keep(self, rid: str, keep: torch.Tensor) -> None:
         """Evictions: the read list kept the entries where ``keep`` (bool, aligned) is set."""
+        self._known(rid)
+        if keep.dtype != torch.bool or keep.shape != self._first()[rid].shape:
+            raise InvalidArgumentError(f"request {rid!r}: keep must be a bool mask of shape "
+                                       f"{tuple(self._first()[rid].shape)}, got {keep.dtype} {tuple(keep.shape)}")
         for values in self._s.values():
             values[rid] = values[rid][keep]
 
     def extend(self, rid: str, n: int) -> None:
         """``n`` tokens joined the end of the read list, with no attention yet."""
+        self._known(rid)
+        check_int(f"request {rid!r}: joined tokens", n, 0)
         for values in self._s.values():
             values[rid] = torch.cat((values[rid], torch.zeros(n, dtype=torch.float32, device=values[rid].device)))
 
@@ -106,13 +120,14 @@ class DeviceScores:
         slices, not the arithmetic."""
         if rows.dim() != 2 or rows.shape[0] != len(rids) or len(lengths) != len(rids) \
                 or max(lengths, default=0) > rows.shape[1]:
-            raise InvariantViolation("V4", f"attention rows of shape {tuple(rows.shape)} for {len(rids)} requests "
-                                           f"of up to {max(lengths, default=0)} tokens")
+            raise InvalidArgumentError(f"attention rows of shape {tuple(rows.shape)} for {len(rids)} requests "
+                                       f"of up to {max(lengths, default=0)} tokens")
         first = self._first()
         for rid, n in zip(rids, lengths):
+            self._known(rid)
             if len(first[rid]) != n:
-                raise InvariantViolation("V4", f"request {rid!r}: an attention row of {n} tokens for "
-                                               f"{len(first[rid])} scored tokens")
+                raise InvalidArgumentError(f"request {rid!r}: an attention row of {n} tokens for "
+                                           f"{len(first[rid])} scored tokens")
         width = max(lengths, default=0)
         if not width:
             return
@@ -139,8 +154,35 @@ class DeviceScores:
 
     def set_values(self, name: str, rid: str, at: torch.Tensor, given: torch.Tensor) -> None:
         """A statistic set per token (``key_norm``, ``observed``; float64 in) at the read list's entries ``at``, as
-        ``TokenScores`` records them (rounded once to float32); nothing unless the policy reads it."""
+        ``TokenScores`` records them (rounded once to float32); nothing unless the policy reads it. Refused, as
+        ``TokenScores`` refuses it, unless every value is finite and >= 0 and every entry in the read list
+        (``InvalidArgumentError`` naming the request, the statistic and the value or entry).
+
+        NOTE: the bounds are read on the host (a sync on an accelerator). A decode step's one value per request is
+        checked in Python (about a microsecond), more in one torch reduction each (several microseconds, then O(n)
+        at C speed)."""
+        if name not in _SCORES:
+            raise InvalidArgumentError(f"request {rid!r}: no statistic {name!r} (one of {_SCORES})")
+        if given.dim() != 1 or at.shape != given.shape:
+            raise InvalidArgumentError(f"request {rid!r}: {name} of shape {tuple(given.shape)} for entries of shape "
+                                       f"{tuple(at.shape)}")
+        if len(given) <= 16:
+            ok = all(0.0 <= v < math.inf for v in given.tolist())  # NaN fails both comparisons
+            entries = at.tolist()
+            first, last = (min(entries), max(entries)) if entries else (0, -1)
+        else:
+            lo, hi = torch.aminmax(given)  # a NaN anywhere makes both NaN
+            ok = float(lo) >= 0.0 and float(hi) < math.inf
+            first, last = (int(x) for x in torch.aminmax(at))
+        if not ok:
+            i = int(torch.nonzero(~((given >= 0.0) & (given < math.inf)))[0])
+            raise InvalidArgumentError(f"request {rid!r}: {name} {float(given[i])!r} at entry {i} is not a finite "
+                                       f"non-negative number")
         if name in self._s:
+            self._known(rid)
+            n = len(self._s[name][rid])
+            if not (0 <= first and last < n):
+                raise InvalidArgumentError(f"request {rid!r}: {name} at entries outside its read list of {n} tokens")
             values = self._s[name][rid].clone()
             values[at] = given.to(torch.float32)
             self._s[name][rid] = values
@@ -161,8 +203,9 @@ class DeviceScores:
         names = [k.removeprefix("-") for k in keys]
         if not 1 <= len(keys) <= 2 or any(n not in self._s for n in names) \
                 or (len(keys) == 2 and any(k.startswith("-") for k in keys)):
-            raise InvariantViolation("V4", f"request {rid!r}: cannot rank by {keys!r} (one of {self.statistics}, "
-                                           f"largest first after '-', or two of them, smallest first)")
+            raise InvalidArgumentError(f"request {rid!r}: cannot rank by {keys!r} (one of {self.statistics}, "
+                                       f"largest first after '-', or two of them, smallest first)")
+        self._known(rid)
         if len(keys) == 1:  # the score itself: float order is the core's (-0.0 == 0.0 included; -x is exact)
             key = self._s[names[0]][rid]
             if keys[0].startswith("-"):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from vtoken.core.checks import check_enum, check_int
 from vtoken.core.errors import ConfigError, VTokenError
 from vtoken.core.token_table import Move
 
@@ -54,16 +55,10 @@ class VerifyConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        # a member or its value ("strict"), stored as the member (frozen: through object.__setattr__)
         for name, cls in (("mode", VerifyMode), ("on_mismatch", OnMismatch)):
-            value = getattr(self, name)
-            if not isinstance(value, cls):
-                try:
-                    object.__setattr__(self, name, cls(value))
-                except ValueError:
-                    raise ConfigError(f"strict_verify {name} must be one of {[m.value for m in cls]}, "
-                                      f"got {value!r}") from None
-        if self.sample_every < 1:
-            raise ConfigError(f"strict_verify sample_every must be >= 1, got {self.sample_every}")
+            object.__setattr__(self, name, check_enum(f"strict_verify {name}", getattr(self, name), cls))
+        check_int("strict_verify sample_every", self.sample_every, 1, error=ConfigError)  # a bool is no count
 
 
 class RelocationMismatch(VTokenError):

@@ -25,7 +25,7 @@ from collections import Counter
 from typing import Iterable
 
 from vtoken.core.block_pool import Purpose
-from vtoken.core.checks import as_list, check_int, check_member
+from vtoken.core.checks import as_list, check_enum, check_int
 from vtoken.core.errors import (BlockOutOfRangeError, ConfigError, DoubleFreeError, HeadroomReservedError,
                                 InvalidArgumentError, InvariantViolation, PoolExhaustedError)
 
@@ -55,7 +55,7 @@ class VllmBlockAllocator:
         return self.num_blocks - 1 - self.num_free  # NOTE: block 0, vLLM's null block, is neither
 
     def can_allocate(self, n: int, purpose: Purpose) -> bool:
-        _check_request(n, purpose)
+        purpose = _check_request(n, purpose)
         reserve = self.headroom if purpose is Purpose.ADMISSION else 0
         return n == 0 or 0 <= n <= self.num_free - reserve
 
@@ -68,7 +68,7 @@ class VllmBlockAllocator:
 
     # ---- mutations -----------------------------------------------------------
     def allocate(self, n: int, purpose: Purpose) -> list[int]:
-        _check_request(n, purpose)
+        purpose = _check_request(n, purpose)
         if n < 0:
             raise PoolExhaustedError(f"cannot allocate a negative number of blocks ({n}) for {purpose.value}")
         if not self.can_allocate(n, purpose):
@@ -133,8 +133,10 @@ class VllmBlockAllocator:
             raise InvariantViolation("P1", f"blocks {leaked[:5]} have no reference and are not free (leaked)")
 
 
-def _check_request(n: object, purpose: object) -> None:
-    """What ``BlockPool._check_request`` refuses: a count that is not an int, a purpose that is not a member."""
+def _check_request(n: object, purpose: object) -> Purpose:
+    """What ``BlockPool._check_request`` refuses: a count that is not an int, a purpose that is neither a member nor
+    its value ("admission", "evacuation"; ``check_enum``). Returns the purpose as a member."""
     if n.__class__ is not int or purpose.__class__ is not Purpose:
         check_int("block count", n, error=InvalidArgumentError, hint=f" (for {purpose!r})")
-        check_member("purpose", purpose, Purpose)
+        return check_enum("purpose", purpose, Purpose, error=InvalidArgumentError)
+    return purpose

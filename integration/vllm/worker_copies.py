@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from vtoken.core.copy_engine import CopyHandle, CopyRegistry, CopyStatus
-from vtoken.core.errors import VTokenError
+from vtoken.core.checks import as_list, check_int, is_int
+from vtoken.core.errors import ConfigError, CopyStateError, InvalidArgumentError, VTokenError
 from vtoken.core.token_table import Move
 
 
@@ -95,23 +96,34 @@ class ShardReports:
     across steps is the defensive reading, and a copy reported more often than there are ranks is refused."""
 
     def __init__(self, ranks: int) -> None:
-        if ranks < 1:
-            raise VTokenError(f"ranks must be >= 1, got {ranks}")
+        check_int("ranks", ranks, 1, error=ConfigError)  # tensor-parallel ranks: a bool, float or str is no count
         self.ranks = ranks
         self._done: dict[int, int] = {}  # copy -> ranks that reported it done, until all have
 
     def settle(self, done: list[int], failed: list[int]) -> tuple[list[int], list[int]]:
         """This step's reports, every rank's (``done`` and ``failed`` name a copy once per reporting rank). Returns
-        (the copies every rank has now reported done, the copies some rank failed), each copy once."""
+        (the copies every rank has now reported done, the copies some rank failed), each copy once.
+
+        All or nothing: every report is checked (an int handle; no copy done by more ranks than there are) before
+        any is counted, so a refused call leaves the counts as they were."""
+        done, failed = as_list("done", done), as_list("failed", failed)
+        for what, handles in (("done", done), ("failed", failed)):
+            for h in handles:
+                if h.__class__ is not int and not is_int(h):
+                    raise InvalidArgumentError(f"{what}: copy handle {h!r} is not an int")
         failed_now = list(dict.fromkeys(failed))
         bad = set(failed_now)
-        done_now = []
+        counts = {}  # copy -> ranks that have reported it done, this step's reports included
         for h, k in Counter(done).items():
             if h in bad:
                 continue
             n = self._done.get(h, 0) + k
             if n > self.ranks:
-                raise VTokenError(f"copy {h} reported done by {n} ranks; there are {self.ranks}")
+                raise CopyStateError(f"copy {h} reported done by {n} ranks; there are {self.ranks}")
+            counts[h] = n
+        # -- validated; count --
+        done_now = []
+        for h, n in counts.items():
             if n == self.ranks:
                 done_now.append(h)
                 self._done.pop(h, None)
