@@ -5,8 +5,10 @@ eviction policies and metrics. Every other part of vtoken (spec, fuzz,
 integration) drives this code.
 
 The oracles that check it (the invariant checkers, the recounts of its
-maintained views, CrossHair's predicates) are in ``vtoken.core.reference``,
-which the runtime never imports when it is imported.
+maintained views, the reference compact planner, CrossHair's predicates) are
+in ``vtoken.core.reference``, which the runtime never imports when it is
+imported. ``choose_sources`` and ``plan_compaction``, exported here before
+issue #44, are ``vtoken.core.reference.compact``'s.
 
 The deterministic simulator, its workloads, the demo and the in-memory copy
 engine (tags instead of tensors) are in ``vtoken.core.sim``, which drives the
@@ -14,7 +16,6 @@ runtime and which the runtime never imports.
 """
 
 from .block_pool import BlockAllocator, BlockPool, Purpose, blocks_needed
-from .compact import choose_sources, plan_compaction
 from .copy_engine import CopyEngine, CopyHandle, CopyStatus
 from .densify import plan_densify
 from . import errors
@@ -28,7 +29,7 @@ from .scores import TokenScores
 from .token_table import NO_SLOT, Move, RequestSnapshot, TokenTable
 
 __all__ = [
-    "BlockAllocator", "BlockPool", "Purpose", "blocks_needed", "choose_sources", "plan_compaction",
+    "BlockAllocator", "BlockPool", "Purpose", "blocks_needed",
     "CopyEngine", "CopyHandle", "CopyStatus", "plan_densify",
     "MemoryMetrics", "measure", "NoPlan", "NoPlanReason", "Plan", "PlanKind", "Ordering", "PlanRecord",
     "PlanState", "ReclaimConfig", "ReclamationManager", "AdmissionClosedError", "ReadPath", "StepInputs",

@@ -3,7 +3,9 @@
 Pick up to B low-utilization source blocks, and plan only if their T_live live
 tokens fit into ceil(T_live / S) fresh destination blocks, strictly fewer than
 the sources. Destinations are filled one after another, tokens in logical
-order. Pure functions of a snapshot, so z3 and CrossHair can reason about them.
+order. The runtime's part, pure functions: the gate (``choose_ranked``) and the
+fill (``compact_plan``) of the manager's maintained path. The reference planner,
+the same gate and fill on a full snapshot, is core/reference/compact.py.
 """
 
 from __future__ import annotations
@@ -11,12 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-# NOTE: ``contracts`` in the docstring contracts is core/reference/contracts.py: spec/crosshair_check.py binds it
-# here for CrossHair; the runtime never imports an oracle (core/reference/__init__.py)
-from .checks import check_int, is_int
-from .errors import DestinationError, InvariantViolation
+from .errors import InvariantViolation
 from .plan import NoPlan, NoPlanReason, Plan, PlanKind
-from .token_table import Move, RequestSnapshot
+from .token_table import Move
 
 
 @dataclass(frozen=True)
@@ -26,45 +25,12 @@ class SourceChoice:
     num_dst: int  # ceil(T_live / S)
 
 
-def eligible_sources(snap: RequestSnapshot) -> list[int]:
-    """Indices of blocks that may be compacted, lowest utilization first.
-
-    Eligible: wholly before the append cursor's block (appends never land in
-    them), not in ``snap.shared_blocks``, and not full. The manager lists there
-    every block another request holds (ref count > 1) or may map through a
-    prefix cache (``BlockAllocator.is_cached``).
-
-    post: contracts.eligible_in_ascending_live_count(snap, __return__)
-    """
-    S = snap.block_size
-    cursor_block = snap.write_pos // S
-    idx = [
-        i for i in range(min(cursor_block, len(snap.blocks)))
-        if snap.blocks[i] not in snap.shared_blocks and snap.live_count(i) < S
-    ]
-    return sorted(idx, key=lambda i: (snap.live_count(i), i))
-
-
-def choose_sources(snap: RequestSnapshot, max_sources: int, dst_budget: int) -> SourceChoice | NoPlan:
-    """Stage 3's admission gate: the sources to pack and how many destinations they need.
-
-    pre: max_sources >= 1 and dst_budget >= 0
-    post: not __return__ or contracts.sources_private_before_the_cursor(snap, __return__, max_sources)
-    post: not __return__ or contracts.strict_decrease_within_budget(snap, __return__, dst_budget)
-    raises: InvalidArgumentError
-    """
-    # raised, not asserted: an assert is an empty message and vanishes under python -O
-    check_int("max_sources", max_sources, 1, hint=f" (source blocks per plan of request {snap.req_id!r})")
-    check_int("dst_budget", dst_budget, 0, hint=f" (destination blocks for request {snap.req_id!r})")
-    ranked = [(i, snap.live_count(i)) for i in eligible_sources(snap)[:max_sources]]
-    return choose_ranked(snap.req_id, ranked, snap.blocks.__getitem__, snap.block_size, dst_budget)
-
-
 def choose_ranked(req_id: object, ranked: list[tuple[int, int]], block_at, block_size: int,
                   dst_budget: int) -> SourceChoice | NoPlan:
-    """``choose_sources`` from its candidates: ``ranked`` is (index, live count) of the first eligible sources,
-    lowest count first (``eligible_sources`` on a snapshot, or ``TokenTable.compact_candidates``), and
-    ``block_at(index)`` the block at an index. The one implementation of the gate, for both."""
+    """``choose_sources`` (core/reference/compact.py) from its candidates: ``ranked`` is (index, live count) of the
+    first eligible sources, lowest count first (``eligible_sources`` on a snapshot, or
+    ``TokenTable.compact_candidates``), and ``block_at(index)`` the block at an index. The one implementation of
+    the gate, for both."""
     S = block_size
     chosen = list(ranked)
     if not chosen:
@@ -82,27 +48,6 @@ def choose_ranked(req_id: object, ranked: list[tuple[int, int]], block_at, block
             f"request {req_id!r}: {live} live tokens in {len(chosen)} blocks need {num_dst}",
         )
     return SourceChoice(tuple(block_at(i) for i in sorted(i for i, _ in chosen)), live, num_dst)
-
-
-def plan_compaction(snap: RequestSnapshot, dst_blocks: Sequence[int], max_sources: int) -> Plan | NoPlan:
-    """A compact plan using a prefix of ``dst_blocks`` (fresh blocks the caller reserved).
-
-    pre: max_sources >= 1
-    pre: all(b not in snap.blocks and b not in dst_blocks[:i] for i, b in enumerate(dst_blocks))  # distinct, fresh
-    post: not __return__ or contracts.compact_fills_in_logical_order(snap, __return__)
-    raises: DestinationError, InvalidArgumentError
-    """
-    for i, b in enumerate(dst_blocks):  # the precondition, raised: the caller's mistake, not a broken I4
-        if not is_int(b) or b < 0 or b in dst_blocks[:i] or b in snap.blocks:
-            raise DestinationError(f"request {snap.req_id!r}: destination block {b!r} is not a fresh block id "
-                                   f"(an int >= 0, listed once, not in its block list {list(snap.blocks)})")
-    choice = choose_sources(snap, max_sources, len(dst_blocks))
-    if not choice:
-        return choice
-    S = snap.block_size
-    sources = set(choice.src_blocks)
-    tokens = [(t, s) for t, s in snap.live_slots() if s // S in sources]
-    return compact_plan(snap.req_id, snap.version, S, choice, tokens, dst_blocks)
 
 
 def compact_plan(req_id: object, version: tuple[int, int], block_size: int, choice: SourceChoice,

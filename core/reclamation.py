@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from .block_pool import BlockAllocator, Purpose
-from .compact import choose_ranked, choose_sources, compact_plan, plan_compaction
+from .compact import choose_ranked, compact_plan
 from .checks import as_list, check_enum, check_int, check_mapping, is_int, is_known_key
 from .copy_engine import CopyEngine, CopyHandle, CopyStatus
 from .densify import DensifyTail, plan_densify, plan_densify_tail
@@ -333,16 +333,18 @@ class ReclamationManager:
         """A compact plan from the maintained structures, O(S + B x S) for B = ``max_sources``: the candidates
         from the table's per-block counts (``compact_candidates``), their tokens from its token map
         (``live_in_blocks``), the gate and the fill of compact.py (``choose_ranked``, ``compact_plan``). The
-        reference is ``choose_sources`` / ``plan_compaction`` on the full snapshot: with ``verify_fast_paths``
-        every answer is compared with it (V3)."""
+        reference is ``choose_sources`` / ``plan_compaction`` (core/reference/compact.py) on the full snapshot: with
+        ``verify_fast_paths`` every answer is compared with it (V3)."""
         t, S, k = self.table, self.pool.block_size, self.config.max_sources
         budget = self.destination_budget()
         movable = self._private if pack else self._movable
         choice = choose_ranked(req_id, t.compact_candidates(req_id, k, movable), lambda i: t.block_at(req_id, i),
                                S, budget)
-        snap = (t.snapshot(req_id, [b for b in t.block_ids(req_id) if not movable(b)]) if self.verify_fast_paths
-                else None)
-        if snap is not None and choice != (want := choose_sources(snap, k, budget)):
+        snap = reference = None
+        if self.verify_fast_paths:  # NOTE: imported here: the runtime imports no oracle when it is imported, so
+            from .reference import compact as reference  # serving never loads one (core/reference/__init__.py)
+            snap = t.snapshot(req_id, [b for b in t.block_ids(req_id) if not movable(b)])
+        if snap is not None and choice != (want := reference.choose_sources(snap, k, budget)):
             raise InvariantViolation("V3", f"request {req_id!r}: the compact fast path chose {choice!r}, the "
                                      f"reference choose_sources {want!r}")
         if not choice:
@@ -354,7 +356,7 @@ class ReclamationManager:
             if not plan or plan.dst_blocks != tuple(dsts):
                 raise InvariantViolation("I4", f"request {req_id!r}: the compact planner did not use exactly "
                                          f"the {len(dsts)} reserved destination blocks {dsts}: {plan!r}")
-            if snap is not None and plan != (want := plan_compaction(snap, dsts, k)):
+            if snap is not None and plan != (want := reference.plan_compaction(snap, dsts, k)):
                 raise InvariantViolation("V3", f"request {req_id!r}: the compact fast path planned {plan!r}, the "
                                          f"reference plan_compaction {want!r}")
         except BaseException:

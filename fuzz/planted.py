@@ -19,6 +19,7 @@ from vtoken.core.policies.h2o import H2O
 from vtoken.core.policies.streaming_llm import StreamingLLM
 from vtoken.core.plan import Plan, PlanKind
 from vtoken.core.reclamation import PlanState
+from vtoken.core.reference import compact as reference_compact
 from vtoken.core.token_table import NO_SLOT, Move
 
 
@@ -39,7 +40,8 @@ def _compact_fill_off_by_one():
         return Plan(PlanKind.COMPACT, req_id, version, moves, choice.src_blocks, dsts)
 
     # NOTE: the fill is compact.compact_plan, for the manager's maintained path and the snapshot reference alike
-    return {(reclamation, "compact_plan"): compact_plan, (compact, "compact_plan"): compact_plan}
+    return {(reclamation, "compact_plan"): compact_plan, (compact, "compact_plan"): compact_plan,
+            (reference_compact, "compact_plan"): compact_plan}
 
 
 def _eligible_includes_append_block():
@@ -56,7 +58,7 @@ def _eligible_includes_append_block():
         ranked = sorted((r.counts[i], i) for i in range(end) if r.counts[i] < S and private(r.blocks[i]))
         return [(i, c) for c, i in ranked[:max_sources]]
 
-    return {(compact, "eligible_sources"): eligible_sources,
+    return {(reference_compact, "eligible_sources"): eligible_sources,
             (token_table.TokenTable, "compact_candidates"): compact_candidates}
 
 
@@ -175,7 +177,8 @@ def _non_strict_decrease():
             return compact.NoPlan(compact.NoPlanReason.NO_STRICT_DECREASE)
         return compact.SourceChoice(tuple(block_at(i) for i in sorted(i for i, _ in chosen)), live, num_dst)
 
-    return {(compact, "choose_ranked"): choose_ranked, (reclamation, "choose_ranked"): choose_ranked}
+    return {(compact, "choose_ranked"): choose_ranked, (reclamation, "choose_ranked"): choose_ranked,
+            (reference_compact, "choose_ranked"): choose_ranked}
 
 
 def _admission_consumes_headroom():
@@ -410,7 +413,8 @@ def _compact_underfills_destinations():
             return plan
         return Plan(plan.kind, plan.req_id, plan.version, moves, plan.src_blocks, plan.dst_blocks)
 
-    return {(reclamation, "compact_plan"): compact_plan, (compact, "compact_plan"): compact_plan}
+    return {(reclamation, "compact_plan"): compact_plan, (compact, "compact_plan"): compact_plan,
+            (reference_compact, "compact_plan"): compact_plan}
 
 
 def _relocate_ignores_appends():

@@ -42,14 +42,14 @@ from .obligations import BOUNDED, COUNTEREXAMPLE, UNKNOWN, Obligation, Outcome
 # Every module here holds contracts; CrossHair checks each contracted function and method in it:
 #   block_pool   blocks_needed, BlockPool.can_allocate / allocate / share / free
 #   token_table  TokenTable.sync_new_tokens / evict_token / evict_tokens / apply_moves
-#   compact      eligible_sources, choose_sources, plan_compaction
+#   reference.compact  eligible_sources, choose_sources, plan_compaction (the reference compact planner)
 #   densify      plan_densify
 #   relocate     plan_relocation
 #   plan         Plan.final_layout
 DEFAULT_TARGETS: tuple[str, ...] = (
     "vtoken.core.block_pool",
     "vtoken.core.token_table",
-    "vtoken.core.compact",
+    "vtoken.core.reference.compact",
     "vtoken.core.densify",
     "vtoken.core.relocate",
     "vtoken.core.plan",

@@ -40,7 +40,7 @@ def test_planted_bugs_restore_the_core_afterwards():
     from vtoken.core import block_pool, reclamation, token_table
 
     before = (block_pool.BlockPool.can_allocate, reclamation.ReclamationManager._commit,
-              token_table.TokenTable.evict_token, reclamation.plan_compaction)
+              token_table.TokenTable.evict_token, reclamation.plan_densify)
     for name in BUGS:
         targets = list(BUGS[name].patches())
         originals = [obj.__dict__[attr] for obj, attr in targets]
@@ -49,7 +49,7 @@ def test_planted_bugs_restore_the_core_afterwards():
         # ...and puts it back
         assert all(obj.__dict__[attr] is orig for (obj, attr), orig in zip(targets, originals)), name
     assert before == (block_pool.BlockPool.can_allocate, reclamation.ReclamationManager._commit,
-                      token_table.TokenTable.evict_token, reclamation.plan_compaction)
+                      token_table.TokenTable.evict_token, reclamation.plan_densify)
     assert len(BUGS) >= 12
 
 

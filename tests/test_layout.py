@@ -1,8 +1,8 @@
 """The runtime a user runs is small and visible, and its oracles stand apart from it (issue #44).
 
 The runtime is ``core/*.py`` and ``core/policies/*.py``. Not in it: ``core/reference/`` (the oracles: invariant
-checkers, CrossHair's predicates, the recounts of the maintained views) and ``core/sim/`` (the simulator). Two
-rules, read from the source:
+checkers, CrossHair's predicates, the recounts of the maintained views, the reference compact planner) and
+``core/sim/`` (the simulator). Two rules, read from the source:
 
 * size: at most 3,500 lines of code in the runtime, and as many in ``integration/bench/*.py``; a line of code
   holds a token that is not a comment and not part of a module, class or function docstring (blank lines do

@@ -17,7 +17,7 @@ import pytest
 
 from misuse_snapshot import deep_state, describe_diff
 from vtoken.core.block_pool import BlockPool, Purpose, blocks_needed
-from vtoken.core.compact import choose_sources, plan_compaction
+from vtoken.core.reference.compact import choose_sources, plan_compaction
 from vtoken.core.errors import (
     AdmissionClosedError,
     BlockListTooShortError,
@@ -2145,7 +2145,7 @@ def test_a_bad_argument_is_refused_under_python_dash_o_too():
     import subprocess
     import sys
 
-    code = ("from vtoken.core.compact import choose_sources\n"
+    code = ("from vtoken.core.reference.compact import choose_sources\n"
             "from vtoken.core.errors import InvalidArgumentError\n"
             "from vtoken.core.token_table import TokenTable\n"
             "t = TokenTable(4, 4); t.add_request('a'); t.sync_new_tokens('a', [0, 1], 8)\n"

@@ -26,7 +26,8 @@ from misuse_snapshot import deep_state, describe_diff
 from test_reclamation import COMPACT_MOVES, STALE, System, launched, wasteful
 from test_runtime import EVICT, Scripted, forward, make
 from vtoken.core.block_pool import Purpose
-from vtoken.core.compact import SourceChoice, choose_sources, plan_compaction
+from vtoken.core.compact import SourceChoice
+from vtoken.core.reference.compact import choose_sources, plan_compaction
 from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.densify import plan_densify
 from vtoken.core.errors import (

@@ -9,9 +9,10 @@ import random
 
 
 from vtoken.core.block_pool import BlockPool, Purpose
-from vtoken.core.compact import SourceChoice, choose_sources, eligible_sources, plan_compaction
+from vtoken.core.compact import SourceChoice
 from vtoken.core.densify import plan_densify
 from vtoken.core.plan import NoPlan, NoPlanReason, Plan, PlanKind
+from vtoken.core.reference.compact import choose_sources, eligible_sources, plan_compaction
 from vtoken.core.reference.views import check_occupancy
 from vtoken.core.token_table import Move, TokenTable
 

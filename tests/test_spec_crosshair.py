@@ -49,7 +49,7 @@ from typing import Sequence
 
 from vtoken.core.reference import contracts
 from vtoken.core.block_pool import BlockOutOfRangeError, BlockPool, DoubleFreeError
-from vtoken.core.compact import choose_sources
+from vtoken.core.reference.compact import choose_sources
 from vtoken.core.plan import NoPlan, Plan, PlanKind
 from vtoken.core.token_table import Move, RequestSnapshot
 from vtoken.spec.crosshair_states import make_pool

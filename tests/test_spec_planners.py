@@ -18,7 +18,7 @@ import z3
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from vtoken.core.compact import plan_compaction
+from vtoken.core.reference.compact import plan_compaction
 from vtoken.core.densify import plan_densify
 from vtoken.core.plan import NoPlan, Plan
 from vtoken.core.token_table import NO_SLOT, Move, RequestSnapshot

@@ -7,6 +7,9 @@ it, from first principles and at a cost no hot path pays:
                and every fuzzer rule (docs/spec.md)
   views        V1: the maintained views (the token table's live index, block index, per-block counts,
                token map and masks; the pool-wide occupancy) against recounts from scratch
+  compact      the reference compact planner on a full snapshot (``eligible_sources``, ``choose_sources``,
+               ``plan_compaction``): what the z3 planner proofs and CrossHair are about, and what V3
+               compares the runtime's maintained path with
   contracts    CrossHair's named predicates, called by the ``post:`` lines of the runtime's docstrings
 
 The import rule, one way (tests/test_layout.py checks it on the source, tests/test_import_rule.py on the
@@ -14,7 +17,9 @@ package graph):
 
 * ``core.reference`` may import the runtime modules of ``core`` and the standard library, nothing else.
 * No runtime module imports ``core.reference`` when it is imported. An opt-in self-check of the runtime that
-  calls an oracle imports it inside the check, when it runs, so serving never loads it.
+  calls an oracle imports it inside the check, when it runs, so serving never loads it: the one today is
+  ``ReclamationManager.verify_fast_paths`` (V3, on in the fuzzer and the checked simulator), which imports
+  the reference compact planner.
 * The runtime's docstring contracts name ``contracts.<predicate>`` without importing it:
   ``spec/crosshair_check.py`` binds ``contracts`` into the modules it checks before CrossHair reads them.
 
