@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: fuzz self-test test demo bench-table bench-fuzz bench results-doc clean
+.PHONY: fuzz self-test test test-fast demo bench-table bench-fuzz bench results-doc clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV) || { $(PYTHON) -m pip install --quiet --user virtualenv && $(PYTHON) -m virtualenv $(VENV); }
@@ -22,10 +22,26 @@ fuzz: $(STAMP)
 self-test: $(STAMP)
 	$(VENV)/bin/vtoken fuzz --self-test --out fuzz-out
 
-# Every test, then every proof obligation of the spec (docs/spec.md).
+# Every test on two workers (tests that share an engine or a benchmark run stay together: tests/conftest.py),
+# then every proof obligation of the spec (docs/spec.md). TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest $(XDIST)
 	$(VENV)/bin/vtoken spec check
+
+# The inner loop, a few minutes: the core, the spec's tests, the misuse corpora, the fuzzer's machine and oracles,
+# the layout and import rules; no vLLM engine, no benchmark, no campaign.
+FAST_TESTS = tests/test_block_pool.py tests/test_token_table.py tests/test_runtime.py tests/test_reclamation.py \
+	tests/test_planners.py tests/test_policies.py tests/test_invariants.py tests/test_occupancy.py \
+	tests/test_core_edges_*.py tests/test_naive_evict.py tests/test_pressure.py tests/test_prefix_cached.py \
+	tests/test_simulator.py tests/test_spec_*.py tests/test_misuse*.py tests/test_cli_errors.py \
+	tests/test_import_rule.py tests/test_layout.py tests/test_fuzz_machine.py tests/test_fuzz_oracles.py \
+	tests/test_mutation_survivors.py tests/test_shard_reports.py tests/test_device_scores.py tests/test_device_layer.py
+
+test-fast: $(STAMP)
+	$(PY) -m pytest $(XDIST) $(FAST_TESTS)
 
 demo: $(STAMP)
 	$(VENV)/bin/vtoken demo

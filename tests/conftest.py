@@ -28,3 +28,20 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     _pinned.close()
+
+
+_SHARED_SCOPES = ("module", "package", "session")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``make test`` runs on two workers (pytest-xdist, ``--dist loadgroup``): tests go one by one to whichever
+    worker is free, except that the tests of a file that share a fixture of module (or wider) scope, an engine
+    or a benchmark run, form one group and run in one worker, so that fixture is built once, as in a serial
+    run. Without xdist the marks do nothing."""
+    import pytest
+
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        # baseid: pytest's own fixtures (tmp_path_factory is session-scoped) have none; ours name their file
+        if any(d.scope in _SHARED_SCOPES and d.baseid for ds in defs.values() for d in ds):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

@@ -85,7 +85,13 @@ def test_key_norms_are_the_keys_norms_on_either_path_and_every_token_gets_one():
 
 def test_a_prefix_cache_hit_reads_its_key_norms_from_the_cache():
     """Two requests share a long prefix; with prefix caching on the second's prefix is a cache hit (no forward
-    writes those keys), yet its norms come from the cache and its outputs are those of caching off, bit for bit."""
+    writes those keys), yet its norms come from the cache and its outputs are those of caching off, bit for bit.
+
+    The hit's norms are those of caching off bit for bit (the same keys, written by the first request's prefill).
+    The tokens after the hit are computed by a forward of another shape (a few tokens against the whole prompt):
+    on some CPUs the GEMMs round such a batch differently in the last bit of a key (seen: 7.5e-9 relative in the
+    norm, with the outputs still bit-identical), so those norms agree to 1e-6, far below any difference a missed
+    or misplaced read makes (another token's key is tens of percent away)."""
     shared = list(range(1, 97))
     prompt_list = [{"prompt_token_ids": shared + [7, 8, 9]}, {"prompt_token_ids": shared + [11, 12]}]
     cfg = gather("knorm", "compact", strict_verify="strict")
@@ -95,7 +101,11 @@ def test_a_prefix_cache_hit_reads_its_key_norms_from_the_cache():
     assert max(o[3] for o in on["passes"][0]) >= 64 and max(o[3] for o in off["passes"][0]) == 0  # a real hit
     norms_on = {(r, t): n for r, ids, ns in on["keys"] for t, n in zip(ids, ns)}
     norms_off = {(r, t): n for r, ids, ns in off["keys"] for t, n in zip(ids, ns)}
-    assert norms_on == norms_off
+    assert sorted(norms_on) == sorted(norms_off)
+    hit = {k for k in norms_on if k[0] == 1 and k[1] < len(shared)}
+    assert len(hit) == len(shared) and {k: norms_on[k] for k in hit} == {k: norms_off[k] for k in hit}
+    assert all(abs(norms_on[k] - norms_off[k]) <= 1e-6 * norms_off[k] for k in norms_on), \
+        max(abs(norms_on[k] / norms_off[k] - 1) for k in norms_on)
 
 
 def model_key_norms(cfg: dict, prompt: list[int]) -> tuple[list[float], list[float]]:

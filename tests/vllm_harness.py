@@ -415,20 +415,30 @@ def is_evicting(res: dict) -> bool:
 
 
 def capacity(vtoken: dict | None, num_blocks: int, prompt_len: int = 32, max_tokens: int = 224,
-             limit: int = 16, **overrides) -> tuple[int, dict]:
+             limit: int = 16, expected: int | None = None, **overrides) -> tuple[int, dict]:
     """The largest number of concurrent requests (``max_num_seqs``) that a pool of ``num_blocks`` blocks runs
-    to the end without a single preemption, by bisection over [1, limit]; and the runs' preemption counts.
-    ``overrides`` go to the engine (e.g. ``enable_prefix_caching=True``)."""
+    to the end without a single preemption, and the runs' preemption counts; ``overrides`` go to the engine
+    (e.g. ``enable_prefix_caching=True``).
+
+    Both searches rest on one assumption, that running without a preemption is monotone in the concurrency.
+    With ``expected`` (a test's measured value) two runs decide it: c = ``expected`` runs clean and c + 1
+    preempts, so the capacity is ``expected``. Otherwise, or when either run disagrees, bisection over
+    [1, limit] finds the real value (reusing the runs made), so a changed capacity is reported as the number it
+    is, never as a failed guess."""
     from vllm.inputs import TokensPrompt
     seen: dict[int, int] = {}
 
     def ok(c: int) -> bool:
-        ps = [TokensPrompt(prompt_token_ids=[(13 * i + 7 * j) % 500 + 3 for j in range(prompt_len)]) for i in range(c)]
-        res = run(vtoken, ps, max_tokens=max_tokens, max_model_len=prompt_len + max_tokens, max_num_seqs=c,
-                  num_gpu_blocks_override=num_blocks, count_preemptions=True, **overrides)
-        seen[c] = len(res["preempted"])
-        return not res["preempted"]
+        if c not in seen:
+            ps = [TokensPrompt(prompt_token_ids=[(13 * i + 7 * j) % 500 + 3 for j in range(prompt_len)])
+                  for i in range(c)]
+            res = run(vtoken, ps, max_tokens=max_tokens, max_model_len=prompt_len + max_tokens, max_num_seqs=c,
+                      num_gpu_blocks_override=num_blocks, count_preemptions=True, **overrides)
+            seen[c] = len(res["preempted"])
+        return not seen[c]
 
+    if expected is not None and 1 <= expected < limit and ok(expected) and not ok(expected + 1):
+        return expected, seen
     lo, hi = 0, limit + 1  # ok(lo) holds (vacuously for 0); ok(hi) is assumed false
     while hi - lo > 1:
         mid = (lo + hi) // 2
