@@ -377,7 +377,7 @@ class ReclamationManager:
         request's packed copy and the hit's original (issue #21: StreamingLLM, staggered arrivals sharing a
         prompt on vLLM: a peak of 13 blocks against Naive-Evict's 11); left in place, the hit shares it. The
         cost: with prefix caching on and no pressure, compaction leaves the prompt's hashed blocks unpacked
-        (docs/results.md, "Capacity, part 3")."""
+        (docs/results.md, "Q6 Prefix caching")."""
         return self.pool.ref_count(block_id) == 1 and not self.pool.is_cached(block_id)
 
     def _plan_densify(self, req_id: object, evicted_positions: list[int] | None) -> Plan | NoPlan:
