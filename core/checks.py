@@ -22,7 +22,7 @@ import enum
 import math
 import sys
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .errors import ConfigError, InvalidArgumentError, VTokenError
@@ -155,6 +155,26 @@ _ROWS, _FLOAT_MAX = frozenset((list, tuple, array)), sys.float_info.max
 _FALSE, _TRUE = bytes(8), array("d", [1.0]).tobytes()
 
 
+def _first_bool(weights: Sequence, raw: bytes) -> int | None:
+    """The index of the first bool in ``weights``, whose ``array('d')`` bytes are ``raw``.
+
+    NOTE: array('d') takes True and False as 1.0 and 0.0, but a bool is no weight. Only a weight whose 8 bytes read
+    1.0 or 0.0 can be one, so C-speed searches of the bytes find the candidates and Python looks at those alone:
+    a row with no exact 0.0 or 1.0 costs two scans, and one with k of them k lookups, never a loop over the row."""
+    first, looked = None, 0
+    for pattern in (_FALSE, _TRUE):
+        at = raw.find(pattern)
+        while at != -1 and (first is None or at // 8 < first):
+            looked += 1
+            if looked > 64:  # many exact zeros or ones: one plain pass is cheaper than a search per candidate
+                return next((i for i, w in enumerate(weights) if w.__class__ is bool), None)
+            if at % 8 == 0 and weights[at // 8].__class__ is bool:
+                first = at // 8
+                break
+            at = raw.find(pattern, (at // 8 + 1) * 8)  # the next weight's start: a match straddling two is no weight
+    return first
+
+
 def check_weights(what: str, weights: object, n: int | None = None,
                   error: type[VTokenError] = InvalidArgumentError) -> array:
     """An attention row as ``array('d')``: ``n`` (if given) finite, non-negative real weights, none a bool.
@@ -169,12 +189,12 @@ def check_weights(what: str, weights: object, n: int | None = None,
         row = array("d", weights)
     except (TypeError, ValueError, OverflowError):
         row = None
-    # NOTE: array('d') takes True and False as 1.0 and 0.0, but a bool is no weight. A row can hide one only if it
-    # holds those bit patterns: a C-speed search of its bytes first (a match across two weights only costs the scan)
-    if row is None or weights.__class__ is not array and (_FALSE in (raw := row.tobytes()) or _TRUE in raw):
-        for i, w in enumerate(weights):  # (row None: one of them is not a number, or an int beyond a float)
+    if row is None:  # one of them is not a number, or an int beyond a float
+        for i, w in enumerate(weights):
             if w.__class__ is bool or not isinstance(w, (int, float)) or isinstance(w, int) and abs(w) > _FLOAT_MAX:
                 raise error(f"{what}: weight {w!r} at index {i} is not a number")
+    elif weights.__class__ is not array and (i := _first_bool(weights, row.tobytes())) is not None:
+        raise error(f"{what}: weight {weights[i]!r} at index {i} is not a number")
     if n is not None and len(row) != n:
         raise error(f"{what}: {len(row)} weights for {n} tokens")
     if row and not (math.isfinite(sum(row)) and min(row) >= 0.0):  # C loops; NaN and inf poison the sum
