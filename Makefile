@@ -22,14 +22,14 @@ fuzz: $(STAMP)
 self-test: $(STAMP)
 	$(VENV)/bin/vtoken fuzz --self-test --out fuzz-out
 
-# Every test on two workers (tests that share an engine or a benchmark run stay together: tests/conftest.py),
-# then every proof obligation of the spec (docs/spec.md). TEST_WORKERS=0 runs them in one process.
+# Every test on two workers (tests that share an engine or a benchmark run stay together: tests/conftest.py).
+# Every proof obligation of the spec (docs/spec.md) is proved by a test (tests/test_spec_cli.py says which), so
+# `vtoken spec check`, which prints the same obligations as a table, is not run again. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 
 test: $(STAMP)
 	$(PY) -m pytest $(XDIST)
-	$(VENV)/bin/vtoken spec check
 
 # The inner loop, a few minutes: the core, the spec's tests, the misuse corpora, the fuzzer's machine and oracles,
 # the layout and import rules; no vLLM engine, no benchmark, no campaign.
