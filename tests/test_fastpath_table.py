@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 pytest.importorskip("numba")
 
 from vtoken.core.densify import plan_densify  # noqa: E402
+from vtoken.core.policies import RequestView, StreamingLLM  # noqa: E402
 from vtoken.core.errors import BlockNotOwnedError, ConfigError, VTokenError  # noqa: E402
 from vtoken.core.token_table import TokenTable  # noqa: E402
 from vtoken.integration.fastpath import kernels as K  # noqa: E402
@@ -139,6 +140,26 @@ class Lockstep(RuleBasedStateMachine):
         ids = data.draw(st.lists(st.sampled_from(self.core.live_token_ids(r)), min_size=1, max_size=4, unique=True))
         self.evicted[r] += both(lambda: self.core.evict_tokens(r, ids), lambda: self.fast.evict_tokens(r, ids))
         if then_densify:
+            self.densify_and_compare(r, True)
+
+    @precondition(has_requests)
+    @rule(data=st.data(), sinks=st.integers(0, 5))
+    def streaming_llm(self, data, sinks):
+        """StreamingLLM's victims at a budget, chosen in the kernel and by the core's policy over the core's table
+        (the dense path's protected tokens: those of blocks another request lists), then evicted and densified."""
+        live = [r for r in self.core.request_ids() if self.core.num_live(r) > 1]
+        if not live:
+            return
+        r = self.pick(data, live)
+        budget = data.draw(st.integers(1, self.core.num_live(r)), label="budget")
+        shared = [b for b in self.core.block_ids(r) if len(self.core.owners(b)) > 1]
+        protected = frozenset(t for t, _ in self.core.live_in_blocks(r, shared)) if shared else frozenset()
+        view = RequestView(r, self.core.live_tokens(r), self.core.total_len(r), budget, protected=protected)
+        want = StreamingLLM(sinks=sinks).select_victims(view)
+        assert self.fast.streaming_victims(r, sinks, budget) == want
+        event(f"streaming_llm: {'no victim' if not want else 'victims'}{', protected' if protected else ''}")
+        if want:
+            self.evicted[r] += both(lambda: self.core.evict_tokens(r, want), lambda: self.fast.evict_tokens(r, want))
             self.densify_and_compare(r, True)
 
     @precondition(has_requests)
@@ -288,7 +309,8 @@ def _kept_live_on_eviction(real):
     """evict: the last victim's slot keeps its holder (a live bit kept on eviction)."""
     def evict(*args):
         code, a, b = real(*args)
-        tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen, row, ids, out = args
+        (tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen, *_), (row, ids, out) = \
+            args[:13], args[13:]
         if code == K.OK and a:
             S = holders.shape[0] // block_live.shape[0]
             holders[blocks[row, out[a - 1] // S] * S + out[a - 1] % S] += 1
@@ -300,7 +322,8 @@ def _counts_miss_a_move(real):
     """densify: the last move's destination block is not counted (counts that miss a move)."""
     def densify(*args):
         code, a, b = real(*args)
-        tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen, row, ev, moves, rel = args
+        (tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen, *_), (row, ev, moves, rel) = \
+            args[:13], args[13:]
         if code == K.PLANNED and a:
             S = holders.shape[0] // block_live.shape[0]
             counts[row, tok_pos[row, moves[a - 1, 0]] // S] -= 1
@@ -332,7 +355,17 @@ def _slot_off_by_one(real):
     return sync
 
 
-PLANTED = {"kept_live_on_eviction": ("evict", _kept_live_on_eviction), "counts_miss_a_move": ("densify", _counts_miss_a_move),
+def _rank_off_by_one(real):
+    """StreamingLLM's kernel: the first victim's rank is one past the sinks' end (a rank off by one)."""
+    def streaming_victims_batch(*args):
+        args = list(args)
+        args[14] += 1  # sinks
+        return real(*args)
+    return streaming_victims_batch
+
+
+PLANTED = {"rank_off_by_one": ("streaming_victims_batch", _rank_off_by_one),
+           "kept_live_on_eviction": ("evict", _kept_live_on_eviction), "counts_miss_a_move": ("densify", _counts_miss_a_move),
            "shared_block_densified": ("densify", _shared_block_densified), "slot_off_by_one": ("sync", _slot_off_by_one)}
 
 
@@ -363,7 +396,8 @@ def test_the_layout_reports_its_footprint():
     fp = FastLayout(cap).footprint()
     assert cap.max_blocks == 129 and cap.max_positions == 2064
     assert fp["tok_pos"] == 64 * 2048 * 4 and fp["pos_token"] == 64 * 2064 * 4 and fp["holders"] == 8192 * 16 * 2
-    assert fp["per_row"] == (2048 * 4 + 2064 * 4 + 2 * 129 * 4 + 10 * 8)
+    # tok_pos, pos_token, blocks and counts, meta, and the live index: 32 words of bits, their counts, 1 group
+    assert fp["per_row"] == 2048 * 4 + 2064 * 4 + 2 * 129 * 4 + 10 * 8 + 32 * 8 + 32 * 4 + 1 * 4
     assert fp["total"] == sum(v for k, v in fp.items() if k not in ("per_row", "total"))
     with pytest.raises(ConfigError, match="rows must be an int >= 1, got True"):
         Capacity(rows=True, tokens=8, num_blocks=4, block_size=4)

@@ -9,7 +9,7 @@ every array as it was. The codes map one to one onto the core's errors (``table.
 core's classes); the behaviour of an accepted call is the core's, field for field (tests/test_fastpath_table.py).
 
 ``L`` below is ``FastLayout.arrays()``: (tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed,
-pool, seen).
+pool, seen, live_bits, word_live, group_live).
 """
 
 from __future__ import annotations
@@ -57,6 +57,68 @@ def _release(holders, block_live, pool, slot, S):
     if h == 1:
         block_live[slot // S] -= 1
         pool[P_LIVE_SLOTS] -= 1
+
+
+@njit(cache=True, nogil=True)
+def _set_live(live_bits, word_live, group_live, row, t):
+    w = t >> 6
+    live_bits[row, w] |= np.uint64(1) << np.uint64(t & 63)
+    word_live[row, w] += 1
+    group_live[row, w >> 6] += 1
+
+
+@njit(cache=True, nogil=True)
+def _clear_live(live_bits, word_live, group_live, row, t):
+    w = t >> 6
+    live_bits[row, w] &= ~(np.uint64(1) << np.uint64(t & 63))
+    word_live[row, w] -= 1
+    group_live[row, w >> 6] -= 1
+
+
+@njit(cache=True, nogil=True)
+def _select(live_bits, word_live, group_live, row, k):
+    """The live id of rank k (0-based, ascending), or -1 when fewer than k + 1 are live: O(groups + 64 + 64)."""
+    g = 0
+    while g < group_live.shape[1] and k >= group_live[row, g]:
+        k -= group_live[row, g]
+        g += 1
+    if g == group_live.shape[1]:
+        return -1
+    w = g * 64
+    while k >= word_live[row, w]:
+        k -= word_live[row, w]
+        w += 1
+    bits = live_bits[row, w]
+    for _ in range(k):
+        bits &= bits - np.uint64(1)  # drop the lowest set bit
+    low = bits & (~bits + np.uint64(1))
+    i = 0
+    while low > np.uint64(1):
+        low >>= np.uint64(1)
+        i += 1
+    return w * 64 + i
+
+
+@njit(cache=True, nogil=True)
+def _next_live(live_bits, row, t):
+    """The smallest live id > t, or -1."""
+    t += 1
+    w = t >> 6
+    W = live_bits.shape[1]
+    if w >= W:
+        return -1
+    bits = live_bits[row, w] & ~((np.uint64(1) << np.uint64(t & 63)) - np.uint64(1))
+    while bits == np.uint64(0):
+        w += 1
+        if w == W:
+            return -1
+        bits = live_bits[row, w]
+    low = bits & (~bits + np.uint64(1))
+    i = 0
+    while low > np.uint64(1):
+        low >>= np.uint64(1)
+        i += 1
+    return w * 64 + i
 
 
 @njit(cache=True, nogil=True)
@@ -113,8 +175,8 @@ def _check_sync(tok_pos, blocks, meta, block_live, listed, pool, seen, row, new_
 
 
 @njit(cache=True, nogil=True)
-def _apply_sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, row, new_blocks,
-                total_len, out_slots, S):
+def _apply_sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, live_bits, word_live,
+                group_live, row, new_blocks, total_len, out_slots, S):
     old_total, pos, nb = meta[row, M_TOTAL_LEN], meta[row, M_WRITE_POS], meta[row, M_NBLOCKS]
     k = new_blocks.shape[0]
     for j in range(k):
@@ -133,6 +195,7 @@ def _apply_sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, l
         pos_token[row, p] = t
         counts[row, i] += 1
         _claim(holders, block_live, pool, slot, S)
+        _set_live(live_bits, word_live, group_live, row, t)
         out_slots[j] = slot
     meta[row, M_TOTAL_LEN] = total_len
     meta[row, M_WRITE_POS] = pos + n_new
@@ -142,19 +205,21 @@ def _apply_sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, l
 
 @njit(cache=True, nogil=True)
 def sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+         live_bits, word_live, group_live,
          row, new_blocks, total_len, out_slots):
     """``TokenTable.sync_new_tokens``: tokens up to ``total_len`` at the cursor, ``new_blocks`` appended; their
     write slots into ``out_slots[:total_len - synced]``. Returns (code, a, b); (OK, new tokens, new blocks)."""
     S = holders.shape[0] // block_live.shape[0]
     code, a, b = _check_sync(tok_pos, blocks, meta, block_live, listed, pool, seen, row, new_blocks, total_len, S)
     if code == OK:
-        _apply_sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, row, new_blocks,
-                    total_len, out_slots, S)
+        _apply_sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, live_bits,
+                    word_live, group_live, row, new_blocks, total_len, out_slots, S)
     return code, a, b
 
 
 @njit(cache=True, nogil=True)
 def sync_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+               live_bits, word_live, group_live,
                rows, total_lens, block_start, new_blocks, slot_start, out_slots):
     """``sync`` for a step's rows, all or none: row ``rows[i]`` gets ``new_blocks[block_start[i]:block_start[i+1]]``
     and its write slots go to ``out_slots[slot_start[i]:]`` (the caller sizes ``slot_start`` from the new token
@@ -177,8 +242,9 @@ def sync_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, li
         for j in range(block_start[i], block_start[i + 1]):
             seen[new_blocks[j]] = -batch
     for i in range(n):
-        _apply_sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, rows[i],
-                    new_blocks[block_start[i]:block_start[i + 1]], total_lens[i], out_slots[slot_start[i]:], S)
+        _apply_sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, live_bits,
+                    word_live, group_live, rows[i], new_blocks[block_start[i]:block_start[i + 1]], total_lens[i],
+                    out_slots[slot_start[i]:], S)
     return OK, -1, 0, 0
 
 
@@ -203,7 +269,8 @@ def _check_evict(tok_pos, meta, pool, seen, row, ids):
 
 
 @njit(cache=True, nogil=True)
-def _apply_evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, pool, row, ids, out_positions, S):
+def _apply_evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, pool, live_bits, word_live, group_live,
+                 row, ids, out_positions, S):
     k = ids.shape[0]
     for j in range(k):
         t = ids[j]
@@ -215,24 +282,28 @@ def _apply_evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, 
         _release(holders, block_live, pool, blocks[row, i] * S + p % S, S)
         tok_pos[row, t] = NO_POS
         pos_token[row, p] = NO_POS
+        _clear_live(live_bits, word_live, group_live, row, t)
         out_positions[j] = p
     meta[row, M_NUM_LIVE] -= k
 
 
 @njit(cache=True, nogil=True)
 def evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+          live_bits, word_live, group_live,
           row, ids, out_positions):
     """``TokenTable.evict_tokens``: the tokens ``ids`` die, all or none; the position each held into
     ``out_positions`` (in the order given). Returns (code, a, b); (OK, evicted, 0)."""
     S = holders.shape[0] // block_live.shape[0]
     code, a, b = _check_evict(tok_pos, meta, pool, seen, row, ids)
     if code == OK:
-        _apply_evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, pool, row, ids, out_positions, S)
+        _apply_evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, pool, live_bits, word_live,
+                     group_live, row, ids, out_positions, S)
     return code, a, b
 
 
 @njit(cache=True, nogil=True)
 def evict_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                live_bits, word_live, group_live,
                 rows, id_start, ids, out_positions):
     """``evict`` for a step's victims, all or none: row ``rows[i]`` loses ``ids[id_start[i]:id_start[i+1]]``, their
     positions into the same range of ``out_positions``. The rows must be distinct. Returns (code, failing index
@@ -244,13 +315,14 @@ def evict_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, l
         if code != OK:
             return code, i, a, b
     for i in range(n):
-        _apply_evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, pool, rows[i],
-                     ids[id_start[i]:id_start[i + 1]], out_positions[id_start[i]:], S)
+        _apply_evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, pool, live_bits, word_live,
+                     group_live, rows[i], ids[id_start[i]:id_start[i + 1]], out_positions[id_start[i]:], S)
     return OK, -1, 0, 0
 
 
 @njit(cache=True, nogil=True)
 def densify(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+            live_bits, word_live, group_live,
             row, evicted, out_moves, out_released):
     """``plan_densify`` and its commit at once: the live tokens at positions >= n_live move, in logical order,
     into the holes below n_live, ascending; the emptied tail blocks leave the list (into ``out_released``) and the
@@ -337,6 +409,7 @@ def densify(tok_pos, pos_token, blocks, counts, meta, holders, block_live, liste
 
 @njit(cache=True, nogil=True)
 def densify_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                  live_bits, word_live, group_live,
                   rows, ev_start, evicted, out_moves, move_start, out_released, released_start, status):
     """``densify`` for each of ``rows`` in turn (the dense path's every non-dense request, in the caller's order),
     with ``evicted[ev_start[i]:ev_start[i+1]]`` its step's evicted positions. Row i's moves land in
@@ -349,7 +422,7 @@ def densify_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live,
     released_start[0] = 0
     for i in range(n):
         code, a, b = densify(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
-                             rows[i], evicted[ev_start[i]:ev_start[i + 1]], out_moves[move_start[i]:],
+                             live_bits, word_live, group_live, rows[i], evicted[ev_start[i]:ev_start[i + 1]], out_moves[move_start[i]:],
                              out_released[released_start[i]:])
         if code == DENSE_MISMATCH:
             return code, i, a, b
@@ -360,7 +433,51 @@ def densify_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live,
 
 
 @njit(cache=True, nogil=True)
-def clear_row(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen, row, out_blocks):
+def streaming_victims(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                      live_bits, word_live, group_live, row, sinks, budget, out):
+    """``StreamingLLM(sinks).select_victims`` on the dense path: the oldest live tokens past the first
+    min(sinks, budget - 1) (the attention sinks), outside the newest budget - sinks (the window) and outside the
+    blocks another request lists (protected: densify cannot fill holes there), as many as the live tokens over
+    ``budget``; ascending, into ``out``. Changes nothing. O(groups + 128 + what is read). Returns (OK, count, 0)."""
+    S = holders.shape[0] // block_live.shape[0]
+    n = meta[row, M_NUM_LIVE]
+    excess = n - budget
+    if excess <= 0:
+        return OK, 0, 0
+    nsinks = min(sinks, budget - 1)
+    older = n - (budget - nsinks)  # ranks [nsinks, older) may go
+    found = 0
+    if nsinks >= older:
+        return OK, 0, 0
+    t = _select(live_bits, word_live, group_live, row, nsinks)
+    for _ in range(older - nsinks):
+        if listed[blocks[row, tok_pos[row, t] // S]] <= 1:
+            out[found] = t
+            found += 1
+            if found == excess:
+                break
+        t = _next_live(live_bits, row, t)
+    return OK, found, 0
+
+
+@njit(cache=True, nogil=True)
+def streaming_victims_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                            live_bits, word_live, group_live, rows, sinks, budgets, out_start, out):
+    """``streaming_victims`` for each of ``rows`` (``budgets[i]`` its budget); row i's victims land in
+    ``out[out_start[i]:out_start[i+1]]`` (written here, n + 1 entries; ``out`` holds at least the rows' live
+    tokens over budget). Changes nothing in the table. Returns (OK, -1, victims, 0)."""
+    out_start[0] = 0
+    for i in range(rows.shape[0]):
+        code, k, _ = streaming_victims(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool,
+                                       seen, live_bits, word_live, group_live, rows[i], sinks, budgets[i],
+                                       out[out_start[i]:])
+        out_start[i + 1] = out_start[i] + k
+    return OK, -1, out_start[rows.shape[0]], 0
+
+
+@njit(cache=True, nogil=True)
+def clear_row(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+              live_bits, word_live, group_live, row, out_blocks):
     """``TokenTable.remove_request``: the row's live slots released, its blocks unlisted (into ``out_blocks``),
     the row emptied for reuse. Returns (OK, blocks, 0)."""
     S = holders.shape[0] // block_live.shape[0]
@@ -371,6 +488,9 @@ def clear_row(tok_pos, pos_token, blocks, counts, meta, holders, block_live, lis
             _release(holders, block_live, pool, blocks[row, p // S] * S + p % S, S)
             tok_pos[row, t] = NO_POS
             pos_token[row, p] = NO_POS
+    live_bits[row, :] = 0
+    word_live[row, :] = 0
+    group_live[row, :] = 0
     for i in range(nb):
         out_blocks[i] = blocks[row, i]
         listed[blocks[row, i]] -= 1
@@ -396,4 +516,6 @@ def warm_up() -> None:
     starts = np.zeros(2, np.int64)
     assert densify_batch(*L, one, two, out[:1], np.empty((8, 3), np.int64), starts, out, starts.copy(),
                          np.empty(1, np.int64))[0] == OK
+    assert streaming_victims(*L, 0, 1, 2, out)[0] == OK
+    assert streaming_victims_batch(*L, one, 1, np.array([2], np.int64), starts, out)[0] == OK
     assert clear_row(*L, 0, out)[0] == OK

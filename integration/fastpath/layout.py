@@ -16,6 +16,10 @@ another shape (names as the core's where they mean the same):
     listed[b]          how many rows list block b (> 1: a shared prefix block)
     pool[:]            the pool's scalars, indexed by ``P_*`` (live slots, the duplicate check's epoch)
     seen[x]            scratch of the duplicate checks (epoch stamps), one entry per token id or block id
+  per row, the live ids by rank (the core's ``LiveIndex``): StreamingLLM's k-th live token in O(T / 4096 + 128)
+    live_bits[r, w]    bit i of word w: token 64 w + i is live
+    word_live[r, w]    live tokens in word w
+    group_live[r, g]   live tokens in words [64 g, 64 g + 64)
 
 The core keeps token -> slot; here token -> position, so a slot is read through the block list
 (``blocks[p // S] * S + p % S``) and the inverse map needs no pool-wide index: a shared block's offsets are read
@@ -83,14 +87,19 @@ class FastLayout:
         self.listed = np.zeros(cap.num_blocks, np.uint16)
         self.pool = np.zeros(2, np.int64)
         self.seen = np.zeros(max(T, P, cap.num_blocks), np.int64)
+        W = -(-T // 64)
+        self.live_bits = np.zeros((R, W), np.uint64)
+        self.word_live = np.zeros((R, W), np.int32)
+        self.group_live = np.zeros((R, -(-W // 64)), np.int32)
 
     def arrays(self) -> tuple:
         """What every kernel takes first, in this order."""
         return (self.tok_pos, self.pos_token, self.blocks, self.counts, self.meta, self.holders, self.block_live,
-                self.listed, self.pool, self.seen)
+                self.listed, self.pool, self.seen, self.live_bits, self.word_live, self.group_live)
 
     def footprint(self) -> dict[str, int]:
         """Bytes of each array and in all: per row, and pool-wide."""
-        per = {name: getattr(self, name).nbytes for name in ("tok_pos", "pos_token", "blocks", "counts", "meta")}
+        per = {name: getattr(self, name).nbytes for name in ("tok_pos", "pos_token", "blocks", "counts", "meta",
+                                                             "live_bits", "word_live", "group_live")}
         pool = {name: getattr(self, name).nbytes for name in ("holders", "block_live", "listed", "pool", "seen")}
         return {**per, **pool, "per_row": sum(per.values()) // self.cap.rows, "total": sum(per.values()) + sum(pool.values())}

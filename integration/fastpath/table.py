@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from vtoken.core.checks import as_list, check_request_id, is_int
+from vtoken.core.checks import as_list, check_int, check_request_id, is_int
 from vtoken.core.errors import (BlockListTooShortError, BlockNotOwnedError, BlockOutOfRangeError, ConfigError,
                                 DuplicateRequestError, InvalidArgumentError, InvariantViolation, TokenAlreadyEvictedError,
                                 TokenOutOfRangeError, UnknownRequestError)
@@ -230,6 +230,27 @@ class FastTable:
                 gone = tuple(released[released_start[k]:released_start[k + 1]].tolist())
                 out.append(Plan(PlanKind.DENSIFY, r, before[k][:2], planned, gone, (), before[k][2]))
         return out
+
+    # ---- built-in victim choice ----------------------------------------------------------
+    def streaming_victims(self, req_id: object, sinks: int, budget: int) -> list[int]:
+        """``StreamingLLM(sinks).select_victims`` of the request at ``budget`` live tokens, on the dense path (the
+        tokens of blocks another request lists are protected): ascending ids. Changes nothing."""
+        return self.streaming_victims_many([(req_id, budget)], sinks)[0]
+
+    def streaming_victims_many(self, items: Sequence[tuple[object, int]], sinks: int) -> list[list[int]]:
+        """``streaming_victims`` for each (request, budget), in one kernel call."""
+        check_int("sinks", sinks, 0)
+        rows = []
+        for r, budget in items:
+            rows.append(self._row(r))
+            check_int(f"request {r!r}: budget", budget, 1)
+        at = np.asarray(rows, np.int64)
+        meta = self.layout.meta
+        out = np.empty(int(np.maximum(meta[at, M_NUM_LIVE] - np.asarray([b for _, b in items], np.int64), 0).sum()) + 1,
+                       np.int64)
+        starts = np.zeros(len(rows) + 1, np.int64)
+        K.streaming_victims_batch(*self._L, at, sinks, np.asarray([b for _, b in items], np.int64), starts, out)
+        return [out[starts[k]:starts[k + 1]].tolist() for k in range(len(rows))]
 
     # ---- views -------------------------------------------------------------------------
     def num_live(self, req_id: object) -> int:
