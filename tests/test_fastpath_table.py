@@ -401,3 +401,22 @@ def test_the_layout_reports_its_footprint():
     assert fp["total"] == sum(v for k, v in fp.items() if k not in ("per_row", "total"))
     with pytest.raises(ConfigError, match="rows must be an int >= 1, got True"):
         Capacity(rows=True, tokens=8, num_blocks=4, block_size=4)
+
+
+def test_vllms_kernel_scan_passes_after_the_fast_path_is_imported():
+    """vLLM reads ``vars(x).get("kernel")`` of every module attribute when a worker starts
+    (``triton_utils.dispatcher._rebind_kernels``); numba's llvmlite library wrapper broke that scan, and so every
+    vLLM engine started after the fast path was imported in the same process. The scan, as vLLM runs it, passes now;
+    the wrapper still reaches its C symbols."""
+    pytest.importorskip("vllm")
+    from llvmlite.binding import ffi
+    from vllm.triton_utils.dispatcher import _rebind_kernels
+
+    _rebind_kernels([])  # raises AttributeError('_lib_fn_wrapper' ...) without the fast path's NOTE
+    assert not hasattr(ffi.lib, "__dict__") and callable(ffi.lib.LLVMPY_GetVersionInfo)
+    with pytest.raises(AttributeError):
+        ffi.lib.__wrapped__  # noqa: B018 -- a dunder is not forwarded to the C library
+    # teeth: numba alone (no fast path) in a fresh process breaks the same scan
+    code = "import numba\nfrom vllm.triton_utils.dispatcher import _rebind_kernels\n_rebind_kernels([])"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "'_lib_fn_wrapper' object has no attribute 'get'" in proc.stderr

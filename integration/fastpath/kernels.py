@@ -20,6 +20,34 @@ from numba import njit
 from .layout import (M_EMPTIED, M_IN_USE, M_LAST_SYNC_START, M_LAYOUT_VERSION, M_NBLOCKS, M_NUM_LIVE, M_RUN_POS,
                      M_RUN_TOKEN, M_TOTAL_LEN, M_WRITE_POS, NO_POS, P_EPOCH, P_LIVE_SLOTS)
 
+
+def _keep_vllms_kernel_scan_working() -> None:
+    """NOTE: vLLM 0.32 rebinds its Triton kernels when each worker starts by reading ``vars(x).get("kernel")`` of
+    every attribute of every loaded module (``vllm.triton_utils.dispatcher._rebind_kernels``). llvmlite's library
+    wrapper (``llvmlite.binding.ffi.lib``, loaded with numba) forwards any attribute it lacks to its ``ctypes.CDLL``
+    and wraps the answer, ``__dict__`` included, so ``vars()`` of it is no dict and, in a process that imported
+    numba, every later vLLM engine fails to start (AttributeError: '_lib_fn_wrapper' object has no attribute
+    'get'). Dunder names are not forwarded any more: the wrapper is then slotted, without ``__dict__``, and the scan
+    passes it by. llvmlite reads only C symbols through it. tests/test_fastpath_table.py runs the scan after this
+    import."""
+    from llvmlite.binding import ffi
+
+    wrapper = type(ffi.lib)
+    forward = wrapper.__getattr__
+    if getattr(forward, "_vtoken", False):
+        return
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return forward(self, name)
+
+    __getattr__._vtoken = True
+    wrapper.__getattr__ = __getattr__
+
+
+_keep_vllms_kernel_scan_working()
+
 # ---- codes: OK, or which of the core's refusals (``table.raise_for`` turns each into the core's error) ----------
 OK = 0
 TOTAL_LEN_BELOW = 1  # a: total_len                                       TokenOutOfRangeError
