@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 pytest.importorskip("numba")
 
 from vtoken.core.densify import plan_densify  # noqa: E402
+from vtoken.core.plan import NoPlanReason  # noqa: E402
 from vtoken.core.policies import RequestView, StreamingLLM  # noqa: E402
 from vtoken.core.errors import BlockNotOwnedError, ConfigError, VTokenError  # noqa: E402
 from vtoken.core.token_table import TokenTable  # noqa: E402
@@ -161,6 +162,30 @@ class Lockstep(RuleBasedStateMachine):
         if want:
             self.evicted[r] += both(lambda: self.core.evict_tokens(r, want), lambda: self.fast.evict_tokens(r, want))
             self.densify_and_compare(r, True)
+
+    @precondition(has_requests)
+    @rule(data=st.data(), sinks=st.integers(0, 5))
+    def streaming_step(self, data, sinks):
+        """The dense path's eviction step for StreamingLLM in one fused kernel call for several requests (choice,
+        eviction, densify); the core chooses with its policy, evicts and densifies each request in turn."""
+        ids = data.draw(st.lists(st.sampled_from(self.core.request_ids()), unique=True, min_size=1), label="requests")
+        items = [(r, data.draw(st.integers(1, max(1, self.core.num_live(r) + 1)), label="budget")) for r in ids]
+        got = self.fast.streaming_evict_densify_many(items, sinks)
+        for (r, budget), (victims, plan) in zip(items, got):
+            shared = [b for b in self.core.block_ids(r) if len(self.core.owners(b)) > 1]
+            protected = frozenset(t for t, _ in self.core.live_in_blocks(r, shared)) if shared else frozenset()
+            view = RequestView(r, self.core.live_tokens(r), self.core.total_len(r), budget, protected=protected)
+            want = StreamingLLM(sinks=sinks).select_victims(view)
+            assert victims == want
+            self.evicted[r] += self.core.evict_tokens(r, want)
+            if self.core.write_pos(r) == self.core.num_live(r):
+                assert not plan and plan.reason is NoPlanReason.ALREADY_DENSE
+                continue
+            wanted = plan_densify(self.core.snapshot(r, shared))
+            assert (plan == wanted) if wanted else (not plan and plan.reason is wanted.reason)
+            if wanted:
+                self.commit_densify(r, wanted)
+        event(f"streaming step: {sum(bool(v) for v, _ in got)} evicting of {len(got)}")
 
     @precondition(has_requests)
     @rule(data=st.data(), use_evicted=st.booleans())

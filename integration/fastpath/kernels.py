@@ -504,6 +504,31 @@ def streaming_victims_batch(tok_pos, pos_token, blocks, counts, meta, holders, b
 
 
 @njit(cache=True, nogil=True)
+def streaming_evict_densify_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                                  live_bits, word_live, group_live, rows, sinks, budgets, victim_start, victims,
+                                  positions, out_moves, move_start, out_released, released_start, status):
+    """The dense path's ``evict_and_reclaim`` for StreamingLLM in one call: for each of ``rows``,
+    ``streaming_victims`` at ``budgets[i]`` (into ``victims[victim_start[i]:victim_start[i+1]]``), their eviction
+    (positions likewise), then ``densify`` of the row with those positions (``densify_batch``'s outputs). The
+    victims are valid by construction (live, distinct, unprotected): nothing is refused. Returns
+    ``densify_batch``'s answer."""
+    S = holders.shape[0] // block_live.shape[0]
+    n = rows.shape[0]
+    victim_start[0] = 0
+    for i in range(n):
+        code, k, _ = streaming_victims(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool,
+                                       seen, live_bits, word_live, group_live, rows[i], sinks, budgets[i],
+                                       victims[victim_start[i]:])
+        victim_start[i + 1] = victim_start[i] + k
+        _apply_evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, pool, live_bits, word_live,
+                     group_live, rows[i], victims[victim_start[i]:victim_start[i + 1]],
+                     positions[victim_start[i]:], S)
+    return densify_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                         live_bits, word_live, group_live, rows, victim_start, positions, out_moves, move_start,
+                         out_released, released_start, status)
+
+
+@njit(cache=True, nogil=True)
 def clear_row(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
               live_bits, word_live, group_live, row, out_blocks):
     """``TokenTable.remove_request``: the row's live slots released, its blocks unlisted (into ``out_blocks``),
@@ -546,4 +571,7 @@ def warm_up() -> None:
                          np.empty(1, np.int64))[0] == OK
     assert streaming_victims(*L, 0, 1, 2, out)[0] == OK
     assert streaming_victims_batch(*L, one, 1, np.array([2], np.int64), starts, out)[0] == OK
+    assert streaming_evict_densify_batch(*L, one, 1, np.array([2], np.int64), starts, out, out.copy(),
+                                         np.empty((8, 3), np.int64), starts.copy(), out.copy(), starts.copy(),
+                                         np.empty(1, np.int64))[0] == OK
     assert clear_row(*L, 0, out)[0] == OK

@@ -252,6 +252,47 @@ class FastTable:
         K.streaming_victims_batch(*self._L, at, sinks, np.asarray([b for _, b in items], np.int64), starts, out)
         return [out[starts[k]:starts[k + 1]].tolist() for k in range(len(rows))]
 
+    def streaming_evict_densify_many(self, items: Sequence[tuple[object, int]], sinks: int
+                                     ) -> list[tuple[list[int], Plan | NoPlan]]:
+        """The dense path's eviction step for StreamingLLM in one kernel call: for each (request, budget), in order,
+        its victims (``streaming_victims``), their eviction, and ``densify`` with their positions. Returns each
+        request's (victims, plan or NoPlan)."""
+        check_int("sinks", sinks, 0)
+        rows = [self._row(r) for r, _ in items]
+        budgets = np.asarray([check_int(f"request {r!r}: budget", b, 1) or b for r, b in items], np.int64)
+        at, meta, n = np.asarray(rows, np.int64), self.layout.meta, len(rows)
+        if len(set(rows)) != n:
+            raise InvalidArgumentError(f"a request is named twice in one eviction: {[r for r, _ in items][:8]}")
+        before = [(int(meta[row, M_LAYOUT_VERSION]), int(meta[row, M_TOTAL_LEN])) for row in rows]
+        most = int(np.maximum(meta[at, M_NUM_LIVE] - budgets, 0).sum()) + 1
+        victims, positions = np.empty(most, np.int64), np.empty(most, np.int64)
+        # NOTE: sized for the worst case, as densify_many's: a row moves at most its dead positions (its cursor minus
+        # its live tokens after the eviction) and releases at most its blocks
+        moves = np.empty((int((meta[at, M_WRITE_POS] - meta[at, M_NUM_LIVE]).sum()) + most, 3), np.int64)
+        released = np.empty(int(meta[at, M_NBLOCKS].sum()) + 1, np.int64)
+        vstart, move_start, released_start = (np.zeros(n + 1, np.int64) for _ in range(3))
+        status = np.zeros(max(n, 1), np.int64)
+        code, i, a, b = K.streaming_evict_densify_batch(*self._L, at, sinks, budgets, vstart, victims, positions,
+                                                        moves, move_start, released, released_start, status)
+        if code == K.DENSE_MISMATCH:
+            raise InvariantViolation("I7", f"request {items[i][0]!r}: {a} live tokens at or above n_live, {b} holes "
+                                           f"below it")
+        S, out = self.block_size, []
+        for k, (r, _) in enumerate(items):
+            chosen = victims[vstart[k]:vstart[k + 1]].tolist()
+            version = (before[k][0], before[k][1])
+            if status[k] == K.ALREADY_DENSE:
+                out.append((chosen, NoPlan(NoPlanReason.ALREADY_DENSE, f"request {r!r}")))
+            elif status[k] == K.SHARED_BLOCK:
+                out.append((chosen, NoPlan(NoPlanReason.SHARED_BLOCK, f"request {r!r}")))
+            else:
+                planned = tuple(Move(int(t), int(src) // S, int(src) % S, int(dst) // S, int(dst) % S)
+                                for t, src, dst in moves[move_start[k]:move_start[k + 1]])
+                gone = tuple(released[released_start[k]:released_start[k + 1]].tolist())
+                out.append((chosen, Plan(PlanKind.DENSIFY, r, version, planned, gone, (),
+                                         int(meta[rows[k], M_WRITE_POS]))))
+        return out
+
     # ---- views -------------------------------------------------------------------------
     def num_live(self, req_id: object) -> int:
         return int(self.layout.meta[self._row(req_id), M_NUM_LIVE])

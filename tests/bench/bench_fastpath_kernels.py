@@ -12,6 +12,8 @@ cursor's end into the hole; the emptied tail block is released). Three implement
   table    ``FastTable``'s batched calls, one per phase: Python lists in, lists out
   kernels  the four batch kernels alone (``sync_batch``, ``streaming_victims_batch``, ``evict_batch``,
            ``densify_batch``) on arrays built before the clock starts
+  fused    two kernel calls: ``sync_batch`` and ``streaming_evict_densify_batch`` (choice, eviction and densify in
+           one): what the four cost in numba's dispatch (about a microsecond a call, whatever the batch)
 
 After the timed steps the fast table's state must equal the core's (``TokenTable.state()``). Also the burst: the
 first eviction after the prompt (half of it at once: choice, eviction, densify), microseconds per evicted token.
@@ -114,7 +116,7 @@ class KernelStep:
         self.moves, self.released = np.empty((R + 1, 3), np.int64), np.empty(R + 1, np.int64)
         self.status = np.zeros(R, np.int64)
 
-    def __call__(self, pool: Pool, S: int) -> float:
+    def __call__(self, pool: Pool, S: int, fused: bool = False) -> float:
         meta, R = self.ft.layout.meta, self.R
         need = meta[:R, M_WRITE_POS] == meta[:R, M_NBLOCKS] * S
         bstart = np.zeros(R + 1, np.int64)
@@ -124,10 +126,15 @@ class KernelStep:
         budgets = np.maximum(1, np.ceil(RATIO * totals)).astype(np.int64)
         t0 = time.perf_counter()
         ok = K.sync_batch(*self.L, self.rows, totals, bstart, blocks, self.one_each, self.slots)[0] == K.OK
-        K.streaming_victims_batch(*self.L, self.rows, SINKS, budgets, self.vstart, self.victims)
-        ok &= K.evict_batch(*self.L, self.rows, self.vstart, self.victims, self.positions)[0] == K.OK
-        ok &= K.densify_batch(*self.L, self.rows, self.vstart, self.positions, self.moves, self.ms, self.released,
-                              self.rs, self.status)[0] == K.OK
+        if fused:
+            ok &= K.streaming_evict_densify_batch(*self.L, self.rows, SINKS, budgets, self.vstart, self.victims,
+                                                  self.positions, self.moves, self.ms, self.released, self.rs,
+                                                  self.status)[0] == K.OK
+        else:
+            K.streaming_victims_batch(*self.L, self.rows, SINKS, budgets, self.vstart, self.victims)
+            ok &= K.evict_batch(*self.L, self.rows, self.vstart, self.victims, self.positions)[0] == K.OK
+            ok &= K.densify_batch(*self.L, self.rows, self.vstart, self.positions, self.moves, self.ms,
+                                  self.released, self.rs, self.status)[0] == K.OK
         seconds = time.perf_counter() - t0
         assert ok
         pool.free += self.released[:self.rs[R]].tolist()
@@ -148,14 +155,34 @@ def prefill(table, pool: Pool, R: int, ctx: int, S: int) -> float:
     return 1e6 * (time.perf_counter() - t0) / evicted
 
 
+def kernel_burst(ft: FastTable, pool: Pool, R: int, ctx: int, S: int) -> float:
+    """``prefill``'s burst through ``streaming_evict_densify_batch`` alone: us per evicted token."""
+    for r in range(R):
+        ft.add_request(r)
+        ft.sync_new_tokens(r, pool.take(-(-ctx // S)), ctx)
+    n = R * ctx
+    rows, budgets = np.arange(R, dtype=np.int64), np.full(R, budget(ctx), np.int64)
+    vstart, ms, rs = (np.zeros(R + 1, np.int64) for _ in range(3))
+    victims, positions, released = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+    moves, status = np.empty((n, 3), np.int64), np.zeros(R, np.int64)
+    t0 = time.perf_counter()
+    code = K.streaming_evict_densify_batch(*ft._L, rows, SINKS, budgets, vstart, victims, positions, moves, ms,
+                                           released, rs, status)[0]
+    seconds = time.perf_counter() - t0
+    assert code == K.OK
+    pool.free += released[:rs[R]].tolist()
+    return 1e6 * seconds / vstart[R]
+
+
 def run(kind: str, R: int, ctx: int, S: int, rounds: int, steps: int) -> tuple[float, float, object]:
     per_request = -(-(ctx + rounds * steps + 2 * S) // S) + 2
     pool = Pool(R * per_request)
     table = TokenTable(len(pool.free), S) if kind == "core" else FastTable(len(pool.free), S, R,
                                                                            ctx + rounds * steps + 8)
-    burst = prefill(table, pool, R, ctx, S)
+    burst = kernel_burst(table, pool, R, ctx, S) if kind in ("kernels", "fused") else prefill(table, pool, R, ctx, S)
+    k = KernelStep(table, R) if kind in ("kernels", "fused") else None
     step = {"core": lambda: core_step(table, pool, R, S), "table": lambda: table_step(table, pool, R, S),
-            "kernels": (lambda k: (lambda: k(pool, S)))(KernelStep(table, R) if kind == "kernels" else None)}[kind]
+            "kernels": lambda: k(pool, S), "fused": lambda: k(pool, S, fused=True)}[kind]
     per = [1e6 * sum(step() for _ in range(steps)) / (steps * R) for _ in range(rounds)]
     return statistics.median(per), burst, table
 
@@ -175,20 +202,18 @@ def main() -> None:
     from vtoken.integration.fastpath import unavailable
     assert unavailable() is None, unavailable()
     out = {}
-    print(f"{'context':>8} {'core':>8} {'table':>8} {'kernels':>8} {'core/table':>10} {'core/kernels':>12}"
-          f" {'burst core':>10} {'burst table':>11}   (us per request-step; burst: us per evicted token)")
+    kinds = ("core", "table", "kernels", "fused")
+    print(f"{'context':>8} " + " ".join(f"{k:>8}" for k in kinds) + f" {'core/fused':>10}  burst: "
+          + " ".join(f"{k:>8}" for k in kinds) + "   (us per request-step; burst: us per evicted token)")
     for ctx in a.contexts:
-        cells = {k: run(k, a.requests, ctx, a.block_size, a.rounds, a.steps) for k in ("core", "table", "kernels")}
-        core_t, fast_t = cells["core"][2], cells["table"][2]
-        assert fast_t.state() == core_t.state(), f"context {ctx}: the fast table and the core's differ"
-        assert cells["kernels"][2].state() == core_t.state(), f"context {ctx}: the kernels' table and the core's differ"
-        c, t, k = (cells[x][0] for x in ("core", "table", "kernels"))
-        out[ctx] = {"core_us": c, "table_us": t, "kernels_us": k, "burst_core_us_per_token": cells["core"][1],
-                    "burst_table_us_per_token": cells["table"][1]}
-        print(f"{ctx:>8} {c:>8.2f} {t:>8.2f} {k:>8.3f} {c / t:>10.1f} {c / k:>12.0f} {cells['core'][1]:>10.3f}"
-              f" {cells['table'][1]:>11.4f}")
+        cells = {k: run(k, a.requests, ctx, a.block_size, a.rounds, a.steps) for k in kinds}
+        for k in kinds[1:]:
+            assert cells[k][2].state() == cells["core"][2].state(), f"context {ctx}: {k}'s table and the core's differ"
+        out[ctx] = {**{f"{k}_us": cells[k][0] for k in kinds}, **{f"burst_{k}_us_per_token": cells[k][1] for k in kinds}}
+        print(f"{ctx:>8} " + " ".join(f"{cells[k][0]:>8.3f}" for k in kinds)
+              + f" {cells['core'][0] / cells['fused'][0]:>10.0f}         " + " ".join(f"{cells[k][1]:>8.4f}" for k in kinds))
     lo, hi = min(a.contexts), max(a.contexts)
-    growth = {k: out[hi][k] / out[lo][k] for k in ("core_us", "table_us", "kernels_us")}
+    growth = {f"{k}_us": out[hi][f"{k}_us"] / out[lo][f"{k}_us"] for k in kinds}
     print(f"growth {lo} -> {hi}: " + ", ".join(f"{k} x{v:.2f}" for k, v in growth.items()))
     print(json.dumps({"requests": a.requests, "block_size": a.block_size, "rounds": a.rounds, "steps": a.steps,
                       "by_context": out, "growth": growth}))
