@@ -334,8 +334,7 @@ def _kept_live_on_eviction(real):
     """evict: the last victim's slot keeps its holder (a live bit kept on eviction)."""
     def evict(*args):
         code, a, b = real(*args)
-        (tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen, *_), (row, ids, out) = \
-            args[:13], args[13:]
+        blocks, holders, block_live, (row, _, out) = args[2], args[5], args[6], args[13:]  # FastLayout.arrays() order
         if code == K.OK and a:
             S = holders.shape[0] // block_live.shape[0]
             holders[blocks[row, out[a - 1] // S] * S + out[a - 1] % S] += 1
@@ -347,8 +346,7 @@ def _counts_miss_a_move(real):
     """densify: the last move's destination block is not counted (counts that miss a move)."""
     def densify(*args):
         code, a, b = real(*args)
-        (tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen, *_), (row, ev, moves, rel) = \
-            args[:13], args[13:]
+        tok_pos, counts, holders, block_live, (row, _, moves, _) = args[0], args[3], args[5], args[6], args[13:]
         if code == K.PLANNED and a:
             S = holders.shape[0] // block_live.shape[0]
             counts[row, tok_pos[row, moves[a - 1, 0]] // S] -= 1

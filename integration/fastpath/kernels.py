@@ -104,6 +104,17 @@ def _clear_live(live_bits, word_live, group_live, row, t):
 
 
 @njit(cache=True, nogil=True)
+def _lowest_bit(bits):
+    """The index of the lowest set bit of a nonzero uint64."""
+    low = bits & (~bits + np.uint64(1))
+    i = 0
+    while low > np.uint64(1):
+        low >>= np.uint64(1)
+        i += 1
+    return i
+
+
+@njit(cache=True, nogil=True)
 def _select(live_bits, word_live, group_live, row, k):
     """The live id of rank k (0-based, ascending), or -1 when fewer than k + 1 are live: O(groups + 64 + 64)."""
     g = 0
@@ -119,12 +130,7 @@ def _select(live_bits, word_live, group_live, row, k):
     bits = live_bits[row, w]
     for _ in range(k):
         bits &= bits - np.uint64(1)  # drop the lowest set bit
-    low = bits & (~bits + np.uint64(1))
-    i = 0
-    while low > np.uint64(1):
-        low >>= np.uint64(1)
-        i += 1
-    return w * 64 + i
+    return w * 64 + _lowest_bit(bits)
 
 
 @njit(cache=True, nogil=True)
@@ -141,12 +147,7 @@ def _next_live(live_bits, row, t):
         if w == W:
             return -1
         bits = live_bits[row, w]
-    low = bits & (~bits + np.uint64(1))
-    i = 0
-    while low > np.uint64(1):
-        low >>= np.uint64(1)
-        i += 1
-    return w * 64 + i
+    return w * 64 + _lowest_bit(bits)
 
 
 @njit(cache=True, nogil=True)

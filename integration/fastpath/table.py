@@ -111,22 +111,17 @@ class FastTable:
         with the version it was planned at) or the NoPlan. ``evicted_positions``: where this step's evictions were
         (``evict_tokens``' answer), for the O(evicted) search of the holes."""
         row = self._row(req_id)
-        meta, S = self.layout.meta, self.block_size
+        meta = self.layout.meta
         version = (int(meta[row, M_LAYOUT_VERSION]), int(meta[row, M_TOTAL_LEN]))
         n = int(meta[row, M_NUM_LIVE])
         evicted = np.asarray(evicted_positions if evicted_positions is not None else (), np.int64)
         code, a, b = K.densify(*self._L, row, evicted, self._moves, self._scratch)
-        if code == K.ALREADY_DENSE:
-            return NoPlan(NoPlanReason.ALREADY_DENSE, f"request {req_id!r}")
-        if code == K.SHARED_BLOCK:
-            return NoPlan(NoPlanReason.SHARED_BLOCK, f"request {req_id!r}: blocks [{a}]")
         if code == K.DENSE_MISMATCH:
             raise InvariantViolation("I7", f"request {req_id!r}: {a} live tokens at or above n_live {n}, {b} holes "
                                            f"below it")
-        assert code == K.PLANNED
-        moves = tuple(Move(int(t), int(src) // S, int(src) % S, int(dst) // S, int(dst) % S)
-                      for t, src, dst in self._moves[:a])
-        return Plan(PlanKind.DENSIFY, req_id, version, moves, tuple(self._scratch[:b].tolist()), (), n)
+        planned = code == K.PLANNED
+        return self._plan(req_id, code, self._moves[:a if planned else 0], self._scratch[:b if planned else 0],
+                          version, n)
 
     # ---- one call per phase for a step's requests ----------------------------------------
     def sync_many(self, items: Sequence[tuple[object, Sequence[int], int]]) -> list[list[int]]:
@@ -218,18 +213,9 @@ class FastTable:
         if code == K.DENSE_MISMATCH:
             raise InvariantViolation("I7", f"request {items[i][0]!r}: {a} live tokens at or above n_live, {b} holes "
                                            f"below it")
-        S, out = self.block_size, []
-        for k, (r, _) in enumerate(items):
-            if status[k] == K.ALREADY_DENSE:
-                out.append(NoPlan(NoPlanReason.ALREADY_DENSE, f"request {r!r}"))
-            elif status[k] == K.SHARED_BLOCK:
-                out.append(NoPlan(NoPlanReason.SHARED_BLOCK, f"request {r!r}"))
-            else:
-                planned = tuple(Move(int(t), int(src) // S, int(src) % S, int(dst) // S, int(dst) % S)
-                                for t, src, dst in moves[move_start[k]:move_start[k + 1]])
-                gone = tuple(released[released_start[k]:released_start[k + 1]].tolist())
-                out.append(Plan(PlanKind.DENSIFY, r, before[k][:2], planned, gone, (), before[k][2]))
-        return out
+        return [self._plan(r, status[k], moves[move_start[k]:move_start[k + 1]],
+                           released[released_start[k]:released_start[k + 1]], before[k][:2], before[k][2])
+                for k, (r, _) in enumerate(items)]
 
     # ---- built-in victim choice ----------------------------------------------------------
     def streaming_victims(self, req_id: object, sinks: int, budget: int) -> list[int]:
@@ -277,21 +263,11 @@ class FastTable:
         if code == K.DENSE_MISMATCH:
             raise InvariantViolation("I7", f"request {items[i][0]!r}: {a} live tokens at or above n_live, {b} holes "
                                            f"below it")
-        S, out = self.block_size, []
-        for k, (r, _) in enumerate(items):
-            chosen = victims[vstart[k]:vstart[k + 1]].tolist()
-            version = (before[k][0], before[k][1])
-            if status[k] == K.ALREADY_DENSE:
-                out.append((chosen, NoPlan(NoPlanReason.ALREADY_DENSE, f"request {r!r}")))
-            elif status[k] == K.SHARED_BLOCK:
-                out.append((chosen, NoPlan(NoPlanReason.SHARED_BLOCK, f"request {r!r}")))
-            else:
-                planned = tuple(Move(int(t), int(src) // S, int(src) % S, int(dst) // S, int(dst) % S)
-                                for t, src, dst in moves[move_start[k]:move_start[k + 1]])
-                gone = tuple(released[released_start[k]:released_start[k + 1]].tolist())
-                out.append((chosen, Plan(PlanKind.DENSIFY, r, version, planned, gone, (),
-                                         int(meta[rows[k], M_WRITE_POS]))))
-        return out
+        return [(victims[vstart[k]:vstart[k + 1]].tolist(),
+                 self._plan(r, status[k], moves[move_start[k]:move_start[k + 1]],
+                            released[released_start[k]:released_start[k + 1]], before[k],
+                            int(meta[rows[k], M_WRITE_POS])))
+                for k, (r, _) in enumerate(items)]
 
     # ---- views -------------------------------------------------------------------------
     def num_live(self, req_id: object) -> int:
@@ -368,6 +344,19 @@ class FastTable:
                 raise BlockNotOwnedError(f"request {req_id!r}: block {b} is already in its block list")
             seen.add(b)
         raise AssertionError("unreachable: a non-int block passed the checks")  # pragma: no cover
+
+    def _plan(self, req_id: object, status: int, moves: np.ndarray, released: np.ndarray, version: tuple[int, int],
+              n_live: int) -> Plan | NoPlan:
+        """A densify kernel's answer for one request as the core's planner gives it: the ``Plan`` (its moves as
+        ``Move``s from the kernel's (token, source slot, destination slot) rows) or the ``NoPlan``."""
+        if status == K.ALREADY_DENSE:
+            return NoPlan(NoPlanReason.ALREADY_DENSE, f"request {req_id!r}")
+        if status == K.SHARED_BLOCK:
+            return NoPlan(NoPlanReason.SHARED_BLOCK, f"request {req_id!r}")
+        assert status == K.PLANNED, status
+        S = self.block_size
+        planned = tuple(Move(int(t), int(src) // S, int(src) % S, int(dst) // S, int(dst) % S) for t, src, dst in moves)
+        return Plan(PlanKind.DENSIFY, req_id, version, planned, tuple(released.tolist()), (), n_live)
 
     def _name(self, row: int) -> object:
         return next(k for k, r in self._rows.items() if r == row)
