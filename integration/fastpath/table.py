@@ -245,7 +245,7 @@ class FastTable:
         request's (victims, plan or NoPlan)."""
         check_int("sinks", sinks, 0)
         rows = [self._row(r) for r, _ in items]
-        budgets = np.asarray([check_int(f"request {r!r}: budget", b, 1) or b for r, b in items], np.int64)
+        budgets = np.asarray([check_int(f"request {r!r}: budget", b, 1) for r, b in items], np.int64)
         at, meta, n = np.asarray(rows, np.int64), self.layout.meta, len(rows)
         if len(set(rows)) != n:
             raise InvalidArgumentError(f"a request is named twice in one eviction: {[r for r, _ in items][:8]}")
