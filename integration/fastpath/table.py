@@ -75,14 +75,7 @@ class FastTable:
     # ---- mutations ---------------------------------------------------------------------
     def sync_new_tokens(self, req_id: object, block_ids: Sequence[int], total_len: int) -> list[int]:
         row = self._row(req_id)
-        synced = int(self.layout.meta[row, M_TOTAL_LEN])
-        if total_len.__class__ is not int and not is_int(total_len):
-            raise TokenOutOfRangeError(f"request {req_id!r}: total_len {total_len!r} is not an int")
-        if total_len < synced:
-            raise TokenOutOfRangeError(f"request {req_id!r}: total_len {total_len!r} is below the synced length {synced}")
-        new = as_list("request {!r}: new blocks", block_ids, BlockOutOfRangeError, req_id)
-        if not all(b.__class__ is int or is_int(b) for b in new) or any(not 0 <= b < self.num_blocks for b in new):
-            self._refuse_blocks(req_id, new)  # raises, naming the first bad block as the core does
+        new = self._sync_args(req_id, row, block_ids, total_len)
         # NOTE: past the layout's tokens per row the kernel refuses after the core's checks; a total_len too large
         # for an int64 is clamped for it (nothing that large fits a row)
         code, a, b = K.sync(*self._L, row, np.asarray(new, np.int64), min(total_len, 2**62), self._scratch)
@@ -95,11 +88,7 @@ class FastTable:
 
     def evict_tokens(self, req_id: object, token_ids: Sequence[int]) -> list[int]:
         row = self._row(req_id)
-        ids = as_list("request {!r}: tokens to evict", token_ids, TokenOutOfRangeError, req_id)
-        total = int(self.layout.meta[row, M_TOTAL_LEN])
-        for t in ids:  # the core's first check, in order: an int in [0, total_len)
-            if t.__class__ is not int and not is_int(t) or not 0 <= t < total:
-                raise TokenOutOfRangeError(f"request {req_id!r}: token {t!r} outside its synced tokens [0, {total})")
+        ids = self._evict_args(req_id, row, token_ids)
         code, a, b = K.evict(*self._L, row, np.asarray(ids, np.int64), self._scratch)
         if code != K.OK:
             self._raise(code, a, b, req_id, row)
@@ -132,16 +121,12 @@ class FastTable:
         rows, totals, starts, blocks, slot_starts = [], [], [0], [], [0]
         for r, new, total in items:
             row = self._row(r)
-            synced = int(self.layout.meta[row, M_TOTAL_LEN])
-            new = as_list("request {!r}: new blocks", new, BlockOutOfRangeError, r)
-            if total.__class__ is not int and not is_int(total) or total < synced \
-                    or not all(b.__class__ is int or is_int(b) for b in new) or total > 2**62:
-                self._check_types(r, row, new, total)  # raises the core's error
+            new = self._sync_args(r, row, new, total)
             rows.append(row)
-            totals.append(total)
+            totals.append(min(total, 2**62))  # as sync_new_tokens: the kernel refuses past the layout's tokens
             blocks += new
             starts.append(len(blocks))
-            slot_starts.append(slot_starts[-1] + max(total - synced, 0))
+            slot_starts.append(slot_starts[-1] + min(total, self.cap.tokens) - int(self.layout.meta[row, M_TOTAL_LEN]))
         if len({self._rows[r] for r, _, _ in items}) != len(items):
             raise InvalidArgumentError(f"a request is named twice in one sync: {[r for r, _, _ in items][:8]}")
         out = np.empty(max(slot_starts[-1], 1), np.int64)
@@ -155,29 +140,36 @@ class FastTable:
             self._raise(code, a, b, r, rows[i], list(new), total)
         return [out[slot_starts[k]:slot_starts[k + 1]].tolist() for k in range(len(items))]
 
-    def _check_types(self, req_id: object, row: int, new: list, total_len: object) -> None:
-        """``sync_new_tokens``' Python checks (types, and a total below the synced length), changing nothing."""
+    def _evict_args(self, req_id: object, row: int, token_ids: object) -> list[int]:
+        """``evict_tokens``' first check, made in Python in the core's order: every id an int in [0, total_len)
+        (the kernel cannot take what is not an int64). Returns the ids as a list."""
+        ids = as_list("request {!r}: tokens to evict", token_ids, TokenOutOfRangeError, req_id)
+        total = int(self.layout.meta[row, M_TOTAL_LEN])
+        for t in ids:
+            if t.__class__ is not int and not is_int(t) or not 0 <= t < total:
+                raise TokenOutOfRangeError(f"request {req_id!r}: token {t!r} outside its synced tokens [0, {total})")
+        return ids
+
+    def _sync_args(self, req_id: object, row: int, block_ids: object, total_len: object) -> list[int]:
+        """``sync_new_tokens``' checks made in Python, in the core's order (total_len an int not below the synced
+        length, then every new block an int in the pool); returns the new blocks as a list. The kernel checks the
+        rest."""
         synced = int(self.layout.meta[row, M_TOTAL_LEN])
         if total_len.__class__ is not int and not is_int(total_len):
             raise TokenOutOfRangeError(f"request {req_id!r}: total_len {total_len!r} is not an int")
         if total_len < synced:
             raise TokenOutOfRangeError(f"request {req_id!r}: total_len {total_len!r} is below the synced length {synced}")
+        new = as_list("request {!r}: new blocks", block_ids, BlockOutOfRangeError, req_id)
         if not all(b.__class__ is int or is_int(b) for b in new) or any(not 0 <= b < self.num_blocks for b in new):
-            self._refuse_blocks(req_id, new)
-        if total_len > self.cap.tokens:
-            raise ConfigError(f"request {req_id!r}: {total_len} tokens exceed the fast path's {self.cap.tokens} per "
-                              f"request (its capacity is vLLM's max_model_len)")
+            self._refuse_blocks(req_id, new)  # raises, naming the first bad block as the core does
+        return new
 
     def evict_many(self, items: Sequence[tuple[object, Sequence[int]]]) -> list[list[int]]:
         """``evict_tokens`` for each (request, victims), in one kernel call, all or none."""
         rows, starts, ids = [], [0], []
         for r, victims in items:
             row = self._row(r)
-            victims = as_list("request {!r}: tokens to evict", victims, TokenOutOfRangeError, r)
-            total = int(self.layout.meta[row, M_TOTAL_LEN])
-            for t in victims:
-                if t.__class__ is not int and not is_int(t) or not 0 <= t < total:
-                    raise TokenOutOfRangeError(f"request {r!r}: token {t!r} outside its synced tokens [0, {total})")
+            victims = self._evict_args(r, row, victims)
             rows.append(row)
             ids += victims
             starts.append(len(ids))
