@@ -214,7 +214,8 @@ def _drive(llm, ep: Episode, SamplingParams, TokensPrompt) -> EpisodeResult:
     # NOTE: on the dense path a request's tokens in shared blocks are protected from eviction (densify cannot
     # fill holes there), so with prefix caching on its victims, and then its outputs, may differ from the
     # caching-off run by design; such requests are left out of the comparison
-    rt = conn.tokens.rt
+    # (strict verify: on the fast path the core runs beside it, ``ShadowedRuntime.core``, and decides the same)
+    rt = getattr(conn.tokens.rt, "core", conn.tokens.rt)
     protected = rt._protected
     rt._protected = lambda r: (p := protected(r)) and (res.protected.add(_external(r)) or p) or p
     pending = sorted(ep.requests, key=lambda r: (r["arrive"], int(r["id"])))

@@ -14,6 +14,7 @@ derandomized.
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -250,16 +251,34 @@ class Lockstep(RuleBasedStateMachine):
         event(f"step: {len(syncs)} synced, {len(evictions)} evicting, {sum(map(bool, got))} densified")
 
     @precondition(lambda self: len(self.core.request_ids()) > 1)
-    @rule(data=st.data())
-    def refused_block_appended_twice_in_one_call(self, data):
-        """Two requests of one batched sync append the same block: refused, nothing changed (the invariant)."""
+    @rule(data=st.data(), fill=st.booleans())
+    def share_within_one_call(self, data, fill):
+        """vLLM hands a request a prefix-cache hit on a block an earlier request of the same step fills: in one call
+        request a appends a fresh block, then b lists it too. Accepted when a's sync fills the block (the core's loop
+        checks b against what a's sync left); refused with the core's error otherwise, and then the call undoes a's
+        sync as well (all or none; the core's loop would have kept it: its answer is taken from a copy)."""
         a, b = data.draw(st.lists(st.sampled_from(self.core.request_ids()), min_size=2, max_size=2, unique=True))
+        pos_a, pos_b = self.core.write_pos(a), self.core.write_pos(b)
+        if pos_a % S or pos_b % S or pos_a // S != len(self.core.block_ids(a)) \
+                or pos_b // S != len(self.core.block_ids(b)):
+            return  # both cursors at the end of their lists: the next block is fresh for each
         new = self.take(1)
-        if new is None:
+        if new is None or self.core.total_len(a) + S > TOKENS or self.core.total_len(b) + S > TOKENS:
             return
-        calls = [(a, new, self.core.total_len(a)), (b, new, self.core.total_len(b))]
-        with pytest.raises(BlockNotOwnedError, match=f"block {new[0]} is appended by two requests in one sync"):
+        calls = [(a, new, self.core.total_len(a) + (S if fill else S - 1)), (b, new, self.core.total_len(b) + S)]
+        if fill:
+            want = [self.core.sync_new_tokens(r, blocks, total) for r, blocks, total in calls]
+            assert self.fast.sync_many(calls) == want
+            self.held(new + new)
+            event("a block shared within one call")
+            return
+        trial = copy.deepcopy(self.core)
+        trial.sync_new_tokens(*calls[0])
+        with pytest.raises(BlockNotOwnedError) as want:
+            trial.sync_new_tokens(*calls[1])
+        with pytest.raises(BlockNotOwnedError) as got:
             self.fast.sync_many(calls)
+        assert str(got.value) == str(want.value) and "has not passed it" in str(got.value)
 
     @precondition(lambda self: len(self.core.request_ids()) > 2)
     @rule(data=st.data())

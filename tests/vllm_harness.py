@@ -304,7 +304,7 @@ def run(vtoken: dict | None, prompt_list=None, max_tokens: int = 40, passes: int
             t = conn.tokens
             t.allocator.check()
             res["scheduler"] = dict(vars(t.stats), free=t.allocator.num_free, blocks=t.allocator.num_blocks,
-                                    tracked=len(t.rt.running()), workers=vars(conn.workers),
+                                    tracked=len(t.rt.running()), workers=vars(conn.workers), runtime=type(t.rt).__name__,
                                     quarantined=list(conn.quarantined))
     except Exception as e:
         if overrides.get("tensor_parallel_size", 1) > 1:

@@ -247,34 +247,62 @@ def sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, 
 
 
 @njit(cache=True, nogil=True)
+def _undo_sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, live_bits, word_live,
+               group_live, row, saved_meta, S):
+    """The inverse of an ``_apply_sync`` of the row: its new tokens (all live) released, its new blocks unlisted, its
+    scalars back to ``saved_meta`` (the row's meta before the sync)."""
+    for t in range(saved_meta[M_TOTAL_LEN], meta[row, M_TOTAL_LEN]):
+        p = tok_pos[row, t]
+        _release(holders, block_live, pool, blocks[row, p // S] * S + p % S, S)
+        counts[row, p // S] -= 1
+        tok_pos[row, t] = NO_POS
+        pos_token[row, p] = NO_POS
+        _clear_live(live_bits, word_live, group_live, row, t)
+    for i in range(saved_meta[M_NBLOCKS], meta[row, M_NBLOCKS]):
+        listed[blocks[row, i]] -= 1
+        blocks[row, i] = 0
+        counts[row, i] = 0
+    for c in range(meta.shape[1]):
+        meta[row, c] = saved_meta[c]
+
+
+@njit(cache=True, nogil=True)
 def sync_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
                live_bits, word_live, group_live,
-               rows, total_lens, block_start, new_blocks, slot_start, out_slots):
-    """``sync`` for a step's rows, all or none: row ``rows[i]`` gets ``new_blocks[block_start[i]:block_start[i+1]]``
-    and its write slots go to ``out_slots[slot_start[i]:]`` (the caller sizes ``slot_start`` from the new token
-    counts). Every row is checked before any changes; a block appended by two rows of one batch is refused
-    (BLOCK_IN_LIST, naming the second). Returns (code, the failing index into ``rows`` or -1, a, b)."""
+               rows, total_lens, block_start, new_blocks, slot_start, out_slots, apply):
+    """``sync`` for a step's rows, in order, all or none: row ``rows[i]`` gets ``new_blocks[block_start[i]:
+    block_start[i+1]]`` and its write slots go to ``out_slots[slot_start[i]:]`` (the caller sizes ``slot_start`` from
+    the new token counts). Each row is checked against the state the rows before it left, as the core's loop of
+    ``sync_new_tokens`` does (vLLM hands a later request of one step a prefix-cache hit on blocks an earlier one
+    filled in the same step); a refusal undoes the rows already synced. Without ``apply`` every row is checked
+    the same way and then undone. Returns (code, the failing index into ``rows`` or -1, a, b)."""
     S = holders.shape[0] // block_live.shape[0]
     n = rows.shape[0]
-    pool[P_EPOCH] += 1
-    batch = pool[P_EPOCH]  # NOTE: blocks of the whole batch are stamped with -batch, rows' own checks use +epochs
+    saved = np.empty((n, meta.shape[1]), np.int64)
     for i in range(n):
-        for j in range(block_start[i], block_start[i + 1]):
-            b = new_blocks[j]
-            if 0 <= b < block_live.shape[0]:
-                if seen[b] == -batch:
-                    return BLOCK_IN_LIST, i, b, 0
-        code, a, b = _check_sync(tok_pos, blocks, meta, block_live, listed, pool, seen, rows[i],
-                                 new_blocks[block_start[i]:block_start[i + 1]], total_lens[i], S)
+        row = rows[i]
+        mine = new_blocks[block_start[i]:block_start[i + 1]]
+        code, a, b = _check_sync(tok_pos, blocks, meta, block_live, listed, pool, seen, row, mine, total_lens[i], S)
         if code != OK:
+            _undo_sync_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, live_bits,
+                             word_live, group_live, rows, saved, i, S)
             return code, i, a, b
-        for j in range(block_start[i], block_start[i + 1]):
-            seen[new_blocks[j]] = -batch
-    for i in range(n):
+        saved[i, :] = meta[row, :]
         _apply_sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, live_bits,
-                    word_live, group_live, rows[i], new_blocks[block_start[i]:block_start[i + 1]], total_lens[i],
-                    out_slots[slot_start[i]:], S)
+                    word_live, group_live, row, mine, total_lens[i], out_slots[slot_start[i]:], S)
+    if not apply:
+        _undo_sync_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, live_bits,
+                         word_live, group_live, rows, saved, n, S)
     return OK, -1, 0, 0
+
+
+@njit(cache=True, nogil=True)
+def _undo_sync_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, live_bits,
+                     word_live, group_live, rows, saved, k, S):
+    """Undo the syncs of ``rows[:k]``, last first."""
+    for j in range(k - 1, -1, -1):
+        _undo_sync(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, live_bits, word_live,
+                   group_live, rows[j], saved[j], S)
 
 
 @njit(cache=True, nogil=True)
@@ -565,7 +593,7 @@ def warm_up() -> None:
     assert evict(*L, 0, np.array([1], np.int64), out)[0] == OK
     assert densify(*L, 0, out[:1], np.empty((8, 3), np.int64), out)[0] == PLANNED
     one, two = np.array([0], np.int64), np.array([0, 1], np.int64)
-    assert sync_batch(*L, one, np.array([7], np.int64), np.array([0, 0], np.int64), out[:0], two, out)[0] == OK
+    assert sync_batch(*L, one, np.array([7], np.int64), np.array([0, 0], np.int64), out[:0], two, out, True)[0] == OK
     assert evict_batch(*L, one, two, np.array([6], np.int64), out)[0] == OK
     starts = np.zeros(2, np.int64)
     assert densify_batch(*L, one, two, out[:1], np.empty((8, 3), np.int64), starts, out, starts.copy(),

@@ -113,11 +113,13 @@ class FastTable:
                           version, n)
 
     # ---- one call per phase for a step's requests ----------------------------------------
-    def sync_many(self, items: Sequence[tuple[object, Sequence[int], int]]) -> list[list[int]]:
-        """``sync_new_tokens`` for each (request, new blocks, total_len), in one kernel call, all or none: every
-        item is checked before anything changes, so a refusal (the core's error for the first bad item) leaves
-        every request as it was. One more refusal than the core's loop has: a block appended by two requests of
-        one call (a shared block is shared from a request synced at an earlier step)."""
+    def sync_many(self, items: Sequence[tuple[object, Sequence[int], int]], check_only: bool = False
+                  ) -> list[list[int]]:
+        """``sync_new_tokens`` for each (request, new blocks, total_len), in one kernel call, all or none: each item
+        is checked against what the items before it left (the core's loop: a later request may share a block an
+        earlier one filled in the same call), and a refusal (the core's error for the first bad item) undoes the
+        items already synced, so every request is as it was. ``check_only``: the core's checks alone (not the
+        layout's capacity), changing nothing; returns []."""
         rows, totals, starts, blocks, slot_starts = [], [], [0], [], [0]
         for r, new, total in items:
             row = self._row(r)
@@ -132,12 +134,16 @@ class FastTable:
         out = np.empty(max(slot_starts[-1], 1), np.int64)
         code, i, a, b = K.sync_batch(*self._L, np.asarray(rows, np.int64), np.asarray(totals, np.int64),
                                      np.asarray(starts, np.int64), np.asarray(blocks, np.int64),
-                                     np.asarray(slot_starts, np.int64), out)
-        if code != K.OK:
+                                     np.asarray(slot_starts, np.int64), out, not check_only)
+        if code != K.OK and not (check_only and code in (K.OVER_TOKENS, K.OVER_BLOCKS)):
             r, new, total = items[i]
-            if code == K.BLOCK_IN_LIST and a in {x for _, n, _ in items[:i] for x in n}:
-                raise BlockNotOwnedError(f"request {r!r}: block {a} is appended by two requests in one sync")
-            self._raise(code, a, b, r, rows[i], list(new), total)
+            holder_pos = None
+            if code == K.SHARED_UNFILLED_HOLDER and b in rows[:i]:  # the holder's cursor as its sync in this call left it
+                j = rows.index(b)
+                holder_pos = int(self.layout.meta[b, M_WRITE_POS]) + totals[j] - int(self.layout.meta[b, M_TOTAL_LEN])
+            self._raise(code, a, b, r, rows[i], list(new), total, holder_pos)
+        if check_only:
+            return []
         return [out[slot_starts[k]:slot_starts[k + 1]].tolist() for k in range(len(items))]
 
     def _evict_args(self, req_id: object, row: int, token_ids: object) -> list[int]:
@@ -274,6 +280,37 @@ class FastTable:
     def layout_version(self, req_id: object) -> int:
         return int(self.layout.meta[self._row(req_id), M_LAYOUT_VERSION])
 
+    def num_blocks_of(self, req_id: object) -> int:
+        return int(self.layout.meta[self._row(req_id), M_NBLOCKS])
+
+    def block_at(self, req_id: object, index: int) -> int:
+        """Block ``index`` of the request's list (an IndexError outside it, as the core's list gives)."""
+        return self.block_ids(req_id)[index]
+
+    def shared_blocks(self, req_id: object) -> list[int]:
+        """The blocks of the request's list that other requests list too, in list order."""
+        listed = self.layout.listed
+        return [b for b in self.block_ids(req_id) if listed[b] > 1]
+
+    def owners(self, block_id: int) -> list[object]:
+        """The requests whose block lists hold ``block_id``, in admission order (a scan: the error paths only)."""
+        lay = self.layout
+        return [k for k, row in self._rows.items() if block_id in lay.blocks[row, :lay.meta[row, M_NBLOCKS]]]
+
+    def slot_of(self, req_id: object, token_id: int) -> int:
+        """The token's slot, or NO_SLOT if it was evicted (``TokenOutOfRangeError`` outside its synced tokens)."""
+        row = self._row(req_id)
+        lay = self.layout
+        total = int(lay.meta[row, M_TOTAL_LEN])
+        if token_id.__class__ is not int and not is_int(token_id) or not 0 <= token_id < total:
+            raise TokenOutOfRangeError(f"request {req_id!r}: token {token_id!r} outside its synced tokens [0, {total})")
+        p = int(lay.tok_pos[row, token_id])
+        return NO_SLOT if p == NO_POS else int(lay.blocks[row, p // self.block_size]) * self.block_size + p % self.block_size
+
+    def live_token_ids(self, req_id: object) -> list[int]:
+        row = self._row(req_id)
+        return np.flatnonzero(self.layout.tok_pos[row, :self.layout.meta[row, M_TOTAL_LEN]] != NO_POS).tolist()
+
     def block_ids(self, req_id: object) -> list[int]:
         row = self._row(req_id)
         return self.layout.blocks[row, :self.layout.meta[row, M_NBLOCKS]].tolist()
@@ -353,7 +390,8 @@ class FastTable:
     def _name(self, row: int) -> object:
         return next(k for k, r in self._rows.items() if r == row)
 
-    def _raise(self, code: int, a: int, b: int, req_id: object, row: int, new=None, total_len: int = 0) -> None:
+    def _raise(self, code: int, a: int, b: int, req_id: object, row: int, new=None, total_len: int = 0,
+               holder_pos: int | None = None) -> None:
         meta, S = self.layout.meta, self.block_size
         if code == K.TOTAL_LEN_BELOW:
             raise TokenOutOfRangeError(f"request {req_id!r}: total_len {a} is below the synced length {b}")
@@ -369,7 +407,9 @@ class FastTable:
             raise BlockNotOwnedError(f"request {req_id!r}: block {a} is already shared by {b} requests")
         if code == K.SHARED_UNFILLED_HOLDER:
             raise BlockNotOwnedError(f"request {req_id!r}: block {a} belongs to request {self._name(b)!r}, whose "
-                                     f"append cursor (position {int(meta[b, M_WRITE_POS])}) has not passed it; only "
+                                     f"append cursor (position "
+                                     f"{int(meta[b, M_WRITE_POS]) if holder_pos is None else holder_pos}) has not "
+                                     f"passed it; only "
                                      f"a full block can be shared")
         if code == K.SHARED_UNFILLED_HERE:
             start = (int(meta[row, M_NBLOCKS]) + new.index(a)) * S

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                               KVConnectorWorkerMetadata)
+from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.worker.cpu_worker import CPUWorker
 
@@ -62,6 +63,8 @@ from ..device.verify import Verifier, VerifyConfig
 from .scheduler_tokens import SchedulerTokens, StepOrders
 from .worker_copies import ShardReports
 from .settings import VTokenSettings
+
+logger = init_logger("vllm.vtoken")  # under "vllm": its handlers print it, as they print vLLM's own lines
 
 
 def match_threads_to_cores() -> None:
@@ -164,7 +167,11 @@ class VTokenConnector(KVConnectorBase_V1):
     # ---- scheduler side ----------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        self.tokens = SchedulerTokens(self.settings, kv_cache_manager, self.block_size)
+        c = self.vllm_config
+        self.tokens = SchedulerTokens(self.settings, kv_cache_manager, self.block_size,
+                                      (c.scheduler_config.max_num_seqs, c.model_config.max_model_len),
+                                      c.parallel_config.tensor_parallel_size)
+        logger.info("vtoken: %s", self.tokens.runtime_note)
 
     def bind_scheduler(self, scheduler) -> None:
         """``VTokenScheduler.__init__``, right after vLLM's (which built this connector and bound the manager)."""

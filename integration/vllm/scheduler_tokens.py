@@ -49,6 +49,7 @@ from .worker_copies import WorkerCopyEngine
 
 READ_CHECK_EVERY = 16  # strict verify: each request's read list is sent whole for the workers to check this often
 POLICIES = {"none": None, **CORE_POLICIES}
+FAST_POLICIES = ("none", "streaming_llm")  # the policies the fast path chooses victims for
 
 
 def reclaim_config(settings: VTokenSettings) -> ReclaimConfig | None:
@@ -59,6 +60,24 @@ def reclaim_config(settings: VTokenSettings) -> ReclaimConfig | None:
         return ReclaimConfig(PlanKind.DENSIFY, ordering=Ordering.EVENT)
     return ReclaimConfig(PlanKind.COMPACT, theta_f=settings.theta_f, max_sources=settings.max_sources,
                          ordering=Ordering.EVENT)
+
+def fast_path_refusal(settings: VTokenSettings, tensor_parallel: int = 1) -> str | None:
+    """Why this configuration runs on the core's runtime rather than the fast path (``integration/fastpath``), or
+    None when the fast path runs it. Its domain today (issue #45): the dense read path, the policy none or
+    StreamingLLM, no relocation drill, one tensor-parallel rank, and numba present with every kernel compiled."""
+    if not settings.fast_path:
+        return "fast_path is off: the core's runtime (the reference) runs"
+    if settings.read_path != "dense":
+        return f"read_path {settings.read_path!r} runs on the core's runtime (the fast path covers 'dense')"
+    if settings.policy not in FAST_POLICIES:
+        return f"policy {settings.policy!r} runs on the core's runtime (the fast path covers {list(FAST_POLICIES)})"
+    if settings.drill_every:
+        return "the relocation drill runs on the core's runtime"
+    if tensor_parallel > 1:
+        return f"tensor parallelism ({tensor_parallel} ranks) runs on the core's runtime"
+    from vtoken.integration.fastpath import unavailable
+    return unavailable()
+
 
 def writable_blocks(rt: VTokenRuntime, req_id: str, block_size: int) -> list[int]:
     """The blocks of ``req_id`` that appends may still write: the append cursor's block and every one after it.
@@ -198,7 +217,11 @@ class TokenStats:
 
 
 class SchedulerTokens:
-    def __init__(self, settings: VTokenSettings, kv_cache_manager, block_size: int) -> None:
+    """``capacity``: (vLLM's max_num_seqs, max_model_len), what the fast path's arrays are sized for;
+    ``tensor_parallel``: the ranks. ``runtime_note`` says which runtime runs and, for the core's, why."""
+
+    def __init__(self, settings: VTokenSettings, kv_cache_manager, block_size: int,
+                 capacity: tuple[int, int] = (256, 8192), tensor_parallel: int = 1) -> None:
         [self.manager] = kv_cache_manager.coordinator.single_type_managers  # compat: one KV cache group
         self.settings = settings
         self.block_size = block_size
@@ -212,12 +235,26 @@ class SchedulerTokens:
         self.policy_names: dict[str, int] = {}
         self.ranked = WorkerRanked(policy(), self.policy_names, settings.strict_verify == "strict") \
             if settings.policy in SCORE_POLICIES else None
-        self.rt = VTokenRuntime(self.allocator, self.engine,
-                                self.ranked or (RenamedRequests(policy(), self.policy_names) if policy else None),
-                                settings.budget,
-                                reclaim_config(settings), self.read_path, seed=settings.seed,
-                                ordering=Ordering.EVENT if settings.reclaim == "off" else None,
-                                evict_every=settings.evict_every)
+        refusal = fast_path_refusal(settings, tensor_parallel)
+        self.fast = refusal is None
+        if self.fast:
+            from vtoken.integration.fastpath.runtime import FastRuntime
+            from vtoken.integration.fastpath.shadow import ShadowedRuntime
+            # strict verify: the core runs beside the fast path on a replay of the pool, compared every call (V6)
+            cls = ShadowedRuntime if settings.strict_verify == "strict" else FastRuntime
+            self.rt = cls(self.allocator, self.engine, policy() if policy else None, settings.budget, *capacity,
+                          evict_every=settings.evict_every, seed=settings.seed)
+            mb = self.rt.table.layout.footprint()["total"] / 2**20
+            self.runtime_note = (f"the fast path runs ({cls.__name__}: {capacity[0]} requests x {capacity[1]} tokens, "
+                                 f"{mb:.1f} MiB of tables)")
+        else:
+            self.rt = VTokenRuntime(self.allocator, self.engine,
+                                    self.ranked or (RenamedRequests(policy(), self.policy_names) if policy else None),
+                                    settings.budget,
+                                    reclaim_config(settings), self.read_path, seed=settings.seed,
+                                    ordering=Ordering.EVENT if settings.reclaim == "off" else None,
+                                    evict_every=settings.evict_every)
+            self.runtime_note = f"the core's runtime runs: {refusal}"
         self.prompt_len: dict[str, int] = {}
         self._admitted = 0
         self.first_evicted: dict[str, int] = {}
@@ -277,6 +314,7 @@ class SchedulerTokens:
                     raise InvariantViolation("B1", f"resumed request {r!r} still has a token table")
                 rt.admit(r)
             syncs.append((r, computed, so.num_scheduled_tokens[r]))
+        items = []
         for r, computed, scheduled in syncs:
             held = req_to_blocks[r]
             known = rt.num_blocks_of(r)
@@ -290,7 +328,10 @@ class SchedulerTokens:
             if len(held) < known or known and held[known - 1].block_id != rt.block_at(r, known - 1):
                 raise InvariantViolation("B1", f"request {r!r}: token table blocks {rt.block_ids(r)} are not a prefix "
                                                f"of vLLM's {[b.block_id for b in held]}")
-            slots = rt.sync(r, [b.block_id for b in held[known:]], computed + scheduled)
+            items.append((r, [b.block_id for b in held[known:]], computed + scheduled))
+        # the fast path syncs the step's requests in one call, all or none; the core one request at a time
+        synced = rt.sync_many(items) if self.fast else [rt.sync(*item) for item in items]
+        for (r, _, scheduled), slots in zip(syncs, synced):
             g = self.gap(r)
             if g:
                 orders.gaps[r] = g

@@ -65,6 +65,7 @@ class VTokenSettings:
     evidence_dir: str = "vtoken-evidence"
     seed: int = 0
     drill_every: int = 0  # relocation drill: every N steps move one block of every running request; 0: off
+    fast_path: bool = True  # the compiled runtime, where its domain allows (``scheduler_tokens``); False: the core
 
     def __post_init__(self) -> None:
         _choice("policy", self.policy, POLICIES)
@@ -95,6 +96,8 @@ class VTokenSettings:
             raise SettingsError(f"vtoken.drill_every must be an integer >= 0 (0: off), got {self.drill_every!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise SettingsError(f"vtoken.seed must be an integer >= 0, got {self.seed!r}")
+        if self.fast_path.__class__ is not bool:
+            raise SettingsError(f"vtoken.fast_path must be true or false, got {self.fast_path!r}")
         if not isinstance(self.evidence_dir, str) or not self.evidence_dir:
             raise SettingsError(f"vtoken.evidence_dir must be a non-empty path, got {self.evidence_dir!r}")
         # combinations

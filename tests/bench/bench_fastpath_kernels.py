@@ -126,7 +126,7 @@ class KernelStep:
         totals = meta[:R, M_TOTAL_LEN] + 1
         budgets = np.maximum(1, np.ceil(RATIO * totals)).astype(np.int64)
         t0 = time.perf_counter()
-        ok = K.sync_batch(*self.L, self.rows, totals, bstart, blocks, self.one_each, self.slots)[0] == K.OK
+        ok = K.sync_batch(*self.L, self.rows, totals, bstart, blocks, self.one_each, self.slots, True)[0] == K.OK
         if fused:
             ok &= K.streaming_evict_densify_batch(*self.L, self.rows, SINKS, budgets, self.vstart, self.victims,
                                                   self.positions, self.moves, self.ms, self.released, self.rs,

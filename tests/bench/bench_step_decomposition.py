@@ -1,13 +1,14 @@
 """Where vtoken's per-step cost inside vLLM goes as context grows: steady steps against eviction bursts.
 
-    python tests/bench/bench_step_decomposition.py [--contexts 128 512 1536] [--runs 2] [--out FILE.json]
+    python tests/bench/bench_step_decomposition.py [--contexts 128 512 1536] [--runs 2] [--requests 8] [--out FILE.json]
 
 Q7's context axis reports vtoken's microseconds per request per step averaged over a whole generate. With a budget
 of half the prompt, a request's first decode step evicts half its prompt at once (O(L) changes), and every later
 step evicts about one token. The average mixes the two, so its growth with L says nothing about whether the
-per-step machinery follows what changed. This bench steps the engine itself (8 requests, 32 generated tokens, the
-byte-llama; the configurations of ``bench_context_step.py``), reads vtoken's scheduler and worker seconds and the
-tokens evicted after every step, and splits each run into:
+per-step machinery follows what changed. This bench steps the engine itself (8 requests by default, 32 generated
+tokens, the byte-llama; the configurations of ``bench_context_step.py``, and StreamingLLM on the fast path and on the
+core's runtime), reads vtoken's scheduler and worker seconds and the tokens evicted after every step, and splits each
+run into:
 
   * **steady**: the median over the decode steps that evicted at most one token per request and committed at most
     one relocation move per request (µs per request);
@@ -32,19 +33,22 @@ from vtoken.integration.bench.vllm_engine import engine_args, engine_environment
 CONFIGS = {"random, densify": {"policy": "random", "budget": 0.5},
            "random, gather, compact": {"policy": "random", "budget": 0.5, "read_path": "gather", "reclaim": "compact"},
            "h2o, densify": {"policy": "h2o", "budget": 0.5},
-           "h2o, gather, compact": {"policy": "h2o", "budget": 0.5, "read_path": "gather", "reclaim": "compact"}}
-REQUESTS, NEW_TOKENS, BLOCK = 8, 32, 32
+           "h2o, gather, compact": {"policy": "h2o", "budget": 0.5, "read_path": "gather", "reclaim": "compact"},
+           # the fast path (issue #45) against the core's runtime on the same configuration
+           "streaming, densify": {"policy": "streaming_llm", "budget": 0.5},
+           "streaming, densify, core": {"policy": "streaming_llm", "budget": 0.5, "fast_path": False}}
+NEW_TOKENS, BLOCK = 32, 32
 
 
-def one_run(vtoken: dict, context: int, seed: int) -> dict:
-    """One engine, one batch of REQUESTS prompts of ``context`` tokens, stepped to the end: per step vtoken's
+def one_run(vtoken: dict, context: int, seed: int, requests: int = 8) -> dict:
+    """One engine, one batch of ``requests`` prompts of ``context`` tokens, stepped to the end: per step vtoken's
     seconds (scheduler + worker) and the tokens it evicted, split as the module docstring says."""
     with engine_environment(1):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        prompts = [p for p, _ in heldout_windows(REQUESTS, context, NEW_TOKENS, seed)]
-        llm = start_llm(**engine_args(vtoken, context + NEW_TOKENS, REQUESTS, BLOCK))
+        prompts = [p for p, _ in heldout_windows(requests, context, NEW_TOKENS, seed)]
+        llm = start_llm(**engine_args(vtoken, context + NEW_TOKENS, requests, BLOCK))
         try:
             engine = llm.llm_engine
             conn = engine.engine_core.engine_core.scheduler.connector
@@ -68,10 +72,10 @@ def one_run(vtoken: dict, context: int, seed: int) -> dict:
         finally:
             llm.llm_engine.engine_core.shutdown()  # now: the next engine must not find this one's KV connector
             del llm
-    return split(steps)
+    return split(steps, requests)
 
 
-def split(steps: list[dict]) -> dict:
+def split(steps: list[dict], requests: int) -> dict:
     """The decomposition of one run's steps (docstring). A prefill step (before the first eviction) counts in the
     mean only. After it: a *burst* step evicts more than one token per request; a *reclaim* step evicts at most
     that but commits more than one relocation move per request (compaction or densify working through what a
@@ -79,22 +83,22 @@ def split(steps: list[dict]) -> dict:
     into what each kind of step cost beyond a steady step."""
     first = next((i for i, s in enumerate(steps) if s["evicted"]), len(steps))
     after = steps[first:]
-    bursts = [s for s in after if s["evicted"] > REQUESTS]
-    reclaims = [s for s in after if s["evicted"] <= REQUESTS and s["moved"] > REQUESTS]
-    steady = [s["vtoken_s"] for s in after if s["evicted"] <= REQUESTS and s["moved"] <= REQUESTS]
+    bursts = [s for s in after if s["evicted"] > requests]
+    reclaims = [s for s in after if s["evicted"] <= requests and s["moved"] > requests]
+    steady = [s["vtoken_s"] for s in after if s["evicted"] <= requests and s["moved"] <= requests]
     steady_s = statistics.median(steady) if steady else float("nan")
     burst_tokens, moved = sum(s["evicted"] for s in bursts), sum(s["moved"] for s in reclaims)
     extra = lambda kind: sum(s["vtoken_s"] - steady_s for s in kind)  # noqa: E731
-    per_request_step = 1e6 / len(steps) / REQUESTS
+    per_request_step = 1e6 / len(steps) / requests
     return {"steps": len(steps), "steady_steps": len(steady), "burst_steps": len(bursts),
             "reclaim_steps": len(reclaims),
-            "steady_us_per_request": 1e6 * steady_s / REQUESTS,
+            "steady_us_per_request": 1e6 * steady_s / requests,
             "burst_us_per_evicted_token": 1e6 * extra(bursts) / burst_tokens if burst_tokens else None,
             "burst_evicted": burst_tokens,
             "reclaim_us_per_moved_token": 1e6 * extra(reclaims) / moved if moved else None,
             "reclaim_moved": moved, "moves_committed": sum(s["moved"] for s in steps),
-            "mean_us_per_request": 1e6 * sum(s["vtoken_s"] for s in steps) / len(steps) / REQUESTS,
-            "parts": {"steady": 1e6 * steady_s / REQUESTS,
+            "mean_us_per_request": 1e6 * sum(s["vtoken_s"] for s in steps) / len(steps) / requests,
+            "parts": {"steady": 1e6 * steady_s / requests,
                       "prefill": per_request_step * sum(s["vtoken_s"] - steady_s for s in steps[:first]),
                       "burst": per_request_step * extra(bursts), "reclaim": per_request_step * extra(reclaims)},
             "step_ms": 1e3 * statistics.median(s["wall_s"] for s in after)}
@@ -105,12 +109,13 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1536])
     ap.add_argument("--runs", type=int, default=2, help="seeds per cell (0, 1, ...)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--requests", type=int, default=8, help="requests per batch (the bench steps them together)")
     ap.add_argument("--out", help="write every run as JSON here")
     a = ap.parse_args()
     out = {}
     for name in a.configs:
         for ctx in a.contexts:
-            runs = [one_run(CONFIGS[name], ctx, seed) for seed in range(a.runs)]
+            runs = [one_run(CONFIGS[name], ctx, seed, a.requests) for seed in range(a.runs)]
             out[f"{name} {ctx}"] = runs
             med = lambda k: statistics.median([r[k] for r in runs if r[k] is not None] or [float("nan")])  # noqa: E731
             parts = {k: statistics.median(r["parts"][k] for r in runs) for k in runs[0]["parts"]}

