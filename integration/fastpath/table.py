@@ -352,6 +352,46 @@ class FastTable:
         occupancy = (lay.holders.tobytes(), lay.block_live.astype(np.uint32).tobytes(), int(lay.pool[P_LIVE_SLOTS]))
         return rows, occupancy
 
+    def check_views(self) -> None:
+        """Recount every maintained array from the rows' token -> position maps and block lists, O(rows x tokens +
+        pool): the inverse map, the per-block live counts, the live bitset and its per-word and per-group counts,
+        the listings, the slots' holders, each block's occupied slots and the pool's live slots. The first that
+        differs raises ``InvariantViolation("V6")`` naming it (the oracle of the views, as ``check_live_index`` is
+        the core's)."""
+        lay, S = self.layout, self.block_size
+        listed = np.zeros_like(lay.listed, dtype=np.int64)
+        holders = np.zeros(lay.holders.shape[0], np.int64)
+        for req_id, row in self._rows.items():
+            total, nb = int(lay.meta[row, M_TOTAL_LEN]), int(lay.meta[row, M_NBLOCKS])
+            pos = lay.tok_pos[row, :total].astype(np.int64)
+            live = np.flatnonzero(pos != NO_POS)
+            p = pos[live]
+            back = np.full(lay.pos_token.shape[1], NO_POS, np.int64)
+            back[p] = live
+            W = lay.live_bits.shape[1]
+            bits = np.zeros(W, np.uint64)
+            np.bitwise_or.at(bits, live // 64, np.left_shift(np.uint64(1), (live % 64).astype(np.uint64)))
+            words = np.bincount(live // 64, minlength=W)
+            groups = np.add.reduceat(words, np.arange(0, W, 64)) if W else words
+            for name, got, want in (
+                    ("position -> token", lay.pos_token[row], back),
+                    ("per-block live counts", lay.counts[row, :nb], np.bincount(p // S, minlength=nb)[:nb]),
+                    ("live bitset", lay.live_bits[row], bits),
+                    ("per-word live counts", lay.word_live[row], words),
+                    ("per-group live counts", lay.group_live[row], groups),
+                    ("live count", lay.meta[row, M_NUM_LIVE], live.shape[0])):
+                if not np.array_equal(got, want):
+                    raise InvariantViolation("V6", f"request {req_id!r}: the fast table's {name}: not what a recount gives")
+            blocks = lay.blocks[row, :nb].astype(np.int64)
+            np.add.at(listed, blocks, 1)
+            np.add.at(holders, blocks[p // S] * S + p % S, 1)
+        occupied = (holders > 0).reshape(-1, S)
+        for name, got, want in (("listings", lay.listed, listed), ("slot holders", lay.holders, holders),
+                                ("blocks' occupied slots", lay.block_live, occupied.sum(axis=1)),
+                                ("pool's live slots", lay.pool[P_LIVE_SLOTS], int(occupied.sum()))):
+            if not np.array_equal(got, want):
+                raise InvariantViolation("V6", f"the fast table's {name}: not what a recount gives")
+
     # ---- helpers -----------------------------------------------------------------------
     def _row(self, req_id: object) -> int:
         try:

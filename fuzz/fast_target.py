@@ -1,0 +1,333 @@
+"""``vtoken fuzz --target fast``: the fast path (``integration/fastpath``) against the core, step by step (V6).
+
+``FastMachine`` plays the engine vLLM is: it allocates blocks from a pool, admits requests empty, gives some a
+prefix-cache hit (full blocks of a running request, or blocks an earlier request of the same step fills), syncs a
+step's tokens for a batch of requests in one call, evicts and reclaims for the decoding ones (StreamingLLM at a
+ratio or a count budget, a cadence of 1 or 3, or nothing evicted), and frees what a leaving request held. The
+runtime is a ``ShadowedRuntime``: the core's ``VTokenRuntime`` beside the fast one on a replay of the same pool,
+compared after every call (answers, plans in order, copies submitted, blocks freed, counters, the whole table
+state). After every rule the fast tables' maintained views are recounted (``FastTable.check_views``) and the pool
+must hold exactly what the tables list. Calls the core refuses must be refused alike and change nothing.
+
+``FAST_BUGS``: planted bugs in the kernels' answers and in the runtime, each caught by ``--self-test``.
+
+Rules take plain integers, so a failing program printed by Hypothesis replays as it is. numba is imported only
+by this target.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from vtoken.core import errors as E
+from vtoken.core.block_pool import BlockPool, Purpose
+from vtoken.core.policies import StreamingLLM
+from vtoken.integration.fastpath import kernels as K
+from vtoken.integration.fastpath import runtime as fast_runtime
+from vtoken.integration.fastpath.layout import M_NBLOCKS
+from vtoken.integration.fastpath.shadow import ShadowedRuntime, ShadowEngine
+
+from .events import EVENTS
+from .planted import PlantedBug
+
+NUM_BLOCKS, S, ROWS, TOKENS = 48, 4, 6, 64
+
+
+class FastMachine(RuleBasedStateMachine):
+    """The engine's side: the pool, the requests' prompts and steps; the runtime's side is the shadow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(NUM_BLOCKS, S)
+        self.rt: ShadowedRuntime | None = None
+        self.next_id = 0
+        self.prompt: dict[int, int] = {}  # request -> tokens it arrived with (decoding past them)
+
+    @initialize(policy=st.sampled_from(["none", "streaming_llm"]), budget=st.sampled_from([0.5, 0.75, 6, 10]),
+                sinks=st.integers(0, 5), evict_every=st.sampled_from([1, 3]))
+    def build(self, policy, budget, sinks, evict_every):
+        chosen = StreamingLLM(sinks=sinks) if policy == "streaming_llm" else None
+        self.rt = ShadowedRuntime(self.pool, ShadowEngine(), chosen, budget, ROWS, TOKENS, evict_every=evict_every)
+        EVENTS["runs"] += 1
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def running(self) -> list:
+        return self.rt.running() if self.rt is not None else []
+
+    def pick(self, index: int):
+        ids = self.running()
+        return ids[index % len(ids)]
+
+    def fresh(self, n_tokens: int) -> list[int] | None:
+        """Blocks for a new request's ``n_tokens`` (None: the pool is short)."""
+        need = -(-n_tokens // S)
+        return self.pool.allocate(need, Purpose.ADMISSION) if self.pool.can_allocate(need, Purpose.ADMISSION) else None
+
+    def grow(self, r, n_new: int) -> list[int] | None:
+        """The new blocks the engine allocates for ``n_new`` more tokens of ``r`` (None: the pool is short)."""
+        need = max(0, -(-(self.rt.write_pos(r) + n_new) // S) - self.rt.num_blocks_of(r))
+        if not self.pool.can_allocate(need, Purpose.ADMISSION):
+            return None
+        return self.pool.allocate(need, Purpose.ADMISSION) if need else []
+
+    def admitted(self, r, prompt: int) -> None:
+        self.rt.admit(r)
+        self.prompt[r] = prompt
+
+    # ---- the engine's steps ----------------------------------------------------------------------
+    @precondition(lambda self: len(self.running()) < ROWS)
+    @rule(prompt=st.integers(1, 20))
+    def admit(self, prompt):
+        blocks = self.fresh(prompt)
+        if blocks is None:
+            return
+        r, self.next_id = self.next_id, self.next_id + 1
+        self.admitted(r, prompt)
+        assert self.rt.sync_many([(r, blocks, prompt)]) == [[b * S + o for b in blocks for o in range(S)][:prompt]]
+
+    @precondition(lambda self: 0 < len(self.running()) < ROWS)
+    @rule(holder=st.integers(0, 63), shared=st.integers(1, 4), extra=st.integers(0, 9))
+    def admit_with_a_prefix_hit(self, holder, shared, extra):
+        """A prefix-cache hit: the first full blocks of a running request (before its cursor), shared in the pool."""
+        holder = self.pick(holder)
+        k = min(shared, self.rt.write_pos(holder) // S)
+        if k == 0:
+            return
+        head = self.rt.block_ids(holder)[:k]
+        tail = self.fresh(extra) if extra else []
+        if tail is None:
+            return
+        for b in head:
+            self.pool.share(b)
+        r, self.next_id = self.next_id, self.next_id + 1
+        self.admitted(r, k * S + extra)
+        self.rt.sync_many([(r, head + tail, k * S + extra)])
+        EVENTS["prefix_shares"] += 1
+
+    @precondition(lambda self: len(self.running()) < ROWS - 1)
+    @rule(blocks=st.integers(1, 3), extra=st.integers(0, 6))
+    def admit_two_sharing_in_one_step(self, blocks, extra):
+        """vLLM caches a block once its tokens are scheduled, so a later request of the same step can hit it: a and b
+        arrive together, b's first blocks are the ones a's prompt fills in this very sync."""
+        head = self.fresh(blocks * S)
+        if head is None:
+            return
+        tail = self.fresh(extra) if extra else []
+        if tail is None:
+            self.pool.free(head)
+            return
+        for b in head:
+            self.pool.share(b)
+        a, b, self.next_id = self.next_id, self.next_id + 1, self.next_id + 2
+        self.admitted(a, blocks * S)
+        self.admitted(b, blocks * S + extra)
+        self.rt.sync_many([(a, head, blocks * S), (b, head + tail, blocks * S + extra)])
+        assert self.rt.shared_blocks(b) == head
+        EVENTS["prefix_shares_within_a_step"] += 1
+
+    @precondition(lambda self: self.running())
+    @rule(batch=st.integers(1, 2**ROWS - 1), tokens=st.lists(st.sampled_from([1, 1, 1, 2, 5]), min_size=ROWS,
+                                                             max_size=ROWS))
+    def step(self, batch, tokens):
+        """One engine step: the requests of ``batch`` (a bit per running request) get their tokens, synced in one
+        call; then the decoding ones evict and reclaim."""
+        ids = self.running()
+        members = [r for i, r in enumerate(ids) if batch >> i & 1] or ids[:1]
+        items = []
+        for r, n in zip(members, tokens):
+            new = self.grow(r, n) if self.rt.total_len(r) + n <= TOKENS else None
+            if new is not None:
+                items.append((r, new, self.rt.total_len(r) + n))
+        self.rt.sync_many(items)
+        synced = {r for r, _, _ in items}
+        decoding = [r for r in self.running() if r in synced and self.rt.total_len(r) >= self.prompt[r]]
+        victims = self.rt.evict_and_reclaim(decoding)
+        EVENTS["steps"] += 1
+        EVENTS["evictions"] += sum(map(len, victims.values()))
+        EVENTS["plans_committed"] += len(self.rt.settle())
+
+    @precondition(lambda self: self.running())
+    @rule(index=st.integers(0, 63))
+    def leave(self, index):
+        """Finish or preemption: the runtime forgets the request, the engine frees its blocks."""
+        blocks = self.rt.detach(self.pick(index))
+        self.pool.free(blocks)
+        EVENTS["detached"] += 1
+
+    # ---- refused calls: the same error on both sides, nothing changed -----------------------------
+    @precondition(lambda self: self.running())
+    @rule(kind=st.integers(0, 2), index=st.integers(0, 63))
+    def refused(self, kind, index):
+        """A free block synced, an unknown request, a request admitted or named twice."""
+        r = self.pick(index)
+        if kind == 0:
+            free = self.pool.free_block_ids()
+            if free and self.rt.total_len(r) < TOKENS:
+                self._refused(E.BlockNotOwnedError,
+                              lambda: self.rt.sync_many([(r, [free[0]], self.rt.total_len(r) + 1)]))
+        elif kind == 1:
+            self._refused(E.UnknownRequestError, lambda: self.rt.evict_and_reclaim([10_000]))
+            self._refused(E.UnknownRequestError, lambda: self.rt.sync_many([(10_000, [], 1)]))
+        else:
+            self._refused(E.DuplicateRequestError, lambda: self.rt.admit(r))
+            self._refused(E.InvalidArgumentError, lambda: self.rt.evict_and_reclaim([r, r]))
+
+    @staticmethod
+    def _refused(error: type, call) -> None:
+        try:
+            call()
+        except error:
+            EVENTS["rejected_calls"] += 1
+            return
+        raise AssertionError(f"{error.__name__} expected")
+
+    # ---- invariants ------------------------------------------------------------------------------
+    @invariant()
+    def the_fast_views_recount(self):
+        if self.rt is not None:
+            self.rt.table.check_views()
+
+    @invariant()
+    def the_pool_holds_what_the_tables_list(self):
+        listed: dict[int, int] = {}
+        for r in self.running():
+            for b in self.rt.block_ids(r):
+                listed[b] = listed.get(b, 0) + 1
+        for b in range(NUM_BLOCKS):
+            if self.pool.ref_count(b) != listed.get(b, 0):
+                raise E.InvariantViolation("P1", f"block {b}: the pool counts {self.pool.ref_count(b)} references, "
+                                                 f"the tables list it {listed.get(b, 0)} times")
+
+
+# ---- planted bugs ---------------------------------------------------------------------------------------------
+def _wrap(name: str, after) -> dict:
+    """A kernel entry point whose answer ``after(args, answer)`` corrupts (the kernels are numba functions: their
+    module attribute is what ``FastTable`` calls)."""
+    real = getattr(K, name)
+
+    def kernel(*args):
+        out = real(*args)
+        after(args, out)
+        return out
+    return {(K, name): kernel}
+
+
+def _slot_off_by_one() -> dict:
+    def after(args, out):  # sync_batch(..., out_slots, apply): the first write slot reported one past the written
+        if out[0] == K.OK and args[-1] and args[-2].shape[0]:
+            args[-2][0] += 1
+    return _wrap("sync_batch", after)
+
+
+def _live_bit_kept_on_eviction() -> dict:
+    def after(args, out):  # streaming_evict_densify_batch: the first victim's live bit stays set
+        live_bits, rows, vstart, victims = args[10], args[13], args[16], args[17]
+        if rows.shape[0] and vstart[1] > 0:
+            t = int(victims[0])
+            live_bits[rows[0], t // 64] |= np.uint64(1) << np.uint64(t % 64)
+    return _wrap("streaming_evict_densify_batch", after)
+
+
+def _counts_miss_a_move() -> dict:
+    def after(args, out):  # streaming_evict_densify_batch: the first plan's last move is not counted at its destination
+        blocks, counts, meta, holders, block_live = args[2], args[3], args[4], args[5], args[6]
+        rows, moves, move_start, status = args[13], args[19], args[20], args[23]
+        S_ = holders.shape[0] // block_live.shape[0]
+        for i in range(rows.shape[0]):
+            if status[i] == K.PLANNED and move_start[i + 1] > move_start[i]:
+                dst = moves[move_start[i + 1] - 1, 2] // S_
+                row = rows[i]
+                listed = list(blocks[row, :meta[row, M_NBLOCKS]])
+                if dst in listed:
+                    counts[row, listed.index(dst)] -= 1
+                return
+    return _wrap("streaming_evict_densify_batch", after)
+
+
+def _rank_off_by_one() -> dict:
+    real = K.streaming_evict_densify_batch
+
+    def kernel(*args):  # StreamingLLM's choice one rank past the sinks' end
+        args = list(args)
+        args[14] += 1
+        return real(*args)
+    return {(K, "streaming_evict_densify_batch"): kernel}
+
+
+def _shared_block_densified() -> dict:
+    real = K.streaming_evict_densify_batch
+
+    def kernel(*args):  # blocks another request lists taken for private during the eviction step
+        listed = args[7]
+        before = listed.copy()
+        listed[before > 1] = 1
+        clipped = listed.copy()
+        try:
+            return real(*args)
+        finally:
+            listed[:] = before - (clipped - listed)
+    return {(K, "streaming_evict_densify_batch"): kernel}
+
+
+def _runtime_commit(change) -> dict:
+    real = fast_runtime.FastRuntime._commit
+
+    def commit(self, plans):
+        return change(self, plans, real)
+    return {(fast_runtime.FastRuntime, "_commit"): commit}
+
+
+def _tail_block_kept() -> dict:
+    class KeepsTheLast:
+        def __init__(self, pool):
+            self.real = pool
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def free(self, blocks):
+            self.real.free(list(blocks)[:-1])
+
+    def change(self, plans, real):  # each plan's last released block is not freed
+        pool, self.pool = self.pool, KeepsTheLast(self.pool)
+        try:
+            real(self, plans)
+        finally:
+            self.pool = pool
+    return _runtime_commit(change)
+
+
+def _plans_out_of_order() -> dict:
+    return _runtime_commit(lambda self, plans, real: real(self, plans[::-1]))
+
+
+def _dropped_move() -> dict:
+    def change(self, plans, real):  # each copy loses its first move
+        engine = self.engine
+        submit = engine.submit
+        engine.submit = lambda moves, req_id=None: submit(tuple(moves)[1:], req_id=req_id)
+        try:
+            real(self, plans)
+        finally:
+            del engine.submit
+    return _runtime_commit(change)
+
+
+FAST_BUGS: dict[str, PlantedBug] = {b.name: b for b in (
+    PlantedBug("fast_slot_off_by_one", "the batched sync reports the first write slot one past the slot written",
+               _slot_off_by_one),
+    PlantedBug("fast_live_bit_kept_on_eviction", "the eviction step leaves the first victim's live bit set",
+               _live_bit_kept_on_eviction),
+    PlantedBug("fast_counts_miss_a_move", "densify's commit does not count a plan's last move at its destination",
+               _counts_miss_a_move),
+    PlantedBug("fast_rank_off_by_one", "StreamingLLM's choice in the kernel starts one rank past the sinks",
+               _rank_off_by_one),
+    PlantedBug("fast_shared_block_densified", "the eviction step takes blocks other requests list for private",
+               _shared_block_densified),
+    PlantedBug("fast_tail_block_kept", "a committed plan's last released block is not freed", _tail_block_kept),
+    PlantedBug("fast_plans_out_of_order", "a step's plans are committed and submitted in reverse admission order",
+               _plans_out_of_order),
+    PlantedBug("fast_dropped_move", "each submitted copy loses its first move", _dropped_move),
+)}
