@@ -78,12 +78,15 @@ def batch_seed(seed: int, index: int) -> int:
     return int(hashlib.sha256(f"vtoken-fuzz:{seed}:{index}".encode()).hexdigest()[:12], 16)
 
 
-TARGETS = {"core": "VTokenMachine", "tensors": "TensorMachine"}
+TARGETS = {"core": "VTokenMachine", "tensors": "TensorMachine", "fast": "FastMachine"}
 
 
 def machine_class(cfg: CampaignConfig) -> type:
     """VTokenMachine restricted to the configured planners and policies (same name, so programs replay)."""
     attrs = {}
+    if cfg.target == "fast":  # its own engine and domain: --planner and --policy do not apply (cli refuses them)
+        from .fast_target import FastMachine
+        return type("VTokenMachine", (FastMachine,), {})
     if cfg.target == "tensors":
         from .machine import TensorMachine
         return type("VTokenMachine", (TensorMachine,), {**attrs, **_restrict(cfg)})
@@ -183,14 +186,22 @@ def pytest_file(f: Failure, cfg: CampaignConfig) -> str:
         f'"""Found by vtoken fuzz (batch seed {f.batch_seed}): {f.error}\n\n'
         f"Replay the whole batch: {f.replay}\n"
         f"Run this file: pytest {Path(cfg.out_dir) / 'failures' / f'test_failure_{f.batch_seed}.py'}\n\"\"\"\n\n"
-        + ("from vtoken.fuzz.machine import TensorMachine as VTokenMachine\n" if cfg.target == "tensors" else
-           "from vtoken.fuzz.machine import VTokenMachine\n")
+        + machine_import(cfg.target)
     )
     if cfg.bug:
         return (header + "from vtoken.fuzz.planted import planted\n\n\n"
                 f"def test_replay():\n    # found with the planted bug {cfg.bug!r}; without it this program passes\n"
                 f"    with planted({cfg.bug!r}):\n{body}\n")
     return header + "\n\ndef test_replay():\n" + body + "\n"
+
+
+def machine_import(target: str) -> str:
+    """The import line that names a target's machine ``VTokenMachine``, as its printed programs call it."""
+    if target == "fast":
+        return "from vtoken.fuzz.fast_target import FastMachine as VTokenMachine\n"
+    if target == "tensors":
+        return "from vtoken.fuzz.machine import TensorMachine as VTokenMachine\n"
+    return "from vtoken.fuzz.machine import VTokenMachine\n"
 
 
 def save_failure(f: Failure, cfg: CampaignConfig) -> None:

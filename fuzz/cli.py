@@ -1,8 +1,9 @@
 """``vtoken fuzz``: campaigns, replays of a failing batch, and the planted-bug self-test.
 
 Registering the command imports only the core: Hypothesis (the campaign) is imported when the command
-runs, torch only for ``--target tensors`` and vLLM only for ``--target vllm``. Every option is checked
-before any work; a bad one is a ``ConfigError`` naming it, which ``vtoken`` prints as one line (exit 2).
+runs, torch only for ``--target tensors``, numba only for ``--target fast`` and vLLM only for ``--target vllm``.
+Every option is checked before any work; a bad one is a ``ConfigError`` naming it, which ``vtoken`` prints as one
+line (exit 2).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from .planted import BUGS
 VLLM_BUGS = ("cursor_block_keeps_hash", "moved_into_block_keeps_hash", "worker_ignores_layouts",
              "worker_drops_read_evictions", "worker_ignores_read_moves", "worker_ranks_into_the_window",
              "gather_kernel_stops_a_key_early", "hash_at_list_index")  # vllm_episode.PLANTED
+FAST_BUGS = ("fast_counts_miss_a_move", "fast_dropped_move", "fast_live_bit_kept_on_eviction", "fast_plans_out_of_order",
+             "fast_rank_off_by_one", "fast_shared_block_densified", "fast_slot_off_by_one",
+             "fast_tail_block_kept")  # fast_target.FAST_BUGS (numba: not imported to parse the options)
 
 if TYPE_CHECKING:
     from .campaign import CampaignConfig
@@ -40,16 +44,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--examples", type=int, default=25, help="examples per batch (default 25)")
     p.add_argument("--planner", nargs="+", choices=["compact", "densify", "off"], default=[])
     p.add_argument("--policy", nargs="+", choices=sorted(POLICIES) + ["none"], default=[])
-    p.add_argument("--target", choices=["core", "tensors", "vllm"], default="core",
+    p.add_argument("--target", choices=["core", "tensors", "fast", "vllm"], default="core",
                    help="core: in-memory copies with late/failed/reordered completion (default); tensors: the "
                         "torch device layer moving real K/V of several layers, dtypes and layouts, strict verify on; "
+                        "fast: the compiled fast path against the core, every call (V6); "
                         "vllm: random request mixes through real vLLM on CPU (--replay takes an episode seed)")
     p.add_argument("--out", default="fuzz-out", help="output directory (reports, failures, example database)")
     p.add_argument("--keep-going", action="store_true", help="record failures and continue until the budget")
     p.add_argument("--replay", type=int, metavar="BATCH_SEED", help="rerun one batch from its seed")
     p.add_argument("--self-test", action="store_true", help="plant each known bug and check the fuzzer catches it")
-    p.add_argument("--bug", nargs="+", choices=sorted(BUGS) + sorted(VLLM_BUGS),
-                   help=f"planted bug(s) for --self-test or --replay ({', '.join(sorted(VLLM_BUGS))}: --target vllm)")
+    p.add_argument("--bug", nargs="+", choices=sorted(BUGS) + sorted(FAST_BUGS) + sorted(VLLM_BUGS),
+                   help=f"planted bug(s) for --self-test or --replay (fast_*: --target fast; "
+                        f"{', '.join(sorted(VLLM_BUGS))}: --target vllm)")
     p.add_argument("--time-per-bug", type=float, default=60.0, help="self-test budget per planted bug")
     p.add_argument("--tp", type=int, default=1, choices=[1, 2],
                    help="--target vllm: tensor-parallel ranks per engine (2: two workers, a core each; default 1)")
@@ -81,11 +87,15 @@ def check_args(a: argparse.Namespace) -> None:
                           "one planted bug's batch)")
     if a.tp != 1 and a.target != "vllm":
         raise ConfigError(f"--tp {a.tp} is for --target vllm (the core has no ranks)")
+    if a.target == "fast" and (a.planner or a.policy):
+        raise ConfigError("--planner and --policy restrict the core's machine; --target fast draws its own (densify, "
+                          "StreamingLLM or nothing evicted)")
     if a.bug:
-        wrong = [b for b in a.bug if (b in VLLM_BUGS) != (a.target == "vllm")]
+        home = {b: "vllm" for b in VLLM_BUGS} | {b: "fast" for b in FAST_BUGS}
+        wrong = [b for b in a.bug if home.get(b, "core") != ("core" if a.target == "tensors" else a.target)]
         if wrong:
-            raise ConfigError(f"--bug {wrong[0]} is planted in "
-                              f"{'the vLLM plugin: use --target vllm' if wrong[0] in VLLM_BUGS else 'the core'}")
+            where = {"vllm": "the vLLM plugin: use --target vllm", "fast": "the fast path: use --target fast"}
+            raise ConfigError(f"--bug {wrong[0]} is planted in {where.get(home.get(wrong[0]), 'the core')}")
     check_out_dir("--out", a.out)
 
 
@@ -99,6 +109,11 @@ def main(a: argparse.Namespace) -> int:
         return 2
     if a.target == "tensors":
         import torch  # noqa: F401  -- before any worker starts: a missing torch is one line, not a finding
+    if a.target == "fast":
+        from vtoken.integration.fastpath import unavailable
+        if unavailable():
+            print(f"vtoken fuzz: --target fast cannot run here: {unavailable()}", file=sys.stderr)
+            return 2
     from .campaign import run_campaign  # noqa: F401  -- Hypothesis: missing -> one line naming the extra
 
     if a.self_test:
@@ -148,7 +163,10 @@ def self_test(a: argparse.Namespace) -> int:
     """Plant each bug alone; the fuzzer must find it within --time-per-bug seconds on one worker."""
     from .campaign import replay_command, run_campaign
 
-    names = a.bug or sorted(BUGS)
+    registry = BUGS
+    if a.target == "fast":
+        from .fast_target import FAST_BUGS as registry
+    names = a.bug or sorted(registry)
     rows = []
     print(f"vtoken fuzz --self-test: {len(names)} planted bugs, {a.time_per_bug:g} s each, seed {a.seed}")
     for name in names:
@@ -160,8 +178,8 @@ def self_test(a: argparse.Namespace) -> int:
         took = time.time() - t0
         caught = bool(report.failures)
         f = report.failures[0] if caught else None
-        clean = _passes_without_bug(f) if f else None
-        rows.append({"bug": name, "description": BUGS[name].description, "caught": caught,
+        clean = _passes_without_bug(f, a.target) if f else None
+        rows.append({"bug": name, "description": registry[name].description, "caught": caught,
                      "seconds": round(took, 1), "runs": report.runs,
                      "error": f["error"] if f else "", "program_steps": len(f["program"]) if f else 0,
                      "program_passes_without_bug": clean,
@@ -178,12 +196,14 @@ def self_test(a: argparse.Namespace) -> int:
     return 1 if missed else 0
 
 
-def _passes_without_bug(f: dict) -> bool:
-    """The shrunk program must pass on the unmodified core: the fuzzer does not cry wolf."""
-    from .machine import VTokenMachine  # noqa: F401  (the program's namespace)
+def _passes_without_bug(f: dict, target: str = "core") -> bool:
+    """The shrunk program must pass on the unmodified code: the fuzzer does not cry wolf."""
+    from .campaign import machine_import
 
+    namespace: dict = {}
+    exec(machine_import(target), namespace)  # the program's namespace: its machine as ``VTokenMachine``
     try:
-        exec("\n".join(f["program"]), {"VTokenMachine": VTokenMachine})
+        exec("\n".join(f["program"]), namespace)
     except Exception:
         return False
     return True

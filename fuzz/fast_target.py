@@ -44,6 +44,7 @@ class FastMachine(RuleBasedStateMachine):
         self.rt: ShadowedRuntime | None = None
         self.next_id = 0
         self.prompt: dict[int, int] = {}  # request -> tokens it arrived with (decoding past them)
+        self._compared = 0  # the shadow's compared calls counted so far
 
     @initialize(policy=st.sampled_from(["none", "streaming_llm"]), budget=st.sampled_from([0.5, 0.75, 6, 10]),
                 sinks=st.integers(0, 5), evict_every=st.sampled_from([1, 3]))
@@ -188,6 +189,9 @@ class FastMachine(RuleBasedStateMachine):
     def the_fast_views_recount(self):
         if self.rt is not None:
             self.rt.table.check_views()
+            EVENTS["invariant_checks"] += 1 + self.rt.calls - self._compared  # the recount, and each compared call
+            self._compared = self.rt.calls
+        EVENTS["machine_steps"] += 1
 
     @invariant()
     def the_pool_holds_what_the_tables_list(self):

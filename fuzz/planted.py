@@ -762,8 +762,12 @@ BUGS: dict[str, PlantedBug] = {
 
 @contextlib.contextmanager
 def planted(name: str) -> Iterator[PlantedBug]:
-    """Apply one planted bug for the duration of the block."""
-    bug = BUGS[name]
+    """Apply one planted bug for the duration of the block (the core's, or the fast path's: ``fast_target``)."""
+    if name in BUGS:
+        bug = BUGS[name]
+    else:
+        from .fast_target import FAST_BUGS  # numba: only for the fast path's bugs
+        bug = FAST_BUGS[name]
     patches = bug.patches()
     saved = {(obj, attr): obj.__dict__[attr] for obj, attr in patches}
     try:
