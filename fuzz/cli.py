@@ -59,6 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-per-bug", type=float, default=60.0, help="self-test budget per planted bug")
     p.add_argument("--tp", type=int, default=1, choices=[1, 2],
                    help="--target vllm: tensor-parallel ranks per engine (2: two workers, a core each; default 1)")
+    p.add_argument("--fast-path", action="store_true",
+                   help="--target vllm: every episode's settings moved into the fast path's domain (dense, densify, "
+                        "StreamingLLM or none, no drill), so each runs the fast path shadowed by the core (V6)")
     p.set_defaults(run=main)
 
 
@@ -85,6 +88,8 @@ def check_args(a: argparse.Namespace) -> None:
     if a.self_test and a.replay is not None:
         raise ConfigError("--self-test and --replay exclude each other (--replay BATCH_SEED --bug NAME replays "
                           "one planted bug's batch)")
+    if a.fast_path and a.target != "vllm":
+        raise ConfigError("--fast-path is for --target vllm (--target fast runs the fast path without vLLM)")
     if a.tp != 1 and a.target != "vllm":
         raise ConfigError(f"--tp {a.tp} is for --target vllm (the core has no ranks)")
     if a.target == "fast" and (a.planner or a.policy):

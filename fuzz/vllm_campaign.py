@@ -19,8 +19,9 @@ def episode_seed(campaign_seed: int, index: int) -> int:
     return campaign_seed * 1_000_003 + index
 
 
-def replay_command(seed: int, tp: int = 1) -> str:
-    return f"vtoken fuzz --target vllm --replay {seed}" + (f" --tp {tp}" if tp != 1 else "")
+def replay_command(seed: int, tp: int = 1, fast: bool = False) -> str:
+    return (f"vtoken fuzz --target vllm --replay {seed}" + (f" --tp {tp}" if tp != 1 else "")
+            + (" --fast-path" if fast else ""))
 
 
 def main(a: argparse.Namespace) -> int:
@@ -60,7 +61,7 @@ def campaign(a: argparse.Namespace, out: Path, seeds: list[int] | None, budget: 
     t0 = time.monotonic()
     report = {"seed": a.seed, "episodes": 0, "steps": 0, "requests": 0, "copies_verified": 0, "mismatches": 0,
               "write_slots_audited": 0, "tokens_evicted": 0, "blocks_released": 0, "drill_relocations": 0,
-              "outputs_compared": 0, "failures": []}
+              "outputs_compared": 0, "fast_path_episodes": 0, "shadowed_calls": 0, "failures": []}
     i = 0
     print(f"vtoken fuzz --target vllm: seed {a.seed}, "
           f"{'replay of episode ' + str(seeds[0]) if seeds else f'{runs} episodes' if runs else f'{budget:g} s'}"
@@ -75,7 +76,7 @@ def campaign(a: argparse.Namespace, out: Path, seeds: list[int] | None, budget: 
                 break
             s = episode_seed(a.seed, i)
         i += 1
-        ep = Episode.draw(s, tp=getattr(a, "tp", 1))
+        ep = Episode.draw(s, tp=getattr(a, "tp", 1), fast=getattr(a, "fast_path", False))
         head = (f"episode {s}: {len(ep.requests)} requests, policy {ep.vtoken['policy']} budget {ep.vtoken['budget']}"
                 f" every {ep.vtoken['evict_every']}, {ep.vtoken['read_path']}/{ep.vtoken['reclaim']}, drill {ep.vtoken['drill_every']}, "
                 f"prefix caching {'on (and off: differential)' if ep.differential else 'on' if ep.prefix_caching else 'off'}, "
@@ -85,7 +86,7 @@ def campaign(a: argparse.Namespace, out: Path, seeds: list[int] | None, budget: 
             res = run_episode(ep)
         except Exception as e:  # noqa: BLE001 -- any failure of an oracle or of vLLM is a finding
             f = {"episode_seed": s, "error": f"{type(e).__name__}: {e}", "notes": getattr(e, "__notes__", []),
-                 "replay": replay_command(s, ep.tp), "episode": ep.describe(), "seconds": round(time.monotonic() - t0, 1)}
+                 "replay": replay_command(s, ep.tp, ep.fast), "episode": ep.describe(), "seconds": round(time.monotonic() - t0, 1)}
             path = out / f"failure-{s}.json"
             path.write_text(json.dumps(f, indent=2) + "\n")
             f["file"] = str(path)
@@ -104,15 +105,19 @@ def campaign(a: argparse.Namespace, out: Path, seeds: list[int] | None, budget: 
         report["blocks_released"] += res.stats["blocks_released"]
         report["drill_relocations"] += res.stats["drill_planned"]
         report["outputs_compared"] += res.compared
+        report["fast_path_episodes"] += res.runtime == "ShadowedRuntime"
+        report["shadowed_calls"] += res.shadowed_calls
         print(f"{head}\n  ok in {time.monotonic() - started:.1f} s: {res.steps} steps, {res.finished} finished, "
               f"{res.aborted} aborted, {res.stats['evicted']} tokens evicted, {res.stats['moves']} moved, "
               f"{res.stats['blocks_released']} blocks released, {res.worker['verified']} copies verified"
-              f"{f', {res.compared} outputs compared caching on vs off' if ep.differential else ''}")
+              f"{f', {res.compared} outputs compared caching on vs off' if ep.differential else ''}"
+              f"{f', fast path: {res.shadowed_calls} calls compared with the core' if res.shadowed_calls else ''}")
     report["elapsed_s"] = round(time.monotonic() - t0, 1)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{'FAILED' if report['failures'] else 'clean'}: {report['episodes']} episodes, {report['steps']} vLLM "
           f"steps, {report['copies_verified']} copies verified ({report['mismatches']} mismatches), "
           f"{report['write_slots_audited']} write slots audited, {report['outputs_compared']} outputs compared, "
+          f"{report['fast_path_episodes']} episodes on the fast path ({report['shadowed_calls']} calls compared), "
           f"{len(report['failures'])} failure(s) in {report['elapsed_s']} s\n  report: {out / 'report.json'}")
     return report
 

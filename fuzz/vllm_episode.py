@@ -65,9 +65,13 @@ class Episode:
     # id, prompt, max_tokens, arrive (step), abort (step|None), skip_cache (computes its own copy of a prefix)
     requests: list[dict] = field(default_factory=list)
     tp: int = 1  # tensor-parallel ranks (``--tp``): not drawn, so an episode seed draws the same mix at any TP
+    fast: bool = False  # ``--fast-path``: the settings moved into the fast path's domain (``draw``), not drawn
 
     @classmethod
-    def draw(cls, seed: int, max_requests: int = 10, tp: int = 1) -> Episode:
+    def draw(cls, seed: int, max_requests: int = 10, tp: int = 1, fast: bool = False) -> Episode:
+        """The episode of ``seed``. ``fast``: the same draw moved into the fast path's domain (the dense path with
+        densify, no drill, policy none or StreamingLLM: any other policy drawn becomes StreamingLLM, and caching
+        is on), so every episode runs the fast path shadowed by the core (V6)."""
         rng = random.Random(seed)
         # the score-free policies mostly (the differential oracle runs on them), budgets mostly high enough that
         # densify's cursor lands in a prompt block and not only far back in the first ones
@@ -116,7 +120,12 @@ class Episode:
         prefix_caching = vt["policy"] not in SCORE_POLICIES or prefix_caching < 0.75
         # the eviction cadence from its own stream: every other draw stays what it was before the setting
         vt["evict_every"] = random.Random(f"{seed}:evict_every").choice([1, 1, 1, 2, 4])
-        return cls(seed, vt, prefix_caching, num_blocks, reqs, tp)
+        if fast:
+            vt.update(read_path="dense", reclaim="densify", drill_every=0, headroom=0,
+                      policy=vt["policy"] if vt["policy"] in ("none", "streaming_llm") else "streaming_llm")
+            vt.pop("score_layers", None)
+            prefix_caching = True
+        return cls(seed, vt, prefix_caching, num_blocks, reqs, tp, fast)
 
     def describe(self) -> dict:
         return asdict(self)
@@ -139,6 +148,8 @@ class EpisodeResult:
     preempted: set = field(default_factory=set)
     cached: dict = field(default_factory=dict)  # request -> prompt tokens served from the prefix cache
     protected: set = field(default_factory=set)  # requests whose victims were chosen around shared tokens
+    runtime: str = ""  # the scheduler's runtime: the core's, or the fast path shadowed by the core (strict verify)
+    shadowed_calls: int = 0  # calls the shadow compared between the fast path and the core (V6)
 
 
 def run_episode(ep: Episode) -> EpisodeResult:
@@ -257,6 +268,7 @@ def _drive(llm, ep: Episode, SamplingParams, TokensPrompt) -> EpisodeResult:
         raise InvariantViolation("B1", f"token tables left behind: {tokens.rt.running()}")
     res.stats = dict(vars(tokens.stats))
     res.worker = dict(vars(conn.workers))
+    res.runtime, res.shadowed_calls = type(tokens.rt).__name__, getattr(tokens.rt, "calls", 0)
     return res
 
 

@@ -68,6 +68,7 @@ FUZZ = [
     (["--tp", "3"], ["--tp", "3"]),
     (["--target", "vllm", "--tp", "2", "--self-test"], ["--self-test", "--tp"]),
     (["--target", "fast", "--policy", "h2o"], ["--policy", "--target fast"]),
+    (["--fast-path"], ["--fast-path", "--target vllm"]),
     (["--bug", "fast_slot_off_by_one", "--self-test"], ["--bug fast_slot_off_by_one", "--target fast"]),
     (["--target", "fast", "--bug", "cursor_block_keeps_hash", "--self-test"], ["--bug", "--target vllm"]),
     (["--target", "fast", "--bug", "occupancy_leak_on_remove", "--self-test"], ["--bug", "the core"]),

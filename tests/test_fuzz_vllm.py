@@ -18,7 +18,7 @@ from vtoken.integration.vllm.worker_tokens import WorkerTokens  # noqa: E402
 
 def args(out, **kw) -> argparse.Namespace:
     base = dict(time=60.0, runs=3, seed=1, out=str(out), keep_going=False, replay=None, self_test=False, bug=None,
-                planner=[], policy=[], time_per_bug=60.0)
+                planner=[], policy=[], time_per_bug=60.0, fast_path=False)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -31,6 +31,19 @@ def test_episodes_are_a_function_of_their_seed():
                                             "snapkv"}
     assert {(v["read_path"], v["reclaim"]) for v in drawn} == {("dense", "densify"), ("gather", "compact"),
                                                                ("gather", "off"), ("gather", "densify")}
+
+
+def test_fast_path_episodes_are_the_same_draws_moved_into_its_domain():
+    """``--fast-path``: every episode in the fast path's domain (so the scheduler runs it, shadowed by the core), and
+    otherwise the draw of the same seed: the same requests, pool, budget and cadence."""
+    from vtoken.integration.vllm.scheduler_tokens import fast_path_refusal
+    from vtoken.integration.vllm.settings import VTokenSettings
+    for i in range(40):
+        plain, fast = Episode.draw(episode_seed(1, i)), Episode.draw(episode_seed(1, i), fast=True)
+        assert fast.fast and fast.prefix_caching and fast_path_refusal(VTokenSettings(**fast.vtoken)) is None
+        assert (fast.requests, fast.num_blocks) == (plain.requests, plain.num_blocks)
+        assert {k: fast.vtoken[k] for k in ("budget", "evict_every", "seed")} == \
+               {k: plain.vtoken[k] for k in ("budget", "evict_every", "seed")}
 
 
 def test_a_short_campaign_through_vllm_is_clean(tmp_path):
