@@ -94,6 +94,7 @@ class FastRuntime:
         """``VTokenRuntime.sync`` for each (request, new blocks, total_len), in one kernel call, all or none; returns
         each request's write slots. Besides the table's checks, each new block must be allocated in the pool and, if
         other requests list it (a shared prefix block), referenced there once per holder (the core's messages)."""
+        items = list(items)
         if any(new for _, new, _ in items):
             problem = self._pool_problem(items)
             if problem is not None:
