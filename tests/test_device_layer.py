@@ -296,6 +296,23 @@ def test_a_copy_writing_what_an_earlier_one_of_the_batch_writes_starts_a_second_
     assert all(torch.equal(after[n][4 * S], before[n][2 * S]) for n in after)  # b's, as one by one
 
 
+@pytest.mark.parametrize("bad, error, message", [
+    (Move(7, 5, 0, 10**6, 0), DestinationError, r"request 'b': move .* writes a slot outside the KV cache"),
+    (Move(7, 5, 0, 6, True), DestinationError, r"request 'b': move .* writes a slot outside the KV cache"),
+    (Move(7, 5, 1.0, 6, 0), MoveSourceMismatchError, r"request 'b': move .* reads a slot outside the KV cache"),
+    ((7, 5, 0), MoveSourceMismatchError, r"request 'b': malformed moves")])
+def test_a_bad_move_anywhere_in_a_batch_is_refused_naming_its_request_before_anything_runs(bad, error, message):
+    """A step's copies are checked in one pass over all their moves; one that fails names its own copy's request,
+    as ``check_moves`` does copy by copy, and nothing is launched or registered."""
+    copies = [([Move(0, 0, 3, 0, 1)], "a"), ([Move(5, 2, 2, 2, 0), bad], "b"), ([Move(9, 4, 1, 3, 0)], "c")]
+    cache, _ = mixed_cache()
+    before = snapshot(cache)
+    eng = TorchCopyEngine(cache)
+    with pytest.raises(error, match=message):
+        eng.submit_batch(copies)
+    assert eng.launches == 0 and eng._copies == {} and bits_equal(snapshot(cache), before)
+
+
 def test_a_mismatch_in_a_batch_fails_only_its_own_request(tmp_path):
     cache, _ = mixed_cache()
     eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", on_mismatch="quarantine",

@@ -35,7 +35,7 @@ def outputs(res: dict) -> list:
 def test_the_fast_path_generates_and_counts_what_the_core_does(name):
     core = H.run({**CONFIGS[name], "fast_path": False}, max_tokens=40)
     fast = H.run(CONFIGS[name], max_tokens=40)
-    assert (core["scheduler"]["runtime"], fast["scheduler"]["runtime"]) == ("VTokenRuntime", "FastRuntime")
+    assert (core["scheduler"]["runtime"], fast["scheduler"]["runtime"]) == ("CoreDriver", "FastRuntime")
     assert outputs(fast) == outputs(core)
     assert {k: fast["scheduler"][k] for k in COUNTED} == {k: core["scheduler"][k] for k in COUNTED}
     if name != "nothing evicted":

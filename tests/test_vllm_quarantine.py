@@ -251,6 +251,46 @@ def test_a_broken_bridge_raises_without_assert():
     assert fake.manager.req_to_blocks["r"] == held and held[0] is blocks[5] and fake._layouts == {}
 
 
+def _densified(held_ids: list[int], kept: list[int], released: tuple[int, ...]):
+    """A ``SchedulerTokens`` stand-in after a densify commit: vLLM holds ``held_ids``, the table lists ``kept``."""
+    from types import SimpleNamespace
+
+    from vtoken.core.plan import Plan, PlanKind
+    from vtoken.integration.vllm.scheduler_tokens import SchedulerTokens
+    blocks = {b: SimpleNamespace(block_id=b, ref_cnt=1) for b in set(held_ids) | set(kept)}
+    held = [blocks[b] for b in held_ids]
+    rt = SimpleNamespace(num_blocks_of=lambda r: len(kept), block_at=lambda r, i: kept[i], block_ids=lambda r: list(kept))
+    fake = SimpleNamespace(manager=SimpleNamespace(req_to_blocks={"r": held}), rt=rt,
+                           allocator=SimpleNamespace(pool=SimpleNamespace(blocks=blocks)), _layouts={})
+    fake._mirror = lambda r, listed: SchedulerTokens._mirror(fake, r, listed)
+    plan = Plan(PlanKind.DENSIFY, "r", (0, 0), (), released, (), 0)
+    return fake, held, plan
+
+
+def test_a_densify_commit_cuts_vllms_list_and_checks_the_cut_in_place():
+    """After densify vLLM's list is cut to the table's (O(released)); a table whose last kept block is not vLLM's at
+    that place raises B1 and leaves vLLM's list alone; blocks allocated past the released ones take the general
+    rewrite; nothing released changes nothing."""
+    from vtoken.core.errors import InvariantViolation
+    from vtoken.integration.vllm.scheduler_tokens import SchedulerTokens
+
+    fake, held, plan = _densified([5, 6, 7], [5], (6, 7))
+    SchedulerTokens._cut(fake, "r", plan)
+    assert [b.block_id for b in fake.manager.req_to_blocks["r"]] == [5] and fake._layouts == {"r": [5]}
+    fake, held, plan = _densified([5, 6, 7], [9], (6, 7))
+    before = list(held)
+    with pytest.raises(InvariantViolation, match=r"request 'r': after densify the token table lists 1 blocks ending "
+                                                 r"\[9\], released \[6, 7\]; vLLM holds \[5, 6, 7\]"):
+        SchedulerTokens._cut(fake, "r", plan)
+    assert held == before and fake._layouts == {}
+    fake, held, plan = _densified([5, 6, 7, 8], [5, 8], (6, 7))  # block 8 allocated past the released ones
+    SchedulerTokens._cut(fake, "r", plan)
+    assert [b.block_id for b in fake.manager.req_to_blocks["r"]] == [5, 8] and fake._layouts == {"r": [5, 8]}
+    fake, held, plan = _densified([5, 6], [5, 6], ())
+    SchedulerTokens._cut(fake, "r", plan)
+    assert [b.block_id for b in held] == [5, 6] and fake._layouts == {}
+
+
 def test_quarantine_under_python_O():
     """The quarantine tests above, in a child ``python -O`` (every ``assert`` outside pytest's rewritten test
     modules stripped): vtoken's own checks and the quarantine path must not depend on them."""

@@ -33,12 +33,13 @@ after it is ORDERED except by a digest mismatch: the manager committed it and ne
 from __future__ import annotations
 
 from contextlib import nullcontext
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from vtoken.core.copy_engine import CopyHandle, CopyRegistry, CopyStatus, check_moves
+from vtoken.core.copy_engine import CopyHandle, CopyRegistry, CopyStatus, check_copies
 from vtoken.core.errors import InvariantViolation
 from vtoken.core.token_table import Move
 
@@ -112,8 +113,7 @@ class TorchCopyEngine(CopyRegistry):
         planners guarantee. ``check_moves`` refuses both within a copy."""
         # validated on the host, in Python, before any tensor is built or anything launched: torch.tensor
         # would round a float field to some other slot and read a bool as slot 0 or 1
-        checked = [check_moves(moves, self.cache.num_blocks, self.cache.block_size, req_id)
-                   for moves, req_id in copies]
+        checked = check_copies(copies, self.cache.num_blocks, self.cache.block_size)
         handles, wave, written = [], [], set()
         for moves, (_, req_id) in zip(checked, copies):
             c = _Copy(moves, req_id)
@@ -174,7 +174,8 @@ class TorchCopyEngine(CopyRegistry):
 
     def _launch_wave(self, copies: list[_Copy]) -> None:
         S = self.cache.block_size
-        m = torch.tensor([mv for c in copies for mv in c.moves], dtype=torch.int64).view(-1, 5)
+        m = torch.tensor(list(chain.from_iterable(chain.from_iterable(c.moves for c in copies))),
+                         dtype=torch.int64).view(-1, 5)
         src, dst = m[:, 1] * S + m[:, 2], m[:, 3] * S + m[:, 4]
         w = _Wave(copies, dst)
         rows, n = [], 0  # the verified copies' moves, by their row in the wave

@@ -159,10 +159,19 @@ class FastRuntime:
         return self.table.write_pos(req_id)
 
     def gap(self, req_id: object) -> int:
-        return self.table.total_len(req_id) - self.table.write_pos(req_id)
+        return self.table.gap(req_id)
 
     def num_live(self, req_id: object) -> int:
         return self.table.num_live(req_id)
+
+    def bridge(self, req_ids: Sequence[object]) -> tuple[list[int], list[int], list[int]]:
+        """For each request: its synced length, how many blocks it lists and the last of them (-1 for none), read
+        for all of them at once (what the engine's bridge checks compare before a step's sync)."""
+        return self.table.bridge(req_ids)
+
+    def gaps(self, req_ids: Sequence[object]) -> list[int]:
+        """``gap`` of each request, read for all of them at once."""
+        return self.table.gaps(req_ids)
 
     def block_ids(self, req_id: object) -> list[int]:
         return self.table.block_ids(req_id)

@@ -75,7 +75,7 @@ class FastTable:
     # ---- mutations ---------------------------------------------------------------------
     def sync_new_tokens(self, req_id: object, block_ids: Sequence[int], total_len: int) -> list[int]:
         row = self._row(req_id)
-        new = self._sync_args(req_id, row, block_ids, total_len)
+        new = self._sync_args(req_id, self.layout.meta.item(row, M_TOTAL_LEN), block_ids, total_len)
         # NOTE: past the layout's tokens per row the kernel refuses after the core's checks; a total_len too large
         # for an int64 is clamped for it (nothing that large fits a row)
         code, a, b = K.sync(*self._L, row, np.asarray(new, np.int64), min(total_len, 2**62), self._scratch)
@@ -120,16 +120,21 @@ class FastTable:
         earlier one filled in the same call), and a refusal (the core's error for the first bad item) undoes the
         items already synced, so every request is as it was. ``check_only``: the core's checks alone (not the
         layout's capacity), changing nothing; returns []."""
-        rows, totals, starts, blocks, slot_starts = [], [], [0], [], [0]
-        for r, new, total in items:
-            row = self._row(r)
-            new = self._sync_args(r, row, new, total)
-            rows.append(row)
+        try:
+            rows = [self._row(r) for r, _, _ in items]
+        except UnknownRequestError:
+            for r, new, total in items:  # the core's order: an earlier item's bad arguments are refused first
+                self._sync_args(r, self.layout.meta.item(self._row(r), M_TOTAL_LEN), new, total)
+            raise
+        synced = self.layout.meta[rows, M_TOTAL_LEN].tolist()
+        totals, starts, blocks, slot_starts = [], [0], [], [0]
+        for (r, new, total), row, before in zip(items, rows, synced):
+            new = self._sync_args(r, before, new, total)
             totals.append(min(total, 2**62))  # as sync_new_tokens: the kernel refuses past the layout's tokens
             blocks += new
             starts.append(len(blocks))
-            slot_starts.append(slot_starts[-1] + min(total, self.cap.tokens) - int(self.layout.meta[row, M_TOTAL_LEN]))
-        if len({self._rows[r] for r, _, _ in items}) != len(items):
+            slot_starts.append(slot_starts[-1] + min(total, self.cap.tokens) - before)
+        if len(set(rows)) != len(items):
             raise InvalidArgumentError(f"a request is named twice in one sync: {[r for r, _, _ in items][:8]}")
         out = np.empty(max(slot_starts[-1], 1), np.int64)
         code, i, a, b = K.sync_batch(*self._L, np.asarray(rows, np.int64), np.asarray(totals, np.int64),
@@ -156,11 +161,10 @@ class FastTable:
                 raise TokenOutOfRangeError(f"request {req_id!r}: token {t!r} outside its synced tokens [0, {total})")
         return ids
 
-    def _sync_args(self, req_id: object, row: int, block_ids: object, total_len: object) -> list[int]:
-        """``sync_new_tokens``' checks made in Python, in the core's order (total_len an int not below the synced
-        length, then every new block an int in the pool); returns the new blocks as a list. The kernel checks the
-        rest."""
-        synced = int(self.layout.meta[row, M_TOTAL_LEN])
+    def _sync_args(self, req_id: object, synced: int, block_ids: object, total_len: object) -> list[int]:
+        """``sync_new_tokens``' checks made in Python, in the core's order (total_len an int not below the request's
+        ``synced`` length, then every new block an int in the pool); returns the new blocks as a list. The kernel
+        checks the rest."""
         if total_len.__class__ is not int and not is_int(total_len):
             raise TokenOutOfRangeError(f"request {req_id!r}: total_len {total_len!r} is not an int")
         if total_len < synced:
@@ -211,8 +215,8 @@ class FastTable:
         if code == K.DENSE_MISMATCH:
             raise InvariantViolation("I7", f"request {items[i][0]!r}: {a} live tokens at or above n_live, {b} holes "
                                            f"below it")
-        return [self._plan(r, status[k], moves[move_start[k]:move_start[k + 1]],
-                           released[released_start[k]:released_start[k + 1]], before[k][:2], before[k][2])
+        codes, ms, rs = status.tolist(), move_start.tolist(), released_start.tolist()
+        return [self._plan(r, codes[k], moves[ms[k]:ms[k + 1]], released[rs[k]:rs[k + 1]], before[k][:2], before[k][2])
                 for k, (r, _) in enumerate(items)]
 
     # ---- built-in victim choice ----------------------------------------------------------
@@ -247,7 +251,7 @@ class FastTable:
         at, meta, n = np.asarray(rows, np.int64), self.layout.meta, len(rows)
         if len(set(rows)) != n:
             raise InvalidArgumentError(f"a request is named twice in one eviction: {[r for r, _ in items][:8]}")
-        before = [(int(meta[row, M_LAYOUT_VERSION]), int(meta[row, M_TOTAL_LEN])) for row in rows]
+        before = list(zip(meta[at, M_LAYOUT_VERSION].tolist(), meta[at, M_TOTAL_LEN].tolist()))
         most = int(np.maximum(meta[at, M_NUM_LIVE] - budgets, 0).sum()) + 1
         victims, positions = np.empty(most, np.int64), np.empty(most, np.int64)
         # NOTE: sized for the worst case, as densify_many's: a row moves at most its dead positions (its cursor minus
@@ -261,31 +265,52 @@ class FastTable:
         if code == K.DENSE_MISMATCH:
             raise InvariantViolation("I7", f"request {items[i][0]!r}: {a} live tokens at or above n_live, {b} holes "
                                            f"below it")
-        return [(victims[vstart[k]:vstart[k + 1]].tolist(),
-                 self._plan(r, status[k], moves[move_start[k]:move_start[k + 1]],
-                            released[released_start[k]:released_start[k + 1]], before[k],
-                            int(meta[rows[k], M_WRITE_POS])))
+        cursors, codes = meta[at, M_WRITE_POS].tolist(), status.tolist()
+        vs, ms, rs = vstart.tolist(), move_start.tolist(), released_start.tolist()
+        return [(victims[vs[k]:vs[k + 1]].tolist(),
+                 self._plan(r, codes[k], moves[ms[k]:ms[k + 1]], released[rs[k]:rs[k + 1]], before[k], cursors[k]))
                 for k, (r, _) in enumerate(items)]
 
     # ---- views -------------------------------------------------------------------------
     def num_live(self, req_id: object) -> int:
-        return int(self.layout.meta[self._row(req_id), M_NUM_LIVE])
+        return self.layout.meta.item(self._row(req_id), M_NUM_LIVE)
 
     def total_len(self, req_id: object) -> int:
-        return int(self.layout.meta[self._row(req_id), M_TOTAL_LEN])
+        return self.layout.meta.item(self._row(req_id), M_TOTAL_LEN)
 
     def write_pos(self, req_id: object) -> int:
-        return int(self.layout.meta[self._row(req_id), M_WRITE_POS])
+        return self.layout.meta.item(self._row(req_id), M_WRITE_POS)
+
+    def gap(self, req_id: object) -> int:
+        """total_len - write_pos: how far the request's logical positions run ahead of its physical ones."""
+        row, meta = self._row(req_id), self.layout.meta
+        return meta.item(row, M_TOTAL_LEN) - meta.item(row, M_WRITE_POS)
+
+    def bridge(self, req_ids: Sequence[object]) -> tuple[list[int], list[int], list[int]]:
+        """Each request's (total_len, number of blocks, last block or -1), as three lists: one gather for all."""
+        rows = [self._row(r) for r in req_ids]
+        meta, counts = self.layout.meta, self.layout.meta[rows, M_NBLOCKS]
+        last = np.where(counts > 0, self.layout.blocks[rows, np.maximum(counts - 1, 0)], -1)
+        return meta[rows, M_TOTAL_LEN].tolist(), counts.tolist(), last.tolist()
+
+    def gaps(self, req_ids: Sequence[object]) -> list[int]:
+        rows = [self._row(r) for r in req_ids]
+        meta = self.layout.meta
+        return (meta[rows, M_TOTAL_LEN] - meta[rows, M_WRITE_POS]).tolist()
 
     def layout_version(self, req_id: object) -> int:
-        return int(self.layout.meta[self._row(req_id), M_LAYOUT_VERSION])
+        return self.layout.meta.item(self._row(req_id), M_LAYOUT_VERSION)
 
     def num_blocks_of(self, req_id: object) -> int:
-        return int(self.layout.meta[self._row(req_id), M_NBLOCKS])
+        return self.layout.meta.item(self._row(req_id), M_NBLOCKS)
 
     def block_at(self, req_id: object, index: int) -> int:
-        """Block ``index`` of the request's list (an IndexError outside it, as the core's list gives)."""
-        return self.block_ids(req_id)[index]
+        """Block ``index`` of the request's list, O(1) (an IndexError outside it, as the core's list gives)."""
+        row = self._row(req_id)
+        n = self.layout.meta.item(row, M_NBLOCKS)
+        if index.__class__ is not int or not -n <= index < n:
+            return self.block_ids(req_id)[index]  # the list's own answer: an IndexError or a TypeError
+        return self.layout.blocks.item(row, index % n)
 
     def shared_blocks(self, req_id: object) -> list[int]:
         """The blocks of the request's list that other requests list too, in list order."""
@@ -424,7 +449,7 @@ class FastTable:
             return NoPlan(NoPlanReason.SHARED_BLOCK, f"request {req_id!r}")
         assert status == K.PLANNED, status
         S = self.block_size
-        planned = tuple(Move(int(t), int(src) // S, int(src) % S, int(dst) // S, int(dst) % S) for t, src, dst in moves)
+        planned = tuple([Move(t, src // S, src % S, dst // S, dst % S) for t, src, dst in moves.tolist()])
         return Plan(PlanKind.DENSIFY, req_id, version, planned, tuple(released.tolist()), (), n_live)
 
     def _name(self, row: int) -> object:

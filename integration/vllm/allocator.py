@@ -94,6 +94,8 @@ class VllmBlockAllocator:
 
     def free(self, block_ids: Iterable[int]) -> None:
         ids = as_list("blocks to free", block_ids, BlockOutOfRangeError)
+        if not ids:
+            return
         for b in ids:
             self._block(b)  # every id an int in range before any is hashed or counted
         for b, k in Counter(ids).items():

@@ -80,9 +80,10 @@ def fast_path_refusal(settings: VTokenSettings, tensor_parallel: int = 1) -> str
 
 
 def writable_blocks(rt: VTokenRuntime, req_id: str, block_size: int) -> list[int]:
-    """The blocks of ``req_id`` that appends may still write: the append cursor's block and every one after it.
-    NOTE: vLLM hashes only full blocks it will never write again; none of these may carry a hash (B2)."""
-    return rt.block_ids(req_id)[rt.write_pos(req_id) // block_size:]
+    """The blocks of ``req_id`` that appends may still write: the append cursor's block and every one after it,
+    O(those blocks). NOTE: vLLM hashes only full blocks it will never write again; none of these may carry a hash
+    (B2)."""
+    return [rt.block_at(req_id, i) for i in range(rt.write_pos(req_id) // block_size, rt.num_blocks_of(req_id))]
 
 
 def check_copies_sent(rt: VTokenRuntime, engine: WorkerCopyEngine) -> None:
@@ -103,6 +104,25 @@ def check_copies_sent(rt: VTokenRuntime, engine: WorkerCopyEngine) -> None:
             raise InvariantViolation("I3", f"request {r!r}: its plan left flight (committed or aborted) while its "
                                            f"copy {h} has not been sent to the workers: this step would read its "
                                            f"destinations before any worker wrote them")
+
+
+class CoreDriver(VTokenRuntime):
+    """The core's runtime, with the calls ``SchedulerTokens`` makes once per step for all its requests (the fast
+    path's ``FastRuntime`` makes each in one kernel call or one gather) as loops over the core's own: the reference.
+
+    NOTE: ``sync_many`` stops at the first refusal, leaving the items before it synced, where the fast path syncs
+    all or none; inside vLLM a refusal is a bug that stops the engine either way."""
+
+    def sync_many(self, items) -> list[list[int]]:
+        return [self.sync(r, new, total) for r, new, total in items]
+
+    def bridge(self, req_ids) -> tuple[list[int], list[int], list[int]]:
+        counts = [self.num_blocks_of(r) for r in req_ids]
+        return ([self.total_len(r) for r in req_ids], counts,
+                [self.block_at(r, n - 1) if n else -1 for r, n in zip(req_ids, counts)])
+
+    def gaps(self, req_ids) -> list[int]:
+        return [self.gap(r) for r in req_ids]
 
 
 @dataclass
@@ -248,7 +268,7 @@ class SchedulerTokens:
             self.runtime_note = (f"the fast path runs ({cls.__name__}: {capacity[0]} requests x {capacity[1]} tokens, "
                                  f"{mb:.1f} MiB of tables)")
         else:
-            self.rt = VTokenRuntime(self.allocator, self.engine,
+            self.rt = CoreDriver(self.allocator, self.engine,
                                     self.ranked or (RenamedRequests(policy(), self.policy_names) if policy else None),
                                     settings.budget,
                                     reclaim_config(settings), self.read_path, seed=settings.seed,
@@ -314,25 +334,22 @@ class SchedulerTokens:
                     raise InvariantViolation("B1", f"resumed request {r!r} still has a token table")
                 rt.admit(r)
             syncs.append((r, computed, so.num_scheduled_tokens[r]))
-        items = []
-        for r, computed, scheduled in syncs:
+        items, ids = [], [r for r, _, _ in syncs]
+        for (r, computed, scheduled), total, known, last in zip(syncs, *rt.bridge(ids)):
             held = req_to_blocks[r]
-            known = rt.num_blocks_of(r)
             # new and resumed requests start empty: a prefix-cache hit arrives as computed tokens in held blocks
-            if rt.total_len(r) not in (0, computed):
+            if total not in (0, computed):
                 raise InvariantViolation("B1", f"request {r!r}: vLLM computed {computed} tokens, the token table has "
-                                               f"{rt.total_len(r)}")
+                                               f"{total}")
             # NOTE: vLLM only appends to a running request's list between steps (after a commit ``_mirror`` makes it
             # the table's), so its last known block pins the prefix in O(1); strict verify's ``check`` compares the
             # whole lists after every step
-            if len(held) < known or known and held[known - 1].block_id != rt.block_at(r, known - 1):
+            if len(held) < known or known and held[known - 1].block_id != last:
                 raise InvariantViolation("B1", f"request {r!r}: token table blocks {rt.block_ids(r)} are not a prefix "
                                                f"of vLLM's {[b.block_id for b in held]}")
             items.append((r, [b.block_id for b in held[known:]], computed + scheduled))
-        # the fast path syncs the step's requests in one call, all or none; the core one request at a time
-        synced = rt.sync_many(items) if self.fast else [rt.sync(*item) for item in items]
-        for (r, _, scheduled), slots in zip(syncs, synced):
-            g = self.gap(r)
+        synced = rt.sync_many(items)
+        for (r, _, scheduled), slots, g in zip(syncs, synced, rt.gaps(ids)):
             if g:
                 orders.gaps[r] = g
             if self.settings.strict_verify == "strict":
@@ -420,7 +437,8 @@ class SchedulerTokens:
         each request's victims."""
         t0 = time.perf_counter()
         rt = self.rt
-        decoding = [r for r in rt.running() if rt.total_len(r) >= self.prompt_len[r]]
+        running = rt.running()
+        decoding = [r for r, total in zip(running, rt.bridge(running)[0]) if total >= self.prompt_len[r]]
         rows = {r: row for r, row in (attention or {}).items() if r in rt}
         keys = {r: norms for r, norms in (key_norms or {}).items() if r in rt}
         votes = {r: given for r, given in (observed or {}).items() if r in rt}
@@ -446,7 +464,8 @@ class SchedulerTokens:
                 self.stats.plans_committed += 1
                 self.stats.packs += rec.plan.kind is PlanKind.DENSIFY and self.read_path is ReadPath.GATHER
             self.stats.moves += len(rec.plan.moves)
-            self.stats.blocks_released += len(rec.plan.src_blocks) - len(set(rec.plan.dst_blocks) & set(rt.block_ids(r)))
+            self.stats.blocks_released += len(rec.plan.src_blocks) - (
+                len(set(rec.plan.dst_blocks) & set(rt.block_ids(r))) if rec.plan.dst_blocks else 0)
             self._committed(rec)
         # every abort, whichever path made it (a refused launch, a failed copy, a request that left mid-copy)
         self.stats.plans_aborted = sum(rt.reclaim_stats.plans_aborted.values())
@@ -493,8 +512,33 @@ class SchedulerTokens:
     def _committed(self, rec, listed: int | None = None) -> None:
         """After a commit: vLLM's block list for the request becomes the table's, and B2 holds again.
         ``listed``: how many blocks the table listed before the commit (default: all vLLM holds)."""
-        self._mirror(rec.plan.req_id, listed)
-        self.stats.uncached += self._drop_stale_hashes(rec.plan.req_id, rec.plan)
+        plan = rec.plan
+        if plan.kind is PlanKind.DENSIFY and listed is None:
+            self._cut(plan.req_id, plan)
+        else:
+            self._mirror(plan.req_id, listed)
+        self.stats.uncached += self._drop_stale_hashes(plan.req_id, plan)
+
+    def _cut(self, r: str, plan) -> None:
+        """``_mirror`` after a densify commit, O(released blocks). Densify moves tokens within the request's own
+        blocks and releases the ones after those it keeps up to its cursor's block; when those are vLLM's last ones
+        (nothing allocated past them) the table's list is vLLM's cut to its length (vLLM's held the table's before
+        the commit, B1), which the released blocks in place and the last kept one confirm (strict verify's ``check``
+        compares the whole lists after every step); otherwise ``_mirror`` rewrites the list. Nothing released,
+        nothing changes for vLLM or the workers (the copy rewrites slots inside blocks they already map)."""
+        if not plan.src_blocks:
+            return
+        held, rt = self.manager.req_to_blocks[r], self.rt
+        n = rt.num_blocks_of(r)
+        if len(held) != n + len(plan.src_blocks) \
+                or any(held[i].block_id != b for i, b in enumerate(plan.src_blocks, n)):
+            return self._mirror(r, None)
+        if n and held[n - 1].block_id != rt.block_at(r, n - 1):
+            raise InvariantViolation("B1", f"request {r!r}: after densify the token table lists {n} blocks ending "
+                                           f"{rt.block_ids(r)[-1:]}, released {list(plan.src_blocks)}; vLLM holds "
+                                           f"{[b.block_id for b in held]}")
+        del held[n:]
+        self._layouts[r] = rt.block_ids(r)
 
     def _mirror(self, r: str, listed: int | None) -> None:
         """Make vLLM's block list for ``r`` the table's, after a commit. The table's list before the commit is

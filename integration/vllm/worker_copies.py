@@ -38,7 +38,9 @@ class WorkerCopyEngine(CopyRegistry):
 
     # ---- CopyEngine -----------------------------------------------------------------------
     def submit(self, moves: Sequence[Move], req_id: object = None) -> CopyHandle:
-        copy = _Copy(tuple(Move(*m) for m in moves), req_id)
+        moves = moves if moves.__class__ is tuple and all(m.__class__ is Move for m in moves) \
+            else tuple(Move(*m) for m in moves)
+        copy = _Copy(moves, req_id)
         h = self._add(copy)
         self._outbox.append((h, req_id, copy.moves))
         return h
