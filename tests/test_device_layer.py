@@ -313,6 +313,30 @@ def test_a_bad_move_anywhere_in_a_batch_is_refused_naming_its_request_before_any
     assert eng.launches == 0 and eng._copies == {} and bits_equal(snapshot(cache), before)
 
 
+def test_packed_moves_copy_what_the_same_moves_as_tuples_copy_and_a_bad_one_is_named():
+    """The fast path's copies arrive as ``MoveArray``s: one pass checks them without unpacking a ``Move``, the wave
+    copies the same bits as the tuples would, and a bad field (never made by the planner, forged here) is refused
+    naming its request before anything runs."""
+    from array import array
+
+    from vtoken.core.token_table import MoveArray, packed
+    copies = [([Move(0, 0, 3, 0, 1), Move(1, 1, 0, 0, 2)], "a"), ([Move(5, 2, 2, 2, 0)], "b")]
+    as_arrays = [(MoveArray(packed(m)), r) for m, r in copies]
+    cache, _ = mixed_cache()
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict")))
+    handles = eng.submit_batch(as_arrays)
+    assert [eng.poll(h) for h in handles] == [CopyStatus.DONE] * 2 and eng.verifier.counters.mismatches == 0
+    assert all(eng._copies[h].moves is m for h, (m, _) in zip(handles, as_arrays))  # checked as they are
+    assert bits_equal(snapshot(cache), run_one_by_one(copies))
+    cache, _ = mixed_cache()
+    before = snapshot(cache)
+    eng = TorchCopyEngine(cache)
+    forged = [as_arrays[0], (MoveArray(array("q", [5, 2, 2, 10**6, 0])), "b")]
+    with pytest.raises(DestinationError, match=r"request 'b': move .* writes a slot outside the KV cache"):
+        eng.submit_batch(forged)
+    assert eng.launches == 0 and eng._copies == {} and bits_equal(snapshot(cache), before)
+
+
 def test_a_mismatch_in_a_batch_fails_only_its_own_request(tmp_path):
     cache, _ = mixed_cache()
     eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", on_mismatch="quarantine",

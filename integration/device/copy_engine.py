@@ -32,8 +32,8 @@ after it is ORDERED except by a digest mismatch: the manager committed it and ne
 
 from __future__ import annotations
 
+from array import array
 from contextlib import nullcontext
-from itertools import chain
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -41,7 +41,7 @@ import torch
 
 from vtoken.core.copy_engine import CopyHandle, CopyRegistry, CopyStatus, check_copies
 from vtoken.core.errors import InvariantViolation
-from vtoken.core.token_table import Move
+from vtoken.core.token_table import Move, packed
 
 from .kv_cache import PagedKVCache
 from .verify import Digests, Verifier
@@ -119,11 +119,12 @@ class TorchCopyEngine(CopyRegistry):
             c = _Copy(moves, req_id)
             handles.append(self._add(c))
             c.verify = self.verifier.select()
-            if wave and not written.isdisjoint(b for m in moves for b in (m.src_block, m.dst_block)):
+            fields = packed(moves)
+            if wave and not (written.isdisjoint(fields[1::5]) and written.isdisjoint(fields[3::5])):
                 self._launch_wave(wave)
                 wave, written = [], set()
             wave.append(c)
-            written.update(m.dst_block for m in moves)
+            written.update(fields[3::5])
         if wave:
             self._launch_wave(wave)
         return handles
@@ -174,8 +175,10 @@ class TorchCopyEngine(CopyRegistry):
 
     def _launch_wave(self, copies: list[_Copy]) -> None:
         S = self.cache.block_size
-        m = torch.tensor(list(chain.from_iterable(chain.from_iterable(c.moves for c in copies))),
-                         dtype=torch.int64).view(-1, 5)
+        fields = array("q")
+        for c in copies:
+            fields.extend(packed(c.moves))
+        m = torch.frombuffer(fields, dtype=torch.int64).view(-1, 5) if fields else torch.empty((0, 5), dtype=torch.int64)
         src, dst = m[:, 1] * S + m[:, 2], m[:, 3] * S + m[:, 4]
         w = _Wave(copies, dst)
         rows, n = [], 0  # the verified copies' moves, by their row in the wave

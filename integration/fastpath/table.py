@@ -24,7 +24,7 @@ from vtoken.core.errors import (BlockListTooShortError, BlockNotOwnedError, Bloc
                                 TokenOutOfRangeError, UnknownRequestError)
 from vtoken.core.live_index import NO_SLOT
 from vtoken.core.plan import NoPlan, NoPlanReason, Plan, PlanKind
-from vtoken.core.token_table import Move
+from vtoken.core.token_table import MoveArray
 
 from . import kernels as K
 from .layout import (M_IN_USE, M_LAST_SYNC_START, M_LAYOUT_VERSION, M_NBLOCKS, M_NUM_LIVE, M_TOTAL_LEN, M_WRITE_POS,
@@ -109,8 +109,8 @@ class FastTable:
             raise InvariantViolation("I7", f"request {req_id!r}: {a} live tokens at or above n_live {n}, {b} holes "
                                            f"below it")
         planned = code == K.PLANNED
-        return self._plan(req_id, code, self._moves[:a if planned else 0], self._scratch[:b if planned else 0],
-                          version, n)
+        return self._plan(req_id, code, self._fields(self._moves[:a if planned else 0]),
+                          self._scratch[:b if planned else 0], version, n)
 
     # ---- one call per phase for a step's requests ----------------------------------------
     def sync_many(self, items: Sequence[tuple[object, Sequence[int], int]], check_only: bool = False
@@ -216,6 +216,7 @@ class FastTable:
             raise InvariantViolation("I7", f"request {items[i][0]!r}: {a} live tokens at or above n_live, {b} holes "
                                            f"below it")
         codes, ms, rs = status.tolist(), move_start.tolist(), released_start.tolist()
+        moves = self._fields(moves[:ms[-1]])
         return [self._plan(r, codes[k], moves[ms[k]:ms[k + 1]], released[rs[k]:rs[k + 1]], before[k][:2], before[k][2])
                 for k, (r, _) in enumerate(items)]
 
@@ -267,6 +268,7 @@ class FastTable:
                                            f"below it")
         cursors, codes = meta[at, M_WRITE_POS].tolist(), status.tolist()
         vs, ms, rs = vstart.tolist(), move_start.tolist(), released_start.tolist()
+        moves = self._fields(moves[:ms[-1]])
         return [(victims[vs[k]:vs[k + 1]].tolist(),
                  self._plan(r, codes[k], moves[ms[k]:ms[k + 1]], released[rs[k]:rs[k + 1]], before[k], cursors[k]))
                 for k, (r, _) in enumerate(items)]
@@ -439,18 +441,26 @@ class FastTable:
             seen.add(b)
         raise AssertionError("unreachable: a non-int block passed the checks")  # pragma: no cover
 
+    def _fields(self, moves: np.ndarray) -> np.ndarray:
+        """The kernels' (token, source slot, destination slot) rows as ``Move``'s five fields, int64, one row each
+        (computed once for a batch's moves; each plan packs its own rows)."""
+        S, out = self.block_size, np.empty((moves.shape[0], 5), np.int64)
+        out[:, 0] = moves[:, 0]
+        np.divmod(moves[:, 1], S, out[:, 1], out[:, 2])
+        np.divmod(moves[:, 2], S, out[:, 3], out[:, 4])
+        return out
+
     def _plan(self, req_id: object, status: int, moves: np.ndarray, released: np.ndarray, version: tuple[int, int],
               n_live: int) -> Plan | NoPlan:
-        """A densify kernel's answer for one request as the core's planner gives it: the ``Plan`` (its moves as
-        ``Move``s from the kernel's (token, source slot, destination slot) rows) or the ``NoPlan``."""
+        """A densify kernel's answer for one request as the core's planner gives it: the ``Plan``, its moves a
+        ``MoveArray`` packed from ``moves`` (``_fields``' rows), or the ``NoPlan``."""
         if status == K.ALREADY_DENSE:
             return NoPlan(NoPlanReason.ALREADY_DENSE, f"request {req_id!r}")
         if status == K.SHARED_BLOCK:
             return NoPlan(NoPlanReason.SHARED_BLOCK, f"request {req_id!r}")
         assert status == K.PLANNED, status
-        S = self.block_size
-        planned = tuple([Move(t, src // S, src % S, dst // S, dst % S) for t, src, dst in moves.tolist()])
-        return Plan(PlanKind.DENSIFY, req_id, version, planned, tuple(released.tolist()), (), n_live)
+        return Plan(PlanKind.DENSIFY, req_id, version, MoveArray(array("q", moves.tobytes())), tuple(released.tolist()),
+                    (), n_live)
 
     def _name(self, row: int) -> object:
         return next(k for k, r in self._rows.items() if r == row)

@@ -40,7 +40,7 @@ from vtoken.core.policies import POLICIES as CORE_POLICIES
 from vtoken.core.policies.base import RankedPolicy, RenamedRequests, RequestView
 from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
 from vtoken.core.runtime import ReadChanges, ReadPath, VTokenRuntime
-from vtoken.core.token_table import Move
+from vtoken.core.token_table import Move, packed
 
 from . import manager_hooks
 from .allocator import VllmBlockAllocator
@@ -495,7 +495,7 @@ class SchedulerTokens:
         on loses its hash before vLLM can schedule again. None of them may be shared: the planners never
         write a shared block (``plan_densify``: SHARED_BLOCK), and this is where that is relied on."""
         pool = self.allocator.pool
-        written = {m.dst_block for m in plan.moves} | set(writable_blocks(self.rt, r, self.block_size))
+        written = set(packed(plan.moves)[3::5]) | set(writable_blocks(self.rt, r, self.block_size))  # destinations
         shared = sorted(b for b in written if pool.blocks[b].ref_cnt > 1)
         if shared:
             raise InvariantViolation("B2", f"request {r!r}: committed plan writes shared block(s) {shared}")

@@ -20,7 +20,7 @@ from typing import Sequence
 from vtoken.core.copy_engine import CopyHandle, CopyRegistry, CopyStatus
 from vtoken.core.checks import as_list, check_int, is_int
 from vtoken.core.errors import ConfigError, CopyStateError, InvalidArgumentError, VTokenError
-from vtoken.core.token_table import Move
+from vtoken.core.token_table import Move, MoveArray
 
 
 @dataclass
@@ -38,8 +38,9 @@ class WorkerCopyEngine(CopyRegistry):
 
     # ---- CopyEngine -----------------------------------------------------------------------
     def submit(self, moves: Sequence[Move], req_id: object = None) -> CopyHandle:
-        moves = moves if moves.__class__ is tuple and all(m.__class__ is Move for m in moves) \
-            else tuple(Move(*m) for m in moves)
+        # a MoveArray (the fast path's) travels packed as it is; anything else as a tuple of Move
+        moves = moves if moves.__class__ is MoveArray or moves.__class__ is tuple and all(
+            m.__class__ is Move for m in moves) else tuple(Move(*m) for m in moves)
         copy = _Copy(moves, req_id)
         h = self._add(copy)
         self._outbox.append((h, req_id, copy.moves))
