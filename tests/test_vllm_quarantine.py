@@ -47,21 +47,24 @@ def corrupt_inside_copies(monkeypatch, wanted, plane: str = "model.layers.0.self
             first += len(c.moves)
         if not hit:
             return real_launch(self, wave, src, rows)
-        cache, real_scatter = self.cache, self.cache.scatter
+        cache, real_scatter, real_mover = self.cache, self.cache.scatter, self.mover
 
-        def scatter(slots, values):
-            real_scatter(slots, values)
+        def tear(slots):
             for _, row in hit:
                 slot = slots[row:row + 1].cpu()
                 v = cache.read(plane, slot)
                 v.view(torch.int32)[0, element] ^= 1 << bit
                 cache.write(plane, slot, v)
 
-        cache.scatter = scatter
+        # the copy writes through torch's scatter or the compiled mover (``fast_path``): tear after either
+        cache.scatter = lambda slots, values: (real_scatter(slots, values), tear(slots))
+        if real_mover is not None:
+            self.mover = lambda src, dst: (real_mover(src, dst), tear(dst))
         try:
             real_launch(self, wave, src, rows)
         finally:
             del cache.scatter
+            self.mover = real_mover
         worker = get_kv_transfer_group().worker
         step = SCHED["conn"].step if SCHED.get("conn") is not None else None  # ``drive`` only
         for c, _ in hit:

@@ -350,20 +350,23 @@ def corrupt_on_rank(worker, rank: int, victim: str, plane: str = "model.layers.0
         if hit is None:
             return real_launch(self, wave, src, rows)
         done.append(hit)
-        cache, real_scatter = self.cache, self.cache.scatter
+        cache, real_scatter, real_mover = self.cache, self.cache.scatter, self.mover
 
-        def scatter(slots, values):
-            real_scatter(slots, values)
+        def tear(slots):
             slot = slots[hit:hit + 1].cpu()
             v = cache.read(plane, slot)
             v.view(torch.int32)[0, 0] ^= 1 << bit
             cache.write(plane, slot, v)
 
-        cache.scatter = scatter
+        # the copy writes through torch's scatter or the compiled mover (``fast_path``): tear after either
+        cache.scatter = lambda slots, values: (real_scatter(slots, values), tear(slots))
+        if real_mover is not None:
+            self.mover = lambda src, dst: (real_mover(src, dst), tear(dst))
         try:
             return real_launch(self, wave, src, rows)
         finally:
             del cache.scatter
+            self.mover = real_mover
 
     TorchCopyEngine._launch = launch
     return True

@@ -85,9 +85,13 @@ def warm_pinned_memory(largest: int = 1 << 20, per_size: int = 4) -> None:
 
 
 class TorchCopyEngine(CopyRegistry):
-    def __init__(self, cache: PagedKVCache, verifier: Verifier | None = None) -> None:
+    def __init__(self, cache: PagedKVCache, verifier: Verifier | None = None, mover=None) -> None:
+        """``mover(src, dst)``: a compiled move of a wave's tokens on the CPU (``fastpath.relocate.host_mover``) in
+        place of torch's gather and scatter, which stay the reference (and read the sources a verified copy's
+        digests are taken from)."""
         super().__init__()
         self.cache = cache
+        self.mover = mover if cache.device.type == "cpu" else None
         self.verifier = verifier or Verifier(cache)
         self.cuda = cache.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=cache.device) if self.cuda else None
@@ -208,11 +212,15 @@ class TorchCopyEngine(CopyRegistry):
         verified moves' rows, None for all)."""
         verify = any(c.verify for c in w.copies)
         if not self.cuda:
-            values = self.cache.gather(src)
-            self.cache.scatter(w.dst_slots, values)
+            values = self.cache.gather(src) if verify or self.mover is None else None
+            if self.mover is None:
+                self.cache.scatter(w.dst_slots, values)
+                self.launches += 2 * len(values)
+            else:
+                self.mover(src, w.dst_slots)
+                self.launches += len(self.cache.groups)
             if verify:
                 self._digest(w, values, rows)
-            self.launches += 2 * len(values)
             return  # finished; reported (and compared) at the first poll, wait or before_compute
         dev = self.cache.device
         self.stream.wait_stream(torch.cuda.current_stream(dev))  # the forward that wrote the sources

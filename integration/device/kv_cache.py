@@ -237,6 +237,14 @@ class PagedKVCache:
             groups.append(g)
         return groups
 
+    def host_groups(self) -> list[tuple] | None:
+        """Each group's storage as its bits, its ``offsets [S, E]`` and ``stride [E]``, as numpy arrays sharing the
+        tensors' memory (a compiled mover's plain ABI: ``integration/fastpath/relocate.py``); None off the CPU."""
+        if self.device.type != "cpu":
+            return None
+        return [(g.flat.view(_BITS[g.flat.element_size()]).numpy(), g.offsets.numpy(), g.stride.numpy())
+                for g in self.groups]
+
     # ---- bulk access (one gather / one scatter per group) ----------------------------------------
     def gather(self, slots: torch.Tensor) -> list[torch.Tensor]:
         """The tokens' bits at ``slots``, per group ``[len(slots), E]`` (an integer dtype as wide as the

@@ -288,9 +288,15 @@ class VTokenConnector(KVConnectorBase_V1):
         s = self.settings
         self.tp_group = _tp_group(self.vllm_config)
         self.rank = None if self.tp_group is None else self.tp_group.rank_in_group
+        mover = None
+        if s.fast_path:  # the compiled relocation on the CPU (any read path, policy or rank count); torch's otherwise
+            from vtoken.integration.fastpath import unavailable
+            if unavailable() is None:
+                from vtoken.integration.fastpath.relocate import host_mover
+                mover = host_mover(cache)
         self.engine = TorchCopyEngine(cache, Verifier(cache, VerifyConfig(
             s.strict_verify, sample_every=s.sample_every, on_mismatch=s.on_mismatch,
-            evidence_dir=s.evidence_dir, seed=s.seed), rank=self.rank))
+            evidence_dir=s.evidence_dir, seed=s.seed), rank=self.rank), mover=mover)
         self._layer_names = list(kv_caches)
 
     def bind_model_runner(self, runner) -> None:

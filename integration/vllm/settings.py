@@ -65,7 +65,7 @@ class VTokenSettings:
     evidence_dir: str = "vtoken-evidence"
     seed: int = 0
     drill_every: int = 0  # relocation drill: every N steps move one block of every running request; 0: off
-    fast_path: bool = True  # the compiled runtime, where its domain allows (``scheduler_tokens``); False: the core
+    fast_path: bool = True  # compiled runtime where its domain allows (``scheduler_tokens``), CPU mover; False: core
 
     def __post_init__(self) -> None:
         _choice("policy", self.policy, POLICIES)
