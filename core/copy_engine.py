@@ -18,14 +18,13 @@ abort (FAILED), and free the blocks it reads or writes.
 from __future__ import annotations
 
 import enum
-from array import array
 from itertools import chain
 from typing import Protocol, Sequence
 
 from .checks import is_int  # an int that is not a bool: a bool is an int to Python, never a slot to us
 from .errors import (CopyStateError, DestinationError, MoveSourceMismatchError, TokenOutOfRangeError,
                      UnknownCopyHandleError, VTokenError)
-from .token_table import Move, MoveArray, packed
+from .token_table import Move
 
 
 class CopyStatus(enum.Enum):
@@ -108,40 +107,6 @@ def check_moves(moves: object, num_blocks: int, block_size: int, req_id: object 
             return batch
     _name_the_bad_move(batch, num_blocks, block_size, req_id)  # raises, naming the first bad move...
     return batch  # ...unless the fast checks failed only on an int subclass other than bool (an IntEnum)
-
-
-def check_copies(copies: Sequence[tuple[object, object]], num_blocks: int, block_size: int
-                 ) -> list[Sequence[Move]]:
-    """``check_moves`` of each (moves, request) of a batch, in one pass of C-speed checks over all their fields (a
-    step's copies are many copies of a few moves each). A batch that fails it (or in which two copies write one
-    slot, which the wave's splitting allows) is checked copy by copy, so the culprit is named as ``check_moves``
-    names it. Returns each copy's moves: a ``MoveArray`` as it is (its fields are int64 by construction), anything
-    else as a tuple of ``Move``."""
-    try:
-        batches = [moves if moves.__class__ is MoveArray or moves.__class__ is tuple and all(
-                   m.__class__ is Move for m in moves) else tuple(m if type(m) is Move else Move(*m) for m in moves)
-                   for moves, _ in copies]  # type: ignore[union-attr]
-    except TypeError:
-        batches = None
-    if batches is not None:
-        flat = array("q")
-        try:
-            for moves in batches:
-                flat.extend(packed(moves))
-        except (TypeError, OverflowError):  # a field that is no int64 (a float, a str, a huge int): named below
-            flat = None
-        if flat is not None and not flat:
-            return batches
-        # NOTE: packing refuses a float or a str, not a bool (an int to array): the type pass catches it (exact ints
-        # only: no bool, no int subclass); a MoveArray's fields are int64 by construction
-        loose = [m for m in batches if m.__class__ is not MoveArray]
-        if flat is not None and (not loose or set(map(type, chain.from_iterable(chain.from_iterable(loose)))) == {int}):
-            tok, sb, so, db, do = (flat[i::5] for i in range(5))
-            if (min(tok) >= 0 and min(sb) >= 0 and max(sb) < num_blocks and min(so) >= 0 and max(so) < block_size
-                    and min(db) >= 0 and max(db) < num_blocks and min(do) >= 0 and max(do) < block_size
-                    and len(set(zip(db, do))) == len(tok)):
-                return batches
-    return [check_moves(moves, num_blocks, block_size, req_id) for moves, req_id in copies]
 
 
 def _name_the_bad_move(batch: tuple[Move, ...], num_blocks: int, block_size: int, req_id: object) -> None:

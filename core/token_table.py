@@ -32,7 +32,6 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from dataclasses import dataclass
-from itertools import chain
 from typing import Iterable, NamedTuple, Sequence
 
 # NOTE: ``contracts`` in the docstring contracts is core/reference/contracts.py: spec/crosshair_check.py binds it
@@ -45,7 +44,6 @@ from .errors import (
     ConfigError,
     DestinationError,
     DuplicateRequestError,
-    InvalidArgumentError,
     InvariantViolation,
     MoveSourceMismatchError,
     TokenAlreadyEvictedError,
@@ -105,61 +103,6 @@ class Move(NamedTuple):
     src_offset: int
     dst_block: int
     dst_offset: int
-
-
-class MoveArray(Sequence[Move]):
-    """A copy's moves packed in one ``array('q')``, five int64 per move (``Move``'s fields in order): what a compiled
-    planner hands out without making a ``Move`` per token (``integration/fastpath``). It reads as the tuple of
-    ``Move`` it stands for (iteration, indexing, ``len``, ``==`` with a tuple, ``hash``), so every consumer of plans
-    and copies takes it unchanged; the hot ones read ``packed`` (the array itself) and never make the ``Move``s."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: array) -> None:
-        if data.__class__ is not array or data.typecode != "q" or len(data) % 5:
-            raise InvalidArgumentError(f"a MoveArray packs an array('q') of five fields per move, got "
-                                       f"{type(data).__name__} {getattr(data, 'typecode', '')!r} of "
-                                       f"{len(data) if hasattr(data, '__len__') else '?'}")
-        self.data = data
-
-    def __len__(self) -> int:
-        return len(self.data) // 5
-
-    def __iter__(self):
-        fields = iter(self.data)
-        return map(Move, fields, fields, fields, fields, fields)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return tuple(self)[i]
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError("move index out of range")
-        i %= n
-        return Move(*self.data[5 * i:5 * i + 5])
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, MoveArray):
-            return self.data == other.data
-        if isinstance(other, tuple):
-            return tuple(self) == other
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return repr(tuple(self))
-
-    def __reduce__(self):
-        return MoveArray, (self.data,)
-
-
-def packed(moves: Sequence[Move]) -> array:
-    """``moves`` as one ``array('q')`` of five fields per move: a ``MoveArray``'s own array (no copy), else packed."""
-    if moves.__class__ is MoveArray:
-        return moves.data  # type: ignore[attr-defined]
-    return array("q", chain.from_iterable(moves))
 
 
 def _as_move(req_id: object, m: object) -> Move:

@@ -319,7 +319,8 @@ def test_packed_moves_copy_what_the_same_moves_as_tuples_copy_and_a_bad_one_is_n
     naming its request before anything runs."""
     from array import array
 
-    from vtoken.core.token_table import MoveArray, packed
+    from vtoken.integration.device.copy_engine import packed
+    from vtoken.integration.fastpath.moves import MoveArray
     copies = [([Move(0, 0, 3, 0, 1), Move(1, 1, 0, 0, 2)], "a"), ([Move(5, 2, 2, 2, 0)], "b")]
     as_arrays = [(MoveArray(packed(m)), r) for m, r in copies]
     cache, _ = mixed_cache()

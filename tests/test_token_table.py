@@ -896,29 +896,3 @@ def test_a_splice_that_would_drop_a_live_token_is_refused_and_changes_nothing():
     t.splice("A", 1, 1, (), 4)
     assert t.block_ids("A") == [0] and t.write_pos("A") == 4 and t.layout_version("A") == 1
     check_views(t, "A")
-
-
-def test_a_move_array_reads_as_the_tuple_of_moves_it_packs():
-    """``MoveArray`` (the fast path's packed moves) stands for its tuple of ``Move`` wherever one is expected:
-    iteration, indexing, slicing, ``len``, ``==`` either way round (so plans holding either compare equal), ``hash``
-    and pickling; ``packed`` returns its own array and packs a tuple alike. A malformed array is refused by name."""
-    import pickle
-    from array import array
-
-    from vtoken.core.errors import InvalidArgumentError
-    from vtoken.core.plan import Plan, PlanKind
-    from vtoken.core.token_table import MoveArray, packed
-
-    moves = (Move(4, 1, 2, 0, 3), Move(9, 2, 0, 1, 1))
-    a = MoveArray(array("q", [4, 1, 2, 0, 3, 9, 2, 0, 1, 1]))
-    assert (list(a), len(a), a[0], a[-1], a[1:]) == (list(moves), 2, moves[0], moves[1], moves[1:])
-    assert a == moves and moves == a and a != moves[:1] and hash(a) == hash(moves)
-    assert pickle.loads(pickle.dumps(a)) == a and repr(a) == repr(moves)
-    assert packed(a) is a.data and packed(moves) == a.data
-    plan = Plan(PlanKind.DENSIFY, "r", (0, 4), a, (7,), (), 2)
-    assert plan == Plan(PlanKind.DENSIFY, "r", (0, 4), moves, (7,), (), 2) and len({plan, plan}) == 1
-    with pytest.raises(IndexError):
-        a[2]
-    for bad in (array("q", [1, 2, 3]), array("i", [0] * 5), [0] * 5):
-        with pytest.raises(InvalidArgumentError, match="a MoveArray packs an array"):
-            MoveArray(bad)

@@ -34,17 +34,56 @@ from __future__ import annotations
 
 from array import array
 from contextlib import nullcontext
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from vtoken.core.copy_engine import CopyHandle, CopyRegistry, CopyStatus, check_copies
+from vtoken.core.copy_engine import CopyHandle, CopyRegistry, CopyStatus, check_moves
 from vtoken.core.errors import InvariantViolation
-from vtoken.core.token_table import Move, packed
+from vtoken.core.token_table import Move
 
 from .kv_cache import PagedKVCache
 from .verify import Digests, Verifier
+
+
+def packed(moves: Sequence[Move]) -> array:
+    """``moves`` as one ``array('q')`` of five fields per move: the packed moves' own array when they carry one
+    (``fields``: the fast path's ``MoveArray``), no copy; else packed here."""
+    fields = getattr(moves, "fields", None)
+    if fields.__class__ is array and fields.typecode == "q":
+        return fields
+    return array("q", chain.from_iterable(moves))
+
+
+def check_copies(copies: Sequence[tuple[object, object]], num_blocks: int, block_size: int) -> list[Sequence[Move]]:
+    """``check_moves`` of each (moves, request) of a batch, in one pass of C-speed checks over all their fields (a
+    step's copies are many copies of a few moves each). A batch that fails it (or in which two copies write one
+    slot, which the wave's splitting allows) is checked copy by copy, so the culprit is named as ``check_moves``
+    names it. Returns each copy's moves: packed moves as they are (their fields are int64 by construction),
+    anything else as a tuple of ``Move``."""
+    try:
+        batches = [moves if hasattr(moves, "fields") or moves.__class__ is tuple and all(
+                   m.__class__ is Move for m in moves) else tuple(m if type(m) is Move else Move(*m) for m in moves)
+                   for moves, _ in copies]  # type: ignore[union-attr]
+        flat = array("q")
+        for moves in batches:
+            flat.extend(packed(moves))
+    except (TypeError, OverflowError):  # not moves, or a field that is no int64 (a float, a str): named below
+        flat = None
+    if flat is not None and not flat:
+        return batches
+    # NOTE: packing refuses a float or a str, not a bool (an int to array): the type pass catches it (exact ints only:
+    # no bool, no int subclass); packed moves' fields are int64 by construction
+    if flat is not None and set(map(type, chain.from_iterable(chain.from_iterable(
+            m for m in batches if not hasattr(m, "fields"))))) <= {int}:
+        tok, sb, so, db, do = (flat[i::5] for i in range(5))
+        if (min(tok) >= 0 and min(sb) >= 0 and max(sb) < num_blocks and min(so) >= 0 and max(so) < block_size
+                and min(db) >= 0 and max(db) < num_blocks and min(do) >= 0 and max(do) < block_size
+                and len(set(zip(db, do))) == len(tok)):
+            return batches
+    return [check_moves(moves, num_blocks, block_size, req_id) for moves, req_id in copies]
 
 
 @dataclass
@@ -182,7 +221,8 @@ class TorchCopyEngine(CopyRegistry):
         fields = array("q")
         for c in copies:
             fields.extend(packed(c.moves))
-        m = torch.frombuffer(fields, dtype=torch.int64).view(-1, 5) if fields else torch.empty((0, 5), dtype=torch.int64)
+        m = torch.frombuffer(fields, dtype=torch.int64).view(-1, 5) if fields else \
+            torch.empty((0, 5), dtype=torch.int64)
         src, dst = m[:, 1] * S + m[:, 2], m[:, 3] * S + m[:, 4]
         w = _Wave(copies, dst)
         rows, n = [], 0  # the verified copies' moves, by their row in the wave

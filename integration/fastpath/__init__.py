@@ -5,9 +5,11 @@ every mutation validated, every view derivable. Inside vLLM it costs 60-150 us p
 decode step leaves vtoken about 5. This package is a second implementation of the same behaviour for the dense read
 path with densify: one structure of arrays for all requests (``layout.FastLayout``), numba-compiled kernels with a
 plain array ABI that validate before they mutate (``kernels``), and a table with the core's interface and errors
-over them (``table.FastTable``), and the dense path's runtime on that table (``runtime.FastRuntime``). The two are
-proved equal operation by operation (tests/test_fastpath_table.py: the same random operations into the core's
-``TokenTable`` and a ``FastTable``, every request's state compared after each one) and step by step
+over them (``table.FastTable``), and the dense path's runtime on that table (``runtime.FastRuntime``), whose plans'
+moves travel packed (``moves.MoveArray``); on the workers' side, a compiled mover for CPU KV caches
+(``relocate.HostMover``). The two are proved equal operation by operation (tests/test_fastpath_table.py: the same
+random operations into the core's ``TokenTable`` and a ``FastTable``, every request's state compared after each one)
+and step by step
 (``shadow.ShadowedRuntime``: the core's runtime beside the fast one, compared after every call; inside vLLM under
 strict verify).
 

@@ -24,11 +24,11 @@ from vtoken.core.errors import (BlockListTooShortError, BlockNotOwnedError, Bloc
                                 TokenOutOfRangeError, UnknownRequestError)
 from vtoken.core.live_index import NO_SLOT
 from vtoken.core.plan import NoPlan, NoPlanReason, Plan, PlanKind
-from vtoken.core.token_table import MoveArray
 
 from . import kernels as K
 from .layout import (M_IN_USE, M_LAST_SYNC_START, M_LAYOUT_VERSION, M_NBLOCKS, M_NUM_LIVE, M_TOTAL_LEN, M_WRITE_POS,
                      NO_POS, P_LIVE_SLOTS, Capacity, FastLayout)
+from .moves import MoveArray
 
 
 class FastTable:

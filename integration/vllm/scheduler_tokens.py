@@ -40,8 +40,9 @@ from vtoken.core.policies import POLICIES as CORE_POLICIES
 from vtoken.core.policies.base import RankedPolicy, RenamedRequests, RequestView
 from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
 from vtoken.core.runtime import ReadChanges, ReadPath, VTokenRuntime
-from vtoken.core.token_table import Move, packed
+from vtoken.core.token_table import Move
 
+from ..device.copy_engine import packed
 from . import manager_hooks
 from .allocator import VllmBlockAllocator
 from .settings import SCORE_POLICIES, VTokenSettings

@@ -20,7 +20,8 @@ from typing import Sequence
 from vtoken.core.copy_engine import CopyHandle, CopyRegistry, CopyStatus
 from vtoken.core.checks import as_list, check_int, is_int
 from vtoken.core.errors import ConfigError, CopyStateError, InvalidArgumentError, VTokenError
-from vtoken.core.token_table import Move, MoveArray
+from vtoken.core.token_table import Move
+from vtoken.integration.fastpath.moves import MoveArray
 
 
 @dataclass
