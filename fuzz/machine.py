@@ -925,8 +925,9 @@ class TensorMachine(VTokenMachine):
     Copies move real K/V tensors (four layers: fp32 in vLLM's GPU layout, bf16 stacked with one KV
     head, fp16 in the CPU layout with GQA heads, and a layer sharing the first one's buffers), with
     strict verify raising on any digest mismatch. Content tags live in every byte of every plane
-    (``TensorTagStore``), so the I1 checks read the tensors themselves. CPU copies finish at submit,
-    so the rules that complete, fail or reorder in-memory copies are not part of this machine.
+    (``TensorTagStore``), so the I1 checks read the tensors themselves. An odd pool moves tokens with the
+    compiled mover, an even one with torch (``tensor_engine``). CPU copies finish at submit, so the rules
+    that complete, fail or reorder in-memory copies are not part of this machine.
     """
 
     def make_engine(self, num_blocks: int, block_size: int):
