@@ -63,10 +63,7 @@ class HostMover:
 
 
 def host_mover(cache) -> HostMover | None:
-    """The compiled mover for ``cache`` (a ``PagedKVCache``) if it lives on the CPU and the fast path can run here,
-    else None (the device layer's torch path moves the tokens)."""
-    from . import unavailable
+    """The compiled mover for ``cache`` (a ``PagedKVCache``) if it lives on the CPU, else None (the device layer's
+    torch path moves the tokens). Importing this module needs numba: callers ask ``fastpath.unavailable()`` first."""
     groups = cache.host_groups()
-    if groups is None or unavailable() is not None:
-        return None
-    return HostMover(groups, cache.block_size, cache.num_slots)
+    return None if groups is None else HostMover(groups, cache.block_size, cache.num_slots)
