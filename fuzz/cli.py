@@ -25,9 +25,9 @@ from .planted import BUGS
 VLLM_BUGS = ("cursor_block_keeps_hash", "moved_into_block_keeps_hash", "worker_ignores_layouts",
              "worker_drops_read_evictions", "worker_ignores_read_moves", "worker_ranks_into_the_window",
              "gather_kernel_stops_a_key_early", "hash_at_list_index")  # vllm_episode.PLANTED
-FAST_BUGS = ("fast_counts_miss_a_move", "fast_dropped_move", "fast_live_bit_kept_on_eviction", "fast_plans_out_of_order",
-             "fast_rank_off_by_one", "fast_shared_block_densified", "fast_slot_off_by_one",
-             "fast_tail_block_kept")  # fast_target.FAST_BUGS (numba: not imported to parse the options)
+FAST_BUGS = ("fast_counts_miss_a_move", "fast_draw_of_another_state", "fast_dropped_move",
+             "fast_live_bit_kept_on_eviction", "fast_plans_out_of_order", "fast_rank_off_by_one",
+             "fast_shared_block_densified", "fast_slot_off_by_one", "fast_tail_block_kept")  # fast_target.FAST_BUGS (numba: not imported to parse the options)
 
 if TYPE_CHECKING:
     from .campaign import CampaignConfig

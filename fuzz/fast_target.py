@@ -2,8 +2,8 @@
 
 ``FastMachine`` plays the engine vLLM is: it allocates blocks from a pool, admits requests empty, gives some a
 prefix-cache hit (full blocks of a running request, or blocks an earlier request of the same step fills), syncs a
-step's tokens for a batch of requests in one call, evicts and reclaims for the decoding ones (StreamingLLM at a
-ratio or a count budget, a cadence of 1 or 3, or nothing evicted), and frees what a leaving request held. The
+step's tokens for a batch of requests in one call, evicts and reclaims for the decoding ones (StreamingLLM or Random,
+at a ratio or a count budget, a cadence of 1 or 3, or nothing evicted), and frees what a leaving request held. The
 runtime is a ``ShadowedRuntime``: the core's ``VTokenRuntime`` beside the fast one on a replay of the same pool,
 compared after every call (answers, plans in order, copies submitted, blocks freed, counters, the whole table
 state). After every rule the fast tables' maintained views are recounted (``FastTable.check_views``) and the pool
@@ -23,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from vtoken.core import errors as E
 from vtoken.core.block_pool import BlockPool, Purpose
-from vtoken.core.policies import StreamingLLM
+from vtoken.core.policies import RandomPolicy, StreamingLLM
 from vtoken.integration.fastpath import kernels as K
 from vtoken.integration.fastpath import runtime as fast_runtime
 from vtoken.integration.fastpath.layout import M_NBLOCKS
@@ -46,11 +46,16 @@ class FastMachine(RuleBasedStateMachine):
         self.prompt: dict[int, int] = {}  # request -> tokens it arrived with (decoding past them)
         self._compared = 0  # the shadow's compared calls counted so far
 
-    @initialize(policy=st.sampled_from(["none", "streaming_llm"]), budget=st.sampled_from([0.5, 0.75, 6, 10]),
-                sinks=st.integers(0, 5), evict_every=st.sampled_from([1, 3]))
-    def build(self, policy, budget, sinks, evict_every):
-        chosen = StreamingLLM(sinks=sinks) if policy == "streaming_llm" else None
-        self.rt = ShadowedRuntime(self.pool, ShadowEngine(), chosen, budget, ROWS, TOKENS, evict_every=evict_every)
+    @initialize(policy=st.sampled_from(["none", "streaming_llm", "random"]), budget=st.sampled_from([0.5, 0.75, 6, 10]),
+                param=st.integers(0, 5), evict_every=st.sampled_from([1, 3]), seed=st.sampled_from([0, 11, -1]))
+    def build(self, policy, budget, param, evict_every, seed):
+        """``param``: StreamingLLM's sinks, or Random's newest tokens kept (Random draws by each request's name,
+        given at admission as vLLM's plugin gives its arrival order)."""
+        chosen = StreamingLLM(sinks=param) if policy == "streaming_llm" else \
+            RandomPolicy(keep_recent=param) if policy == "random" else None
+        self.names: dict = {}
+        self.rt = ShadowedRuntime(self.pool, ShadowEngine(), chosen, budget, ROWS, TOKENS, evict_every=evict_every,
+                                  seed=seed, names=self.names)
         EVENTS["runs"] += 1
 
     # ---- helpers ---------------------------------------------------------------------------------
@@ -74,6 +79,7 @@ class FastMachine(RuleBasedStateMachine):
         return self.pool.allocate(need, Purpose.ADMISSION) if need else []
 
     def admitted(self, r, prompt: int) -> None:
+        self.names[r] = f"arrival-{len(self.names)}"
         self.rt.admit(r)
         self.prompt[r] = prompt
 
@@ -226,18 +232,18 @@ def _slot_off_by_one() -> dict:
 
 
 def _live_bit_kept_on_eviction() -> dict:
-    def after(args, out):  # streaming_evict_densify_batch: the first victim's live bit stays set
-        live_bits, rows, vstart, victims = args[10], args[13], args[16], args[17]
+    def after(args, out):  # evict_densify_batch: the first victim's live bit stays set
+        live_bits, rows, vstart, victims = args[10], args[13], args[18], args[19]
         if rows.shape[0] and vstart[1] > 0:
             t = int(victims[0])
             live_bits[rows[0], t // 64] |= np.uint64(1) << np.uint64(t % 64)
-    return _wrap("streaming_evict_densify_batch", after)
+    return _wrap("evict_densify_batch", after)
 
 
 def _counts_miss_a_move() -> dict:
-    def after(args, out):  # streaming_evict_densify_batch: the first plan's last move is not counted at its destination
+    def after(args, out):  # evict_densify_batch: the first plan's last move is not counted at its destination
         blocks, counts, meta, holders, block_live = args[2], args[3], args[4], args[5], args[6]
-        rows, moves, move_start, status = args[13], args[19], args[20], args[23]
+        rows, moves, move_start, status = args[13], args[21], args[22], args[25]
         S_ = holders.shape[0] // block_live.shape[0]
         for i in range(rows.shape[0]):
             if status[i] == K.PLANNED and move_start[i + 1] > move_start[i]:
@@ -247,21 +253,34 @@ def _counts_miss_a_move() -> dict:
                 if dst in listed:
                     counts[row, listed.index(dst)] -= 1
                 return
-    return _wrap("streaming_evict_densify_batch", after)
+    return _wrap("evict_densify_batch", after)
 
 
 def _rank_off_by_one() -> dict:
-    real = K.streaming_evict_densify_batch
+    real = K.evict_densify_batch
 
     def kernel(*args):  # StreamingLLM's choice one rank past the sinks' end
         args = list(args)
-        args[14] += 1
+        if args[14] == K.STREAMING:
+            args[15] += 1
         return real(*args)
-    return {(K, "streaming_evict_densify_batch"): kernel}
+    return {(K, "evict_densify_batch"): kernel}
+
+
+def _draw_of_another_state() -> dict:
+    real = K.evict_densify_batch
+
+    def kernel(*args):  # Random draws the first row's victims from another state (one bit flipped)
+        args = list(args)
+        if args[14] == K.RANDOM and args[13].shape[0]:
+            args[17] = args[17].copy()
+            args[17][args[13][0]] ^= np.uint64(1)
+        return real(*args)
+    return {(K, "evict_densify_batch"): kernel}
 
 
 def _shared_block_densified() -> dict:
-    real = K.streaming_evict_densify_batch
+    real = K.evict_densify_batch
 
     def kernel(*args):  # blocks another request lists taken for private during the eviction step
         listed = args[7]
@@ -272,7 +291,7 @@ def _shared_block_densified() -> dict:
             return real(*args)
         finally:
             listed[:] = before - (clipped - listed)
-    return {(K, "streaming_evict_densify_batch"): kernel}
+    return {(K, "evict_densify_batch"): kernel}
 
 
 def _runtime_commit(change) -> dict:
@@ -328,6 +347,8 @@ FAST_BUGS: dict[str, PlantedBug] = {b.name: b for b in (
                _counts_miss_a_move),
     PlantedBug("fast_rank_off_by_one", "StreamingLLM's choice in the kernel starts one rank past the sinks",
                _rank_off_by_one),
+    PlantedBug("fast_draw_of_another_state", "Random's kernel draws a request's victims from another request's state",
+               _draw_of_another_state),
     PlantedBug("fast_shared_block_densified", "the eviction step takes blocks other requests list for private",
                _shared_block_densified),
     PlantedBug("fast_tail_block_kept", "a committed plan's last released block is not freed", _tail_block_kept),

@@ -70,7 +70,7 @@ class Episode:
     @classmethod
     def draw(cls, seed: int, max_requests: int = 10, tp: int = 1, fast: bool = False) -> Episode:
         """The episode of ``seed``. ``fast``: the same draw moved into the fast path's domain (the dense path with
-        densify, no drill, policy none or StreamingLLM: any other policy drawn becomes StreamingLLM, and caching
+        densify, no drill, policy none, StreamingLLM or Random: any other policy drawn becomes StreamingLLM, and caching
         is on), so every episode runs the fast path shadowed by the core (V6)."""
         rng = random.Random(seed)
         # the score-free policies mostly (the differential oracle runs on them), budgets mostly high enough that
@@ -122,7 +122,7 @@ class Episode:
         vt["evict_every"] = random.Random(f"{seed}:evict_every").choice([1, 1, 1, 2, 4])
         if fast:
             vt.update(read_path="dense", reclaim="densify", drill_every=0, headroom=0,
-                      policy=vt["policy"] if vt["policy"] in ("none", "streaming_llm") else "streaming_llm")
+                      policy=vt["policy"] if vt["policy"] in ("none", "streaming_llm", "random") else "streaming_llm")
             vt.pop("score_layers", None)
             prefix_caching = True
         return cls(seed, vt, prefix_caching, num_blocks, reqs, tp, fast)

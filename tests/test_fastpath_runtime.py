@@ -63,7 +63,7 @@ def test_rows_for_a_policy_that_reads_none_are_refused_alike_and_change_nothing(
 
 def test_the_fast_path_refuses_a_policy_outside_its_domain():
     from vtoken.core.policies import H2O
-    with pytest.raises(ConfigError, match="StreamingLLM only"):
+    with pytest.raises(ConfigError, match="StreamingLLM and Random only, not H2O"):
         fast_runtime.FastRuntime(BlockPool(8, S), ShadowEngine(), H2O(), 0.5, 2, 16)
 
 

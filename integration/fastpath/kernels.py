@@ -532,22 +532,103 @@ def streaming_victims_batch(tok_pos, pos_token, blocks, counts, meta, holders, b
     return OK, -1, out_start[rows.shape[0]], 0
 
 
+# ---- Random's draw (``core/policies/random_policy.py``: the same 64-bit words) --------------------------------
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
+
+
 @njit(cache=True, nogil=True)
-def streaming_evict_densify_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
-                                  live_bits, word_live, group_live, rows, sinks, budgets, victim_start, victims,
-                                  positions, out_moves, move_start, out_released, released_start, status):
-    """The dense path's ``evict_and_reclaim`` for StreamingLLM in one call: for each of ``rows``,
-    ``streaming_victims`` at ``budgets[i]`` (into ``victims[victim_start[i]:victim_start[i+1]]``), their eviction
-    (positions likewise), then ``densify`` of the row with those positions (``densify_batch``'s outputs). The
-    victims are valid by construction (live, distinct, unprotected): nothing is refused. Returns
+def _mix(z):
+    """SplitMix64's finaliser (``random_policy.mix``)."""
+    z = (z ^ (z >> _S30)) * _MIX1
+    z = (z ^ (z >> _S27)) * _MIX2
+    return z ^ (z >> _S31)
+
+
+@njit(cache=True, nogil=True)
+def random_victims(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                   live_bits, word_live, group_live, row, keep_recent, budget, state, out):
+    """``RandomPolicy(keep_recent).select_victims`` on the dense path: Floyd's algorithm over the counter-based
+    draws of ``state`` (``random_policy.request_state`` of the row's request) and the row's total length, among the
+    live tokens but the newest ``keep_recent`` and those of blocks another request lists (protected); ascending,
+    into ``out``. Changes nothing but the duplicate check's scratch (``seen``). Returns (OK, count, 0)."""
+    S = holders.shape[0] // block_live.shape[0]
+    excess = meta[row, M_NUM_LIVE] - budget
+    older = meta[row, M_NUM_LIVE] - keep_recent  # ranks [0, older) may go
+    if excess <= 0 or older <= 0:
+        return OK, 0, 0
+    shared = False
+    for i in range(meta[row, M_NBLOCKS]):
+        if listed[blocks[row, i]] > 1:
+            shared = True
+            break
+    n = older
+    if shared:  # the candidates, ascending, without the protected tokens: O(older)
+        cand = np.empty(older, np.int64)
+        n = 0
+        t = _select(live_bits, word_live, group_live, row, 0)
+        for _ in range(older):
+            if listed[blocks[row, tok_pos[row, t] // S]] <= 1:
+                cand[n] = t
+                n += 1
+            t = _next_live(live_bits, row, t)
+    k = min(excess, n)
+    if k == 0:
+        return OK, 0, 0
+    h = _mix(np.uint64(state) ^ np.uint64(meta[row, M_TOTAL_LEN]))
+    pool[P_EPOCH] += 1
+    epoch = pool[P_EPOCH]
+    for c in range(k):  # Floyd: draw j takes t in [0, j], or j itself when t is taken
+        j = n - k + c
+        t = np.int64((_mix(h + np.uint64(j + 1) * GOLDEN)) % np.uint64(j + 1))
+        if seen[t] == epoch:
+            t = j
+        seen[t] = epoch
+        out[c] = t
+    picks = np.sort(out[:k])
+    if shared:
+        for c in range(k):
+            out[c] = cand[picks[c]]
+    elif k * 64 < n:  # a few picks: each by rank, O(groups + 128)
+        for c in range(k):
+            out[c] = _select(live_bits, word_live, group_live, row, picks[c])
+    else:  # many: one walk over the ranks up to the last pick
+        t = _select(live_bits, word_live, group_live, row, 0)
+        rank = 0
+        for c in range(k):
+            while rank < picks[c]:
+                t = _next_live(live_bits, row, t)
+                rank += 1
+            out[c] = t
+    return OK, k, 0
+
+
+STREAMING, RANDOM = 0, 1  # evict_densify_batch's policies
+
+
+@njit(cache=True, nogil=True)
+def evict_densify_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                        live_bits, word_live, group_live, rows, policy, param, budgets, states, victim_start, victims,
+                        positions, out_moves, move_start, out_released, released_start, status):
+    """The dense path's ``evict_and_reclaim`` for a built-in policy in one call: for each of ``rows``, its victims
+    at ``budgets[i]`` (``policy`` STREAMING: ``streaming_victims`` with ``param`` sinks; RANDOM: ``random_victims``
+    with ``param`` keep_recent and ``states[rows[i]]``), into ``victims[victim_start[i]:victim_start[i+1]]``, their
+    eviction (positions likewise), then ``densify`` of the row with those positions (``densify_batch``'s outputs).
+    The victims are valid by construction (live, distinct, unprotected): nothing is refused. Returns
     ``densify_batch``'s answer."""
     S = holders.shape[0] // block_live.shape[0]
     n = rows.shape[0]
     victim_start[0] = 0
     for i in range(n):
-        code, k, _ = streaming_victims(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool,
-                                       seen, live_bits, word_live, group_live, rows[i], sinks, budgets[i],
-                                       victims[victim_start[i]:])
+        if policy == STREAMING:
+            code, k, _ = streaming_victims(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool,
+                                           seen, live_bits, word_live, group_live, rows[i], param, budgets[i],
+                                           victims[victim_start[i]:])
+        else:
+            code, k, _ = random_victims(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool,
+                                        seen, live_bits, word_live, group_live, rows[i], param, budgets[i],
+                                        states[rows[i]], victims[victim_start[i]:])
         victim_start[i + 1] = victim_start[i] + k
         _apply_evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, pool, live_bits, word_live,
                      group_live, rows[i], victims[victim_start[i]:victim_start[i + 1]],
@@ -600,7 +681,10 @@ def warm_up() -> None:
                          np.empty(1, np.int64))[0] == OK
     assert streaming_victims(*L, 0, 1, 2, out)[0] == OK
     assert streaming_victims_batch(*L, one, 1, np.array([2], np.int64), starts, out)[0] == OK
-    assert streaming_evict_densify_batch(*L, one, 1, np.array([2], np.int64), starts, out, out.copy(),
-                                         np.empty((8, 3), np.int64), starts.copy(), out.copy(), starts.copy(),
-                                         np.empty(1, np.int64))[0] == OK
+    states = np.zeros(2, np.uint64)
+    assert random_victims(*L, 0, 1, 2, states[0], out)[0] == OK
+    for policy in (STREAMING, RANDOM):
+        assert evict_densify_batch(*L, one, policy, 1, np.array([2], np.int64), states, starts, out, out.copy(),
+                                   np.empty((8, 3), np.int64), starts.copy(), out.copy(), starts.copy(),
+                                   np.empty(1, np.int64))[0] == OK
     assert clear_row(*L, 0, out)[0] == OK

@@ -6,8 +6,8 @@ that the vLLM plugin drives on the dense read path, and ``ShadowedRuntime`` (``s
 and compares every answer and the whole state after every call. Its domain, fixed:
 
   read path dense, reclamation densify, ordering EVENT (a plan commits as soon as its copy is ordered before the
-  next compute step: ``WorkerCopyEngine``); the policy none or StreamingLLM (chosen in the kernel); requests admitted
-  empty (a prefix-cache hit arrives as ``sync`` of blocks another request lists); ``detach`` when they leave.
+  next compute step: ``WorkerCopyEngine``); the policy none, StreamingLLM or Random (chosen in the kernel); requests
+  admitted empty (a prefix-cache hit arrives as ``sync`` of blocks another request lists); ``detach`` when they leave.
 
 Anything else is refused when the runtime is built (``ConfigError``), never per request.
 
@@ -31,6 +31,7 @@ from vtoken.core.errors import (BlockNotOwnedError, ConfigError, DuplicateReques
                                 InvariantViolation, UnknownRequestError)
 from vtoken.core.occupancy import waste_ratio
 from vtoken.core.plan import NoPlanReason
+from vtoken.core.policies.random_policy import RandomPolicy, request_state
 from vtoken.core.policies.streaming_llm import StreamingLLM
 from vtoken.core.reclamation import PlanRecord, PlanState, ReclaimStats
 from vtoken.core.runtime import check_budget
@@ -40,20 +41,25 @@ from .table import FastTable
 
 
 class FastRuntime:
-    """See the module docstring. ``policy``: None (nothing evicted) or a ``StreamingLLM``; ``budget``, ``seed``,
-    ``evict_every`` as the core's; ``rows`` and ``tokens``: the layout's capacity (vLLM's max_num_seqs and
-    max_model_len)."""
+    """See the module docstring. ``policy``: None (nothing evicted), a ``StreamingLLM`` or a ``RandomPolicy``;
+    ``budget``, ``seed``, ``evict_every`` as the core's; ``rows`` and ``tokens``: the layout's capacity (vLLM's
+    max_num_seqs and max_model_len); ``names``: the name each request's draws use (Random; the core's
+    ``RenamedRequests``: a request without one draws by its id). The caller keeps ``names`` and names a request
+    before admitting it."""
 
-    def __init__(self, pool: BlockAllocator, engine: CopyEngine, policy: StreamingLLM | None, budget: float | int,
-                 rows: int, tokens: int, evict_every: int = 1, seed: int = 0) -> None:
-        if policy is not None and type(policy) is not StreamingLLM:
-            raise ConfigError(f"the fast path chooses victims for StreamingLLM only, not {policy!r}")
+    def __init__(self, pool: BlockAllocator, engine: CopyEngine, policy: StreamingLLM | RandomPolicy | None,
+                 budget: float | int, rows: int, tokens: int, evict_every: int = 1, seed: int = 0,
+                 names: dict | None = None) -> None:
+        if policy is not None and type(policy) not in (StreamingLLM, RandomPolicy):
+            raise ConfigError(f"the fast path chooses victims for StreamingLLM and Random only, not {policy!r}")
         check_budget(budget)
         check_int("evict_every", evict_every, 1, error=ConfigError)
         check_int("seed", seed, error=ConfigError)
         self.pool, self.engine, self.policy = pool, engine, policy
         self.budget, self.evict_every, self.seed = budget, evict_every, seed
         self.table = FastTable(pool.num_blocks, pool.block_size, rows, tokens)
+        self.names: dict = {} if names is None else names
+        self._draw_states = np.zeros(rows, np.uint64)  # per row: Random's request_state of its request
         self.iteration = 0
         self.pressure = 0
         self.reclaim_stats = ReclaimStats()
@@ -68,6 +74,8 @@ class FastRuntime:
         if req_id in self.table:
             raise DuplicateRequestError(f"request {req_id!r} is already admitted")
         self.table.add_request(req_id)
+        if type(self.policy) is RandomPolicy:
+            self._draw_states[self.table._rows[req_id]] = request_state(self.seed, self.names.get(req_id, req_id))
         self._order[req_id] = self._admitted
         self._admitted += 1
 
@@ -106,7 +114,7 @@ class FastRuntime:
     def evict_and_reclaim(self, req_ids: Sequence[object], attention: Mapping | None = None,
                           key_norms: Mapping | None = None, observed: Mapping | None = None) -> dict[object, list[int]]:
         """Algorithm 1 lines 2, 3 and 5 for ``req_ids``: each request due by its budget and the cadence loses
-        StreamingLLM's victims, then every request with holes is densified, its plan committed, its copy submitted
+        the policy's victims, then every request with holes is densified, its plan committed, its copy submitted
         and its emptied tail blocks freed, in admission order. Returns each request's victims (ascending ids, the
         core's order). Validated first (the core's checks and messages); nothing changes on a refusal."""
         ids = as_list("req_ids", req_ids)
@@ -127,8 +135,8 @@ class FastRuntime:
         victims: dict[object, list[int]] = {}
         plans = []
         if due:
-            for r, (chosen, plan) in zip(due, self.table.streaming_evict_densify_many(
-                    [(r, b) for r, b in due.items()], self.policy.sinks)):
+            for r, (chosen, plan) in zip(due, self.table.evict_densify_many(
+                    list(due.items()), self.policy, self._draw_states)):
                 if chosen:
                     victims[r] = chosen
                 plans.append((r, plan))

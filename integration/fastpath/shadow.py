@@ -20,6 +20,7 @@ from typing import Iterable, Mapping, Sequence
 from vtoken.core.copy_engine import CopyHandle, CopyStatus
 from vtoken.core.errors import InvariantViolation, VTokenError
 from vtoken.core.plan import PlanKind
+from vtoken.core.policies.base import RenamedRequests
 from vtoken.core.reclamation import Ordering, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 
@@ -114,11 +115,13 @@ class ShadowedRuntime:
     compared (see the module docstring). Queries are the fast path's (its state equals the core's after every call)."""
 
     def __init__(self, pool, engine, policy, budget, rows: int, tokens: int, evict_every: int = 1, seed: int = 0,
-                 core_policy=None) -> None:
+                 names: dict | None = None) -> None:
+        """``names``: as ``FastRuntime``'s; the core's policy draws by the same names (``RenamedRequests``)."""
         self._pool, self._engine = _Recording(pool), _Recording(engine)
-        self.fast = FastRuntime(self._pool, self._engine, policy, budget, rows, tokens, evict_every, seed)
+        self.fast = FastRuntime(self._pool, self._engine, policy, budget, rows, tokens, evict_every, seed, names)
         self.replay, self.shadow_engine = ReplayAllocator(pool), ShadowEngine()
-        self.core = VTokenRuntime(self.replay, self.shadow_engine, core_policy if core_policy is not None else policy,
+        core_policy = RenamedRequests(policy, self.fast.names) if policy is not None and names is not None else policy
+        self.core = VTokenRuntime(self.replay, self.shadow_engine, core_policy,
                                   budget, ReclaimConfig(PlanKind.DENSIFY, ordering=Ordering.EVENT), ReadPath.DENSE,
                                   seed=seed, evict_every=evict_every)
         self.calls = 0  # compared calls so far: a divergence names the call

@@ -24,6 +24,7 @@ from vtoken.core.errors import (BlockListTooShortError, BlockNotOwnedError, Bloc
                                 TokenOutOfRangeError, UnknownRequestError)
 from vtoken.core.live_index import NO_SLOT
 from vtoken.core.plan import NoPlan, NoPlanReason, Plan, PlanKind
+from vtoken.core.policies import RandomPolicy, StreamingLLM
 
 from . import kernels as K
 from .layout import (M_IN_USE, M_LAST_SYNC_START, M_LAYOUT_VERSION, M_NBLOCKS, M_NUM_LIVE, M_TOTAL_LEN, M_WRITE_POS,
@@ -41,6 +42,7 @@ class FastTable:
         self._free_rows = list(range(rows - 1, -1, -1))  # popped from the end: lowest row first
         self._scratch = np.empty(max(tokens, self.cap.max_positions), np.int64)
         self._moves = np.empty((self.cap.max_positions, 3), np.int64)
+        self._no_states = np.zeros(rows, np.uint64)  # StreamingLLM draws nothing
 
     # ---- registration ------------------------------------------------------------------
     def add_request(self, req_id: object) -> None:
@@ -241,12 +243,30 @@ class FastTable:
         K.streaming_victims_batch(*self._L, at, sinks, np.asarray([b for _, b in items], np.int64), starts, out)
         return [out[starts[k]:starts[k + 1]].tolist() for k in range(len(rows))]
 
-    def streaming_evict_densify_many(self, items: Sequence[tuple[object, int]], sinks: int
-                                     ) -> list[tuple[list[int], Plan | NoPlan]]:
-        """The dense path's eviction step for StreamingLLM in one kernel call: for each (request, budget), in order,
-        its victims (``streaming_victims``), their eviction, and ``densify`` with their positions. Returns each
-        request's (victims, plan or NoPlan)."""
-        check_int("sinks", sinks, 0)
+    def random_victims(self, req_id: object, keep_recent: int, budget: int, state: int) -> list[int]:
+        """``RandomPolicy(keep_recent).select_victims`` of the request at ``budget`` live tokens, on the dense path,
+        with ``state`` its ``random_policy.request_state``: ascending ids. Changes nothing."""
+        check_int("keep_recent", keep_recent, 0)
+        row = self._row(req_id)
+        check_int(f"request {req_id!r}: budget", budget, 1)
+        out = np.empty(max(int(self.layout.meta[row, M_NUM_LIVE]) - budget, 0) + 1, np.int64)
+        _, k, _ = K.random_victims(*self._L, row, keep_recent, budget, np.uint64(state), out)
+        return out[:k].tolist()
+
+    def evict_densify_many(self, items: Sequence[tuple[object, int]], policy: StreamingLLM | RandomPolicy,
+                           states: np.ndarray | None = None) -> list[tuple[list[int], Plan | NoPlan]]:
+        """The dense path's eviction step for a built-in policy in one kernel call: for each (request, budget), in
+        order, its victims (``streaming_victims``, or ``random_victims`` with ``states[row]`` the row's draw
+        state), their eviction, and ``densify`` with their positions. Returns each request's (victims, plan or
+        NoPlan)."""
+        if type(policy) is StreamingLLM:
+            kind, param = K.STREAMING, check_int("sinks", policy.sinks, 0)
+        elif type(policy) is RandomPolicy and isinstance(states, np.ndarray) and states.dtype == np.uint64 \
+                and states.shape == (self.cap.rows,):
+            kind, param = K.RANDOM, check_int("keep_recent", policy.keep_recent, 0)
+        else:
+            raise InvalidArgumentError(f"the fast path chooses victims for StreamingLLM, or Random with a uint64 draw "
+                                       f"state per row, not {policy!r}")
         rows = [self._row(r) for r, _ in items]
         budgets = np.asarray([check_int(f"request {r!r}: budget", b, 1) for r, b in items], np.int64)
         at, meta, n = np.asarray(rows, np.int64), self.layout.meta, len(rows)
@@ -261,8 +281,9 @@ class FastTable:
         released = np.empty(int(meta[at, M_NBLOCKS].sum()) + 1, np.int64)
         vstart, move_start, released_start = (np.zeros(n + 1, np.int64) for _ in range(3))
         status = np.zeros(max(n, 1), np.int64)
-        code, i, a, b = K.streaming_evict_densify_batch(*self._L, at, sinks, budgets, vstart, victims, positions,
-                                                        moves, move_start, released, released_start, status)
+        code, i, a, b = K.evict_densify_batch(*self._L, at, kind, param, budgets,
+                                              self._no_states if states is None else states, vstart, victims,
+                                              positions, moves, move_start, released, released_start, status)
         if code == K.DENSE_MISMATCH:
             raise InvariantViolation("I7", f"request {items[i][0]!r}: {a} live tokens at or above n_live, {b} holes "
                                            f"below it")

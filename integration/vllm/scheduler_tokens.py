@@ -50,7 +50,7 @@ from .worker_copies import WorkerCopyEngine
 
 READ_CHECK_EVERY = 16  # strict verify: each request's read list is sent whole for the workers to check this often
 POLICIES = {"none": None, **CORE_POLICIES}
-FAST_POLICIES = ("none", "streaming_llm")  # the policies the fast path chooses victims for
+FAST_POLICIES = ("none", "streaming_llm", "random")  # the policies the fast path chooses victims for
 
 
 def reclaim_config(settings: VTokenSettings) -> ReclaimConfig | None:
@@ -64,8 +64,9 @@ def reclaim_config(settings: VTokenSettings) -> ReclaimConfig | None:
 
 def fast_path_refusal(settings: VTokenSettings, tensor_parallel: int = 1) -> str | None:
     """Why this configuration runs on the core's runtime rather than the fast path (``integration/fastpath``), or
-    None when the fast path runs it. Its domain today (issue #45): the dense read path, the policy none or
-    StreamingLLM, no relocation drill, one tensor-parallel rank, and numba present with every kernel compiled."""
+    None when the fast path runs it. Its domain today (issue #45): the dense read path, the policy none,
+    StreamingLLM or Random, no relocation drill, one tensor-parallel rank, and numba present with every kernel
+    compiled."""
     if not settings.fast_path:
         return "fast_path is off: the core's runtime (the reference) runs"
     if settings.read_path != "dense":
@@ -264,7 +265,7 @@ class SchedulerTokens:
             # strict verify: the core runs beside the fast path on a replay of the pool, compared every call (V6)
             cls = ShadowedRuntime if settings.strict_verify == "strict" else FastRuntime
             self.rt = cls(self.allocator, self.engine, policy() if policy else None, settings.budget, *capacity,
-                          evict_every=settings.evict_every, seed=settings.seed)
+                          evict_every=settings.evict_every, seed=settings.seed, names=self.policy_names)
             mb = self.rt.table.layout.footprint()["total"] / 2**20
             self.runtime_note = (f"the fast path runs ({cls.__name__}: {capacity[0]} requests x {capacity[1]} tokens, "
                                  f"{mb:.1f} MiB of tables)")
