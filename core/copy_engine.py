@@ -23,7 +23,7 @@ from typing import Protocol, Sequence
 
 from .checks import is_int  # an int that is not a bool: a bool is an int to Python, never a slot to us
 from .errors import (CopyStateError, DestinationError, MoveSourceMismatchError, TokenOutOfRangeError,
-                     UnknownCopyHandleError, VTokenError)
+                     UnknownCopyHandleError)
 from .token_table import Move
 
 

@@ -74,10 +74,8 @@ def _check_protocol(what: str, obj: object, methods: tuple[str, ...], attrs: tup
 
 def _as_policy(policy: object) -> EvictionPolicy | None:
     """None, an ``EvictionPolicy`` instance, or the name of a registered policy (built with its defaults)."""
-    if policy is None:
-        return None
-    if isinstance(policy, str):
-        return make_policy(policy)
+    if policy is None or isinstance(policy, str):
+        return None if policy is None else make_policy(policy)
     if isinstance(policy, type) or not callable(getattr(policy, "select_victims", None)) \
             or not isinstance(getattr(policy, "name", None), str):
         hint = f" (pass an instance: {policy.__name__}())" if isinstance(policy, type) else ""

@@ -175,9 +175,9 @@ def test_naive_evict_in_the_simulator_releases_what_streaming_llm_leaves_wholly_
         out[policy] = {m: r for m, r in compare_modes(cfg, wl).items()}
     ratio = {p: {m: r.mean_retained_blocks / r.mean_ideal_blocks for m, r in res.items()} for p, res in out.items()}
     assert out["streaming_llm"]["off"].reclaim["releases_committed"] == 34, "seed 0"
-    assert out["random"]["off"].reclaim["releases_committed"] == 2, "seed 0"
+    assert out["random"]["off"].reclaim["releases_committed"] == 0, "seed 0"
     assert ratio["streaming_llm"]["off"] == pytest.approx(1.391, abs=5e-3)
-    assert ratio["random"]["off"] == pytest.approx(1.835, abs=5e-3)
+    assert ratio["random"]["off"] == pytest.approx(1.849, abs=5e-3)
     for p in out:
         assert ratio[p]["densify"] < ratio[p]["compact"] < ratio[p]["off"], p
         assert out[p]["off"].reclaim["plans_committed"] == out[p]["off"].reclaim["moves_committed"] == 0, p

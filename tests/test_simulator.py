@@ -35,9 +35,9 @@ def figure1():
 def test_without_reclamation_most_blocks_are_at_most_half_used(figure1):
     off = figure1["off"]
     assert off.finished == 12 and off.preemptions == 0, f"seed {SEED}"
-    # the paper's Naive-Evict: no plan, no copy; only the blocks Random left wholly dead go back (rare: 2 here)
-    assert off.reclaim == {"plans_committed": 0, "plans_aborted": 0, "moves_committed": 0, "blocks_released": 2,
-                           "releases_committed": 2}
+    # the paper's Naive-Evict: no plan, no copy; only the blocks Random left wholly dead go back (rare: none here)
+    assert off.reclaim == {"plans_committed": 0, "plans_aborted": 0, "moves_committed": 0, "blocks_released": 0,
+                           "releases_committed": 0}
     assert off.mean_low_util_share > 0.5, f"seed {SEED}: {off.mean_low_util_share}"
     assert off.mean_waste_ratio > 0.45, f"seed {SEED}: {off.mean_waste_ratio}"
     ratio = off.mean_retained_blocks / off.mean_ideal_blocks

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 from .base import RequestView, check_policy_params
 
-MASK = (1 << 64) - 1
-GOLDEN = 0x9E3779B97F4A7C15
+MASK, GOLDEN = (1 << 64) - 1, 0x9E3779B97F4A7C15
 
 
 def mix(z: int) -> int:
@@ -43,8 +42,7 @@ def request_state(seed: int, req_id: object) -> int:
 def draw_indices(state: int, total_len: int, n: int, k: int) -> list[int]:
     """k distinct indices of range(n) (0 <= k <= n), ascending: Floyd's algorithm over the draws of
     (``state``, ``total_len``)."""
-    h = mix(state ^ total_len)
-    taken: set[int] = set()
+    h, taken = mix(state ^ total_len), set()
     for j in range(n - k, n):
         t = mix((h + (j + 1) * GOLDEN) & MASK) % (j + 1)
         taken.add(j if t in taken else t)
@@ -60,9 +58,6 @@ class RandomPolicy:
         check_policy_params(self, counts=("keep_recent",))
 
     def select_victims(self, view: RequestView) -> list[int]:
-        if not view.excess:
-            return []
         pool = view.candidates(keep_recent=self.keep_recent)
-        picks = draw_indices(request_state(view.seed, view.req_id), view.total_len, len(pool),
-                             min(view.excess, len(pool)))
-        return [pool[i] for i in picks]
+        state = request_state(view.seed, view.req_id)
+        return [pool[i] for i in draw_indices(state, view.total_len, len(pool), min(view.excess, len(pool)))]

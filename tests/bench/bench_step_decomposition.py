@@ -6,8 +6,8 @@ Q7's context axis reports vtoken's microseconds per request per step averaged ov
 of half the prompt, a request's first decode step evicts half its prompt at once (O(L) changes), and every later
 step evicts about one token. The average mixes the two, so its growth with L says nothing about whether the
 per-step machinery follows what changed. This bench steps the engine itself (8 requests by default, 32 generated
-tokens, the byte-llama; the configurations of ``bench_context_step.py``, and StreamingLLM on the fast path and on the
-core's runtime), reads vtoken's scheduler and worker seconds and the tokens evicted after every step, and splits each
+tokens, the byte-llama; the configurations of ``bench_context_step.py``, and StreamingLLM and Random on the fast
+path and on the core's runtime), reads vtoken's scheduler and worker seconds and the tokens evicted after every step, and splits each
 run into:
 
   * **steady**: the median over the decode steps that evicted at most one token per request and committed at most
@@ -31,10 +31,11 @@ import time
 from vtoken.integration.bench.vllm_engine import engine_args, engine_environment, heldout_windows, start_llm
 
 CONFIGS = {"random, densify": {"policy": "random", "budget": 0.5},
+           "random, densify, core": {"policy": "random", "budget": 0.5, "fast_path": False},
            "random, gather, compact": {"policy": "random", "budget": 0.5, "read_path": "gather", "reclaim": "compact"},
            "h2o, densify": {"policy": "h2o", "budget": 0.5},
            "h2o, gather, compact": {"policy": "h2o", "budget": 0.5, "read_path": "gather", "reclaim": "compact"},
-           # the fast path (issue #45) against the core's runtime on the same configuration
+           # the fast path (issue #45; Random's too) against the core's runtime on the same configuration
            "streaming, densify": {"policy": "streaming_llm", "budget": 0.5},
            "streaming, densify, core": {"policy": "streaming_llm", "budget": 0.5, "fast_path": False}}
 NEW_TOKENS, BLOCK = 32, 32
