@@ -56,6 +56,17 @@ def _young_collections_for_vllm() -> None:
 
 _young_collections_for_vllm()
 
+
+def pytest_runtest_setup(item):
+    """NOTE: once vLLM and torch are imported a worker's heap holds ~800,000 objects, and Python's automatic full
+    collections scan all of them: the simulator's reports (tests/test_bench_sim.py) took 76 s after an engine had
+    run in the process, 58 of them in 140 automatic full collections, against 24 s in a fresh one. Before each test
+    the heap is frozen (``gc.freeze``): the collector then scans what the test itself allocates. What was alive, or
+    garbage, at that point stays until an engine starts: ``vllm_engine.start_llm`` unfreezes and collects everything,
+    so no old engine survives it."""
+    import gc
+    gc.freeze()
+
 _SHARED_SCOPES = ("module", "package", "session")
 
 # The files with the most work, most first (``--durations``, 2026-12-06): on two workers the longest groups start

@@ -352,8 +352,10 @@ def start_llm(**kwargs):
     one exists), and an engine's agent goes only when the engine shuts down, which for an unreferenced in-process
     engine is when the collector reaches it. A new engine that finds an old agent is refused by vtoken's worker
     (``connector.bind_model_runner``): collect first, and shut down engines still held
-    (``llm.llm_engine.engine_core.shutdown()``)."""
+    (``llm.llm_engine.engine_core.shutdown()``). The heap is unfrozen first: objects a caller froze
+    (``gc.freeze``, as vLLM does while an engine runs) are invisible to the collector, an old engine among them."""
     from vllm import LLM
+    gc.unfreeze()
     gc.collect()
     return LLM(**kwargs)
 
