@@ -57,15 +57,26 @@ def _young_collections_for_vllm() -> None:
 _young_collections_for_vllm()
 
 
+_FULL_COLLECTION_EVERY = 100  # tests
+_tests_run = 0
+
+
 def pytest_runtest_setup(item):
     """NOTE: once vLLM and torch are imported a worker's heap holds ~800,000 objects, and Python's automatic full
     collections scan all of them: the simulator's reports (tests/test_bench_sim.py) took 76 s after an engine had
     run in the process, 58 of them in 140 automatic full collections, against 24 s in a fresh one. Before each test
     the heap is frozen (``gc.freeze``): the collector then scans what the test itself allocates. What was alive, or
-    garbage, at that point stays until an engine starts: ``vllm_engine.start_llm`` unfreezes and collects everything,
-    so no old engine survives it."""
+    garbage, at that point stays until an engine starts (``vllm_engine.start_llm`` unfreezes and collects
+    everything, so no old engine survives it) or, at the latest, for ``_FULL_COLLECTION_EVERY`` tests: the frozen
+    garbage stays bounded in the runs without engines."""
     import gc
+    global _tests_run
+    _tests_run += 1
+    if _tests_run % _FULL_COLLECTION_EVERY == 0:
+        gc.unfreeze()
+        gc.collect()
     gc.freeze()
+
 
 _SHARED_SCOPES = ("module", "package", "session")
 
