@@ -29,6 +29,8 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     _pinned.close()
+    import gc
+    gc.unfreeze()  # the interpreter's last collections see everything (pytest_runtest_setup froze the heap)
 
 
 def _young_collections_for_vllm() -> None:
