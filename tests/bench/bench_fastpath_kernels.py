@@ -12,7 +12,7 @@ cursor's end into the hole; the emptied tail block is released). Three implement
   table    ``FastTable``'s batched calls, one per phase: Python lists in, lists out
   kernels  the four batch kernels alone (``sync_batch``, ``streaming_victims_batch``, ``evict_batch``,
            ``densify_batch``) on arrays built before the clock starts
-  fused    two kernel calls: ``sync_batch`` and ``streaming_evict_densify_batch`` (choice, eviction and densify in
+  fused    two kernel calls: ``sync_batch`` and ``evict_densify_batch`` (choice, eviction and densify in
            one): what the four cost in numba's dispatch (about a microsecond a call, whatever the batch)
 
 After the timed steps the fast table's state must equal the core's (``TokenTable.state()``). Also the burst: the
@@ -42,6 +42,7 @@ from vtoken.integration.fastpath.table import FastTable
 
 SINKS, RATIO = 4, 0.5
 POLICY = StreamingLLM(sinks=SINKS)
+NO_STATES = np.zeros(1, np.uint64)  # StreamingLLM draws nothing (Random's per-row draw states)
 
 
 def budget(total_len: int) -> int:
@@ -128,9 +129,9 @@ class KernelStep:
         t0 = time.perf_counter()
         ok = K.sync_batch(*self.L, self.rows, totals, bstart, blocks, self.one_each, self.slots, True)[0] == K.OK
         if fused:
-            ok &= K.streaming_evict_densify_batch(*self.L, self.rows, SINKS, budgets, self.vstart, self.victims,
-                                                  self.positions, self.moves, self.ms, self.released, self.rs,
-                                                  self.status)[0] == K.OK
+            ok &= K.evict_densify_batch(*self.L, self.rows, K.STREAMING, SINKS, budgets, NO_STATES, self.vstart,
+                                        self.victims, self.positions, self.moves, self.ms, self.released, self.rs,
+                                        self.status)[0] == K.OK
         else:
             K.streaming_victims_batch(*self.L, self.rows, SINKS, budgets, self.vstart, self.victims)
             ok &= K.evict_batch(*self.L, self.rows, self.vstart, self.victims, self.positions)[0] == K.OK
@@ -157,7 +158,7 @@ def prefill(table, pool: Pool, R: int, ctx: int, S: int) -> float:
 
 
 def kernel_burst(ft: FastTable, pool: Pool, R: int, ctx: int, S: int) -> float:
-    """``prefill``'s burst through ``streaming_evict_densify_batch`` alone: us per evicted token."""
+    """``prefill``'s burst through ``evict_densify_batch`` (StreamingLLM) alone: us per evicted token."""
     for r in range(R):
         ft.add_request(r)
         ft.sync_new_tokens(r, pool.take(-(-ctx // S)), ctx)
@@ -167,8 +168,8 @@ def kernel_burst(ft: FastTable, pool: Pool, R: int, ctx: int, S: int) -> float:
     victims, positions, released = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
     moves, status = np.empty((n, 3), np.int64), np.zeros(R, np.int64)
     t0 = time.perf_counter()
-    code = K.streaming_evict_densify_batch(*ft._L, rows, SINKS, budgets, vstart, victims, positions, moves, ms,
-                                           released, rs, status)[0]
+    code = K.evict_densify_batch(*ft._L, rows, K.STREAMING, SINKS, budgets, NO_STATES, vstart, victims, positions,
+                                 moves, ms, released, rs, status)[0]
     seconds = time.perf_counter() - t0
     assert code == K.OK
     pool.free += released[:rs[R]].tolist()
