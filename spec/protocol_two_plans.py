@@ -907,7 +907,20 @@ def check(protocol: Protocol, invariant: str, n: int | None = None, timeout_ms: 
 
 
 def chc_check(protocol: Protocol, invariant: str, rlimit: int = SPACER_RLIMIT) -> z3.CheckSatResult:
-    """Unbounded: Reach(init); Reach(s) and T(s, s') imply Reach(s'); query Reach(s) and bad(s). unsat = safe."""
+    """Unbounded: Reach(init); Reach(s) and T(s, s') imply Reach(s'); query Reach(s) and bad(s). unsat = safe.
+
+    NOTE: in a fresh z3 context. Spacer's search, and so the resource units it spends, depends on the context's
+    history (the terms made before it, and their ids): I3/x2/vllm, proved within ~1,000,000 units in a fresh
+    process, once spent more than its 1,500,000 in a test worker that had run other proofs first."""
+    saved = z3.z3._main_ctx
+    z3.z3._main_ctx = None  # z3py makes a new one on first use
+    try:
+        return _chc_check(protocol, invariant, rlimit)
+    finally:
+        z3.z3._main_ctx = saved
+
+
+def _chc_check(protocol: Protocol, invariant: str, rlimit: int) -> z3.CheckSatResult:
     u = Unrolling(protocol, 1, bitvectors=False, content=invariant == "V")
     s0, s1 = u.states
     [c0] = u.choices

@@ -59,6 +59,29 @@ def _young_collections_for_vllm() -> None:
 _young_collections_for_vllm()
 
 
+def _register_kernel_overrides_once() -> None:
+    """NOTE: every engine vLLM's CPU platform starts registers its C++ stand-ins for Triton kernels again
+    (``CpuPlatform.register_triton_kernel_overrides``): it wraps the wrapper the previous engine installed and scans
+    every attribute of every loaded module for holders of the old one, 0.7 s or more per engine in a test process.
+    Here it runs for the first engine of a process only; every later engine finds the same overrides in place
+    (an engine process of its own registers them as vLLM does). Installed once vLLM's platform module is loaded."""
+    import sys
+
+    cpu = sys.modules.get("vllm.platforms.cpu")
+    if cpu is None or getattr(cpu.CpuPlatform, "_vtoken_tests_once", False):
+        return
+    register = cpu.CpuPlatform.register_triton_kernel_overrides.__func__
+    done: list = []
+
+    def register_once(cls) -> None:
+        if not done:
+            register(cls)
+            done.append(True)
+
+    cpu.CpuPlatform.register_triton_kernel_overrides = classmethod(register_once)
+    cpu.CpuPlatform._vtoken_tests_once = True
+
+
 _FULL_COLLECTION_EVERY = 100  # tests
 _tests_run = 0
 
@@ -73,6 +96,7 @@ def pytest_runtest_setup(item):
     garbage stays bounded in the runs without engines."""
     import gc
     global _tests_run
+    _register_kernel_overrides_once()
     _tests_run += 1
     if _tests_run % _FULL_COLLECTION_EVERY == 0:
         gc.unfreeze()
@@ -83,8 +107,10 @@ def pytest_runtest_setup(item):
 _SHARED_SCOPES = ("module", "package", "session")
 
 # The files with the most work, most first (``--durations``, 2026-12-06): on two workers the longest groups start
-# first and the short tests fill in beside them, so no long group is left alone at the end. Order within a file,
-# and of every other file, is the collection's.
+# first and the short tests fill in beside them, so no long group is left alone at the end. The two that run
+# processes of their own (test_vllm_tp.py's ranks, test_vllm_serve.py's server) are kept apart: side by side they
+# oversubscribe the two cores (a run with them first and second took a minute longer). Order within a file, and
+# of every other file, is the collection's.
 _HEAVIEST_FIRST = ("tests/test_vllm_tp.py", "tests/test_bench_vllm.py", "tests/test_vllm_gather.py",
                    "tests/test_bench_sim.py", "tests/test_vllm_serve.py", "tests/test_fuzz_vllm.py",
                    "tests/test_vllm_policy_zoo.py", "tests/test_spec_crosshair.py", "tests/test_vllm_e2e.py",

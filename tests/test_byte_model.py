@@ -60,6 +60,9 @@ def test_vllm_greedy_matches_transformers(monkeypatch):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    import vllm_harness
+    vllm_harness.preload_processes()  # the engine core's process forks from a server that imported vLLM once
+
     expected = _hf_greedy(N_TOKENS)
     llm = LLM(model=str(CKPT), skip_tokenizer_init=True, dtype="float32", block_size=32, enforce_eager=True,
               max_model_len=1024, enable_prefix_caching=False, seed=0)
@@ -122,6 +125,9 @@ def test_vllm_serves_text_prompts_with_the_shipped_tokenizer(monkeypatch):
     pytest.importorskip("vllm")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    import vllm_harness
+    vllm_harness.preload_processes()  # the engine core's process forks from a server that imported vLLM once
 
     llm = LLM(model=str(CKPT), dtype="float32", block_size=32, enforce_eager=True, max_model_len=1024,
               enable_prefix_caching=False, seed=0)

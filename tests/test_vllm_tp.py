@@ -3,7 +3,9 @@ fp32, two worker processes with a core each; issue #22). One scheduler plans; ea
 own shard of the heads; a copy counts as done once both ranks report it (``ShardReports``); score policies all-reduce
 the ranks' attention rows before ranking victims.
 
-Every engine here starts two workers (about 30 s); each configuration runs once per module (``runs``)."""
+Every engine here starts two workers, from a forkserver that imported vLLM once (``H.preload_processes``: about
+12 s per engine instead of 25 s with spawn; one test keeps vLLM's spawn); each configuration runs once per module
+(``runs``)."""
 
 import pytest
 
@@ -108,11 +110,13 @@ def test_a_corruption_on_rank_1_only_is_caught_names_rank_1_and_fails_the_reques
     assert outs[1][2] == "error"
 
 
-def test_a_preempted_request_recomputes_what_plain_vllm_generates(runs):
+def test_a_preempted_request_recomputes_what_plain_vllm_generates(runs, monkeypatch):
     """Nothing evicted, a relocation drill, 8 usable blocks for 3 growing requests: vLLM preempts, vtoken
     rebuilds the preempted request's table, and the ids equal plain vLLM's with room to spare (logprobs within
-    1e-5: recompute is one prefill instead of per-step decodes)."""
+    1e-5: recompute is one prefill instead of per-step decodes). The workers start as vLLM starts them (spawn)
+    and generate what the forkserver's workers generated in plain vLLM."""
     plain = runs("plain", None)
+    H.spawn_processes(monkeypatch)
     res = H.run({"drill_every": 2, "strict_verify": "strict"}, H.prompts(3), max_tokens=MAX_TOKENS,
                 count_preemptions=True, num_gpu_blocks_override=9, max_model_len=256, **H.TP2)
     assert res["preempted"], "the pool must be small enough to preempt"

@@ -9,6 +9,7 @@ embeddings N(0, 1), matrices N(0, 1/fan_in)); then a wrong K/V anywhere changes 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -112,6 +113,7 @@ def make_llm(vtoken: dict | None, multiprocess: bool | None = None, **overrides)
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of the functions above
     from vtoken.integration.bench.vllm_engine import start_llm
+    preload_processes()
     kw = dict(model=TINY, load_format="dummy", skip_tokenizer_init=True, dtype="float32", block_size=32,
               enforce_eager=True, max_model_len=2048, enable_prefix_caching=False, seed=0)
     kw.update(overrides)
@@ -327,6 +329,58 @@ def tp2_env(monkeypatch) -> None:
     collective_rpc of the harness's functions."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
+# ---- vLLM's processes started from a preloaded forkserver (tests only) ----------------------------------
+# NOTE: vLLM's CPU platform starts its engine-core and worker processes with spawn, and a spawned process spends
+# ~10 s importing torch and vLLM before it does anything: two thirds of a tensor-parallel engine's life here. A
+# forkserver that imported them once hands each process a copy of itself instead (~1 s). Spawn's other guarantees
+# are kept: the child gets its parent's sys.path, cwd and main module (multiprocessing sends them), and ``start``
+# hands over the parent's environment at that moment, which a forkserver child would not get (vLLM sets each
+# rank's OpenMP binding in ``os.environ`` just before ``start``: ompmultiprocessing.configure_omp_envs). vtoken is
+# not preloaded: it is imported in the child, after the environment is in place, as under spawn.
+_FORKSERVER = multiprocessing.get_context("forkserver")
+
+
+def _run_in_environ(environ: dict, target, kwargs: dict):
+    os.environ.clear()
+    os.environ.update(environ)
+    return target(**kwargs)
+
+
+class _ProcessInParentsEnviron(_FORKSERVER.Process):
+    def start(self):
+        self._kwargs = {"environ": dict(os.environ), "target": self._target, "kwargs": self._kwargs}
+        self._target = _run_in_environ
+        super().start()
+
+
+class _PreloadedForkserver(type(_FORKSERVER)):
+    Process = _ProcessInParentsEnviron
+
+
+_PRELOADED = _PreloadedForkserver()
+_PRELOADED.set_forkserver_preload(["torch", "vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor",
+                                   "vllm.v1.worker.cpu_worker"])
+_STARTERS = ("vllm.v1.engine.utils", "vllm.v1.executor.multiproc_executor")  # who imports get_mp_context
+
+
+def preload_processes() -> None:
+    """From now on, in this process, vLLM starts its engine-core and worker processes from the preloaded
+    forkserver. ``make_llm`` calls it for every engine; spawn stays covered (``spawn_processes``: one test in
+    test_vllm_tp.py, and ``vtoken serve``'s own processes)."""
+    import importlib
+    for name in _STARTERS:
+        importlib.import_module(name).get_mp_context = lambda: _PRELOADED
+
+
+def spawn_processes(monkeypatch) -> None:
+    """vLLM's own start method (spawn, on the CPU platform) until ``monkeypatch`` is undone."""
+    import importlib
+
+    from vllm.utils.system_utils import get_mp_context
+    for name in _STARTERS:
+        monkeypatch.setattr(importlib.import_module(name), "get_mp_context", get_mp_context)
 
 
 def corrupt_on_rank(worker, rank: int, victim: str, plane: str = "model.layers.0.self_attn.attn.K", bit: int = 20):
