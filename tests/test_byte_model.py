@@ -52,16 +52,21 @@ def test_checkpoint_is_trained():
     assert loss < MAX_HELDOUT_NATS, (loss, math.log(256))
 
 
-def test_vllm_greedy_matches_transformers(monkeypatch):
+@pytest.fixture
+def preloaded():
+    """The engine core's process forks from a server that imported vLLM once (``vllm_harness.preload_processes``)."""
+    pytest.importorskip("vllm")
+    import vllm_harness
+    vllm_harness.preload_processes()
+
+
+def test_vllm_greedy_matches_transformers(monkeypatch, preloaded):
     # the engine core in its own process: vLLM's KV connector is process-global, and this engine is plain vLLM
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     pytest.importorskip("vllm")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    import vllm_harness
-    vllm_harness.preload_processes()  # the engine core's process forks from a server that imported vLLM once
 
     expected = _hf_greedy(N_TOKENS)
     llm = LLM(model=str(CKPT), skip_tokenizer_init=True, dtype="float32", block_size=32, enforce_eager=True,
@@ -118,16 +123,13 @@ def test_the_committed_tokenizer_files_are_what_make_byte_tokenizer_writes(tmp_p
         assert p.read_text() == (CKPT / p.name).read_text(), f"{p.name} differs: rerun make_byte_tokenizer.py"
 
 
-def test_vllm_serves_text_prompts_with_the_shipped_tokenizer(monkeypatch):
+def test_vllm_serves_text_prompts_with_the_shipped_tokenizer(monkeypatch, preloaded):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     pytest.importorskip("vllm")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    import vllm_harness
-    vllm_harness.preload_processes()  # the engine core's process forks from a server that imported vLLM once
 
     llm = LLM(model=str(CKPT), dtype="float32", block_size=32, enforce_eager=True, max_model_len=1024,
               enable_prefix_caching=False, seed=0)

@@ -78,7 +78,7 @@ def reference(config):
     saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE")}
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     from vllm import LLM, SamplingParams
-    H.preload_processes()  # its engine core's process (the server's own start as vLLM starts them)
+    H.preload_processes()  # its engine-core process; the server's own processes start as vLLM starts them
     try:
         llm = LLM(model=MODEL, additional_config={"vtoken": CONFIGS[config]}, **ENGINE)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
