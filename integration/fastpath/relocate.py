@@ -37,6 +37,17 @@ def relocate(flat, offsets, stride, src, dst, block_size, buf):
             flat[offsets[o, e] + b * stride[e]] = buf[i, e]
 
 
+WIDTHS = (np.uint8, np.int16, np.int32, np.int64)  # a storage group's bits, by element size (``kv_cache._BITS``)
+
+
+def warm_up(dtypes=WIDTHS) -> None:
+    """Compile (or load from numba's cache) ``relocate`` for storages of ``dtypes``, moving nothing: a worker's first
+    step must not pay the compile (seconds, cold)."""
+    none, one = np.empty(0, np.int64), np.zeros((1, 1), np.int64)
+    for dtype in dtypes:
+        relocate(np.empty(1, dtype), one, np.zeros(1, np.int64), none, none, 1, np.empty((0, 1), dtype))
+
+
 class HostMover:
     """``mover(src, dst)``: the tokens at slots ``src`` (int64 tensors on the CPU) to slots ``dst``, in every group of
     a CPU cache. Slots are checked against the cache first (the kernel does not check bounds); nothing is written
@@ -46,6 +57,7 @@ class HostMover:
         self.groups = groups
         self.block_size, self.num_slots = block_size, num_slots
         self.calls = 0  # kernel calls: one per group per wave
+        warm_up(sorted({flat.dtype for flat, _, _ in groups}, key=str))  # at the worker's start, not its first copy
 
     def __call__(self, src, dst) -> None:
         s, d = src.numpy(), dst.numpy()
