@@ -37,6 +37,7 @@ from vtoken.core.reclamation import PlanRecord, PlanState, ReclaimStats
 from vtoken.core.runtime import check_budget
 
 from .layout import M_NUM_LIVE, M_TOTAL_LEN, M_WRITE_POS, P_LIVE_SLOTS
+from . import kernels as K
 from .table import FastTable
 
 
@@ -130,19 +131,23 @@ class FastRuntime:
         if attention or key_norms or observed:
             raise InvalidArgumentError(f"the fast path records no attention rows, key norms or votes: its policy "
                                        f"({self.policy.name if self.policy else 'none'}) reads none")
-        due = self._due(ids)
-        holey = sorted(self._holey - set(due), key=self._order.__getitem__)
+        due, rows, budgets = self._due(ids)
+        holey = sorted(self._holey - set(due), key=self._order.__getitem__) if self._holey else []
         victims: dict[object, list[int]] = {}
         plans = []
         if due:
-            for r, (chosen, plan) in zip(due, self.table.evict_densify_many(
-                    list(due.items()), self.policy, self._draw_states)):
+            step = self.table.evict_densify_rows(rows, budgets, self.policy, self._draw_states, due)
+            # NOTE: only the rows that lost a token or planned are visited: at a steady step about half of them
+            for k in step.acting:
+                chosen = step.victims_of(k)
                 if chosen:
-                    victims[r] = chosen
-                plans.append((r, plan))
+                    victims[due[k]] = chosen
+                if step.status[k] != K.ALREADY_DENSE:
+                    plans.append((due[k], step.plan(k)))
         if holey:
             plans += zip(holey, self.table.densify_many([(r, None) for r in holey]))
-        plans.sort(key=lambda rp: self._order[rp[0]])
+        if len(plans) > 1:
+            plans.sort(key=lambda rp: self._order[rp[0]])
         self._commit(plans)
         self.iteration += 1
         return victims
@@ -225,16 +230,17 @@ class FastRuntime:
             return np.full(totals.shape[0], self.budget, np.int64)
         return np.maximum(1, np.ceil(self.budget * totals.astype(np.float64))).astype(np.int64)
 
-    def _due(self, ids: list[object]) -> dict[object, int]:
-        """The requests of ``ids`` the policy is asked for victims, with their budgets: those at least
-        ``evict_every`` tokens over budget (the core's cadence; 0 < excess < beta waits), in the given order."""
+    def _due(self, ids: list[object]) -> tuple[list[object], np.ndarray, np.ndarray]:
+        """The requests of ``ids`` the policy is asked for victims, in the given order, with their rows and budgets:
+        those at least ``evict_every`` tokens over budget (the core's cadence; 0 < excess < beta waits)."""
         if self.policy is None or not ids:
-            return {}
-        rows = np.fromiter((self.table._rows[r] for r in ids), np.int64, len(ids))
+            return [], np.empty(0, np.int64), np.empty(0, np.int64)
+        index = self.table._rows
+        rows = np.fromiter(map(index.__getitem__, ids), np.int64, len(ids))
         meta = self.table.layout.meta
         budgets = self._budgets(meta[rows, M_TOTAL_LEN])
-        excess = meta[rows, M_NUM_LIVE] - budgets
-        return {ids[i]: int(budgets[i]) for i in np.flatnonzero(excess >= self.evict_every).tolist()}
+        at = np.flatnonzero(meta[rows, M_NUM_LIVE] - budgets >= self.evict_every)
+        return [ids[i] for i in at.tolist()], rows[at], budgets[at]
 
     def _commit(self, plans: list) -> None:
         """What the core's launch and settle do for each plan, in order: submit its copy (if it moves anything) and
@@ -259,7 +265,8 @@ class FastRuntime:
                     raise InvariantViolation("V6", f"request {r!r}: the fast path committed a plan whose copy the "
                                                    f"engine left {status.value}; it needs EVENT ordering")
                 self.engine.release(h)
-            self.pool.free(list(plan.src_blocks))
+            if plan.src_blocks:  # NOTE: an empty free changes nothing; the shadow's recorders drop them too
+                self.pool.free(list(plan.src_blocks))
             stats.plans_committed += 1
             stats.moves_committed += len(plan.moves)
             stats.blocks_released += len(plan.src_blocks)

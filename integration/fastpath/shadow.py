@@ -48,7 +48,9 @@ class ReplayAllocator:
         raise InvariantViolation("V6", f"the shadow core allocated {n!r} block(s): the dense path allocates none")
 
     def free(self, block_ids: Iterable[int]) -> None:
-        self.freed.append(list(block_ids))
+        block_ids = list(block_ids)
+        if block_ids:  # an empty free changes nothing (the fast path makes none)
+            self.freed.append(block_ids)
 
     def share(self, block_id: int) -> None:
         raise InvariantViolation("V6", "the shadow core shared a block: requests are admitted empty on this path")
@@ -102,7 +104,8 @@ class _Recording:
     def free(self, block_ids) -> None:
         block_ids = list(block_ids)
         self.real.free(block_ids)
-        self.freed.append(block_ids)
+        if block_ids:
+            self.freed.append(block_ids)
 
     def submit(self, moves, req_id=None):
         h = self.real.submit(moves, req_id=req_id)

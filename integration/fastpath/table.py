@@ -259,6 +259,18 @@ class FastTable:
         order, its victims (``streaming_victims``, or ``random_victims`` with ``states[row]`` the row's draw
         state), their eviction, and ``densify`` with their positions. Returns each request's (victims, plan or
         NoPlan)."""
+        rows = [self._row(r) for r, _ in items]
+        budgets = np.asarray([check_int(f"request {r!r}: budget", b, 1) for r, b in items], np.int64)
+        if len(set(rows)) != len(rows):
+            raise InvalidArgumentError(f"a request is named twice in one eviction: {[r for r, _ in items][:8]}")
+        step = self.evict_densify_rows(np.asarray(rows, np.int64), budgets, policy, states, [r for r, _ in items])
+        return [(step.victims_of(k), step.plan(k)) for k in range(len(items))]
+
+    def evict_densify_rows(self, rows: np.ndarray, budgets: np.ndarray, policy: StreamingLLM | RandomPolicy,
+                           states: np.ndarray | None, req_ids: list) -> "EvictStep":
+        """``evict_densify_many`` for rows already checked (distinct rows in use, budgets >= 1, int64 arrays; the
+        runtime's own ``_due`` makes them), answered as arrays (``EvictStep``): no Python object per request that
+        neither lost a token nor planned. ``req_ids``: each row's request, for the errors and the plans."""
         if type(policy) is StreamingLLM:
             kind, param = K.STREAMING, check_int("sinks", policy.sinks, 0)
         elif type(policy) is RandomPolicy and isinstance(states, np.ndarray) and states.dtype == np.uint64 \
@@ -267,13 +279,10 @@ class FastTable:
         else:
             raise InvalidArgumentError(f"the fast path chooses victims for StreamingLLM, or Random with a uint64 draw "
                                        f"state per row, not {policy!r}")
-        rows = [self._row(r) for r, _ in items]
-        budgets = np.asarray([check_int(f"request {r!r}: budget", b, 1) for r, b in items], np.int64)
-        at, meta, n = np.asarray(rows, np.int64), self.layout.meta, len(rows)
-        if len(set(rows)) != n:
-            raise InvalidArgumentError(f"a request is named twice in one eviction: {[r for r, _ in items][:8]}")
-        before = list(zip(meta[at, M_LAYOUT_VERSION].tolist(), meta[at, M_TOTAL_LEN].tolist()))
-        most = int(np.maximum(meta[at, M_NUM_LIVE] - budgets, 0).sum()) + 1
+        at, meta, n = rows, self.layout.meta, len(rows)
+        version, total = meta[at, M_LAYOUT_VERSION], meta[at, M_TOTAL_LEN]
+        over = np.maximum(meta[at, M_NUM_LIVE] - budgets, 0)
+        most = int(over.sum()) + 1
         victims, positions = np.empty(most, np.int64), np.empty(most, np.int64)
         # NOTE: sized for the worst case, as densify_many's: a row moves at most its dead positions (its cursor minus
         # its live tokens after the eviction) and releases at most its blocks
@@ -285,14 +294,10 @@ class FastTable:
                                               self._no_states if states is None else states, vstart, victims,
                                               positions, moves, move_start, released, released_start, status)
         if code == K.DENSE_MISMATCH:
-            raise InvariantViolation("I7", f"request {items[i][0]!r}: {a} live tokens at or above n_live, {b} holes "
+            raise InvariantViolation("I7", f"request {req_ids[i]!r}: {a} live tokens at or above n_live, {b} holes "
                                            f"below it")
-        cursors, codes = meta[at, M_WRITE_POS].tolist(), status.tolist()
-        vs, ms, rs = vstart.tolist(), move_start.tolist(), released_start.tolist()
-        moves = self._fields(moves[:ms[-1]])
-        return [(victims[vs[k]:vs[k + 1]].tolist(),
-                 self._plan(r, codes[k], moves[ms[k]:ms[k + 1]], released[rs[k]:rs[k + 1]], before[k], cursors[k]))
-                for k, (r, _) in enumerate(items)]
+        return EvictStep(req_ids, status[:n], vstart, victims, self._fields(moves[:move_start[n]]), move_start, released,
+                         released_start, version, total, meta[at, M_WRITE_POS])
 
     # ---- views -------------------------------------------------------------------------
     def num_live(self, req_id: object) -> int:
@@ -475,11 +480,8 @@ class FastTable:
               n_live: int) -> Plan | NoPlan:
         """A densify kernel's answer for one request as the core's planner gives it: the ``Plan``, its moves a
         ``MoveArray`` packed from ``moves`` (``_fields``' rows), or the ``NoPlan``."""
-        if status == K.ALREADY_DENSE:
-            return NoPlan(NoPlanReason.ALREADY_DENSE, f"request {req_id!r}")
-        if status == K.SHARED_BLOCK:
-            return NoPlan(NoPlanReason.SHARED_BLOCK, f"request {req_id!r}")
-        assert status == K.PLANNED, status
+        if status != K.PLANNED:
+            return _no_plan(status, req_id)
         return Plan(PlanKind.DENSIFY, req_id, version, MoveArray(array("q", moves.tobytes())), tuple(released.tolist()),
                     (), n_live)
 
@@ -525,3 +527,46 @@ class FastTable:
         if code == K.OVER_BLOCKS:
             raise ConfigError(f"request {req_id!r}: {a} blocks exceed the fast path's {b} per request")
         raise InvariantViolation("V6", f"request {req_id!r}: a fast path kernel answered code {code} ({a}, {b})")
+
+
+class EvictStep:
+    """``FastTable.evict_densify_rows``' answer for a step's rows, as the kernel wrote it: per row k its status
+    (``K.PLANNED``, ``ALREADY_DENSE`` or ``SHARED_BLOCK``), its victims ``victims[vstart[k]:vstart[k + 1]]``, its moves
+    (``Move``'s five fields per row, packed) and released blocks by the same kind of starts, and the (layout version,
+    total_len) and cursor its plan was made at. ``acting``: the rows that lost a token or planned something, the
+    only ones a caller need visit.
+
+    NOTE: read into Python lists and one byte string once per step: a caller visits about half the rows of a steady
+    step, and a numpy scalar read costs what a whole list conversion costs per row."""
+
+    __slots__ = ("req_ids", "status", "vstart", "victims", "moves", "move_start", "released", "released_start",
+                 "version", "total", "cursor", "acting")
+
+    def __init__(self, req_ids, status, vstart, victims, moves, move_start, released, released_start, version, total,
+                 cursor) -> None:
+        n = len(req_ids)
+        self.req_ids = req_ids
+        self.acting = np.flatnonzero((vstart[1:] > vstart[:-1]) | (status != K.ALREADY_DENSE)).tolist()
+        self.status, self.vstart, self.victims = status.tolist(), vstart.tolist(), victims[:vstart[n]].tolist()
+        self.moves, self.move_start = moves.tobytes(), move_start.tolist()
+        self.released, self.released_start = released[:released_start[n]].tolist(), released_start.tolist()
+        self.version, self.total, self.cursor = version.tolist(), total.tolist(), cursor.tolist()
+
+    def victims_of(self, k: int) -> list[int]:
+        return self.victims[self.vstart[k]:self.vstart[k + 1]]
+
+    def plan(self, k: int) -> Plan | NoPlan:
+        """Row k's plan as the core's planner gives it (``FastTable._plan``'s)."""
+        status, r = self.status[k], self.req_ids[k]
+        if status != K.PLANNED:
+            return _no_plan(status, r)
+        a, b = self.move_start[k], self.move_start[k + 1]
+        return Plan(PlanKind.DENSIFY, r, (self.version[k], self.total[k]), MoveArray(array("q", self.moves[40 * a:40 * b])),
+                    tuple(self.released[self.released_start[k]:self.released_start[k + 1]]), (), self.cursor[k])
+
+
+def _no_plan(status: int, req_id: object) -> NoPlan:
+    if status == K.ALREADY_DENSE:
+        return NoPlan(NoPlanReason.ALREADY_DENSE, f"request {req_id!r}")
+    assert status == K.SHARED_BLOCK, status
+    return NoPlan(NoPlanReason.SHARED_BLOCK, f"request {req_id!r}")

@@ -495,8 +495,13 @@ class SchedulerTokens:
         Either block, left hashed, would be served to a later request whose prompt matches the chain, with
         another request's K/V in it (issue #15). So every destination and every block from the cursor's block
         on loses its hash before vLLM can schedule again. None of them may be shared: the planners never
-        write a shared block (``plan_densify``: SHARED_BLOCK), and this is where that is relied on."""
+        write a shared block (``plan_densify``: SHARED_BLOCK), and this is where that is relied on.
+
+        NOTE: without prefix caching vLLM hashes no block and shares none (a block is shared only by a prefix hit),
+        so there is nothing to drop or refuse: O(1) then (strict verify's ``check`` still asserts B2 every step)."""
         pool = self.allocator.pool
+        if not pool.enable_caching:
+            return 0
         written = set(packed(plan.moves)[3::5]) | set(writable_blocks(self.rt, r, self.block_size))  # destinations
         shared = sorted(b for b in written if pool.blocks[b].ref_cnt > 1)
         if shared:
