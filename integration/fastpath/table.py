@@ -151,7 +151,8 @@ class FastTable:
             self._raise(code, a, b, r, rows[i], list(new), total, holder_pos)
         if check_only:
             return []
-        return [out[slot_starts[k]:slot_starts[k + 1]].tolist() for k in range(len(items))]
+        slots = out.tolist()
+        return [slots[slot_starts[k]:slot_starts[k + 1]] for k in range(len(items))]
 
     def _evict_args(self, req_id: object, row: int, token_ids: object) -> list[int]:
         """``evict_tokens``' first check, made in Python in the core's order: every id an int in [0, total_len)
@@ -172,7 +173,9 @@ class FastTable:
         if total_len < synced:
             raise TokenOutOfRangeError(f"request {req_id!r}: total_len {total_len!r} is below the synced length {synced}")
         new = as_list("request {!r}: new blocks", block_ids, BlockOutOfRangeError, req_id)
-        if not all(b.__class__ is int or is_int(b) for b in new) or any(not 0 <= b < self.num_blocks for b in new):
+        # NOTE: most steps add no block to a request: the checks of its new blocks cost nothing then
+        if new and (not all(b.__class__ is int or is_int(b) for b in new)
+                    or any(not 0 <= b < self.num_blocks for b in new)):
             self._refuse_blocks(req_id, new)  # raises, naming the first bad block as the core does
         return new
 

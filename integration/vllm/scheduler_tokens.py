@@ -349,7 +349,7 @@ class SchedulerTokens:
             if len(held) < known or known and held[known - 1].block_id != last:
                 raise InvariantViolation("B1", f"request {r!r}: token table blocks {rt.block_ids(r)} are not a prefix "
                                                f"of vLLM's {[b.block_id for b in held]}")
-            items.append((r, [b.block_id for b in held[known:]], computed + scheduled))
+            items.append((r, [b.block_id for b in held[known:]] if len(held) > known else [], computed + scheduled))
         synced = rt.sync_many(items)
         for (r, _, scheduled), slots, g in zip(syncs, synced, rt.gaps(ids)):
             if g:
