@@ -36,8 +36,8 @@ from vtoken.core.policies.streaming_llm import StreamingLLM
 from vtoken.core.reclamation import PlanRecord, PlanState, ReclaimStats
 from vtoken.core.runtime import check_budget
 
-from .layout import M_NUM_LIVE, M_TOTAL_LEN, M_WRITE_POS, P_LIVE_SLOTS
 from . import kernels as K
+from .layout import M_NUM_LIVE, M_TOTAL_LEN, M_WRITE_POS, P_LIVE_SLOTS
 from .table import FastTable
 
 
