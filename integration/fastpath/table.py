@@ -483,10 +483,7 @@ class FastTable:
               n_live: int) -> Plan | NoPlan:
         """A densify kernel's answer for one request as the core's planner gives it: the ``Plan``, its moves a
         ``MoveArray`` packed from ``moves`` (``_fields``' rows), or the ``NoPlan``."""
-        if status != K.PLANNED:
-            return _no_plan(status, req_id)
-        return Plan(PlanKind.DENSIFY, req_id, version, MoveArray(array("q", moves.tobytes())), tuple(released.tolist()),
-                    (), n_live)
+        return _plan(status, req_id, version, moves.tobytes(), released.tolist(), n_live)
 
     def _name(self, row: int) -> object:
         return next(k for k, r in self._rows.items() if r == row)
@@ -560,15 +557,17 @@ class EvictStep:
 
     def plan(self, k: int) -> Plan | NoPlan:
         """Row k's plan as the core's planner gives it (``FastTable._plan``'s)."""
-        status, r = self.status[k], self.req_ids[k]
-        if status != K.PLANNED:
-            return _no_plan(status, r)
         a, b = self.move_start[k], self.move_start[k + 1]
-        return Plan(PlanKind.DENSIFY, r, (self.version[k], self.total[k]), MoveArray(array("q", self.moves[40 * a:40 * b])),
-                    tuple(self.released[self.released_start[k]:self.released_start[k + 1]]), (), self.cursor[k])
+        return _plan(self.status[k], self.req_ids[k], (self.version[k], self.total[k]), self.moves[40 * a:40 * b],
+                     self.released[self.released_start[k]:self.released_start[k + 1]], self.cursor[k])
 
 
-def _no_plan(status: int, req_id: object) -> NoPlan:
+def _plan(status: int, req_id: object, version: tuple[int, int], moves: bytes, released: list[int],
+          n_live: int) -> Plan | NoPlan:
+    """A densify kernel's answer for one request as the core's planner gives it: the ``Plan`` (its moves a
+    ``MoveArray`` over ``moves``, five int64 fields per move), or the ``NoPlan``."""
+    if status == K.PLANNED:
+        return Plan(PlanKind.DENSIFY, req_id, version, MoveArray(array("q", moves)), tuple(released), (), n_live)
     if status == K.ALREADY_DENSE:
         return NoPlan(NoPlanReason.ALREADY_DENSE, f"request {req_id!r}")
     assert status == K.SHARED_BLOCK, status
