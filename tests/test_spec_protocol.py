@@ -12,7 +12,6 @@ Four groups:
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import replace
 
@@ -43,23 +42,24 @@ def test_six_obligations_one_per_invariant_and_ordering():
         assert f"else bounded by {pm.DEFAULT_BOUND} transitions" in ob.claim  # the claim states its bound
 
 
-@functools.cache
+@pytest.fixture(scope="module")
 def results() -> dict:
-    """Each obligation run once per session (the test below and the time budget share it)."""
+    """Each obligation run once (the test below and the time budget share it; a module fixture, so that on two
+    workers the tests that share it run in one: tests/conftest.py)."""
     return {ob.id: run(ob) for ob in OBLIGATIONS}
 
 
 @pytest.mark.parametrize("ob", OBLIGATIONS, ids=lambda ob: ob.id)
-def test_obligation_is_proved(ob):
-    result = results()[ob.id]
+def test_obligation_is_proved(ob, results):
+    result = results[ob.id]
     assert result.outcome.status == PROVED, result.outcome.detail
     assert f"up to {pm.DEFAULT_BOUND} transitions" in result.outcome.detail
     # the same transition relation as Horn clauses: Spacer proves it for traces of any length
     assert "inductive invariant" in result.outcome.detail
 
 
-def test_all_obligations_fit_the_time_budget():
-    assert sum(r.seconds for r in results().values()) < 60
+def test_all_obligations_fit_the_time_budget(results):
+    assert sum(r.seconds for r in results.values()) < 60
 
 
 # ---- planted bugs: the checks have teeth ------------------------------------------------------------
