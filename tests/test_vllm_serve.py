@@ -23,7 +23,6 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
-import vllm_harness as H  # noqa: E402
 from vtoken.integration.bench.server import ENGINE, MODEL, ServerProcess  # noqa: E402
 
 VTOKEN = str(Path(sys.executable).with_name("vtoken"))
@@ -74,17 +73,22 @@ def server(config, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(config):
-    """Greedy text of the in-process engine (``vllm.LLM``, the same model, settings and engine options)."""
+    """Greedy text of the in-process engine (``vllm.LLM`` in the test's own process: the same model, settings and
+    engine options as the server's, without its processes)."""
     saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE")}
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    from vllm import LLM, SamplingParams
-    H.preload_processes()  # its engine-core process; the server's own processes start as vLLM starts them
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    from vllm import SamplingParams
+
+    from vtoken.integration.bench.vllm_engine import start_llm
     try:
-        llm = LLM(model=MODEL, additional_config={"vtoken": CONFIGS[config]}, **ENGINE)
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-        texts = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        chats = [o.outputs[0].text for o in llm.chat(CHATS, params, use_tqdm=False)]
-        del llm
+        llm = start_llm(model=MODEL, additional_config={"vtoken": CONFIGS[config]}, **ENGINE)
+        try:
+            params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+            texts = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+            chats = [o.outputs[0].text for o in llm.chat(CHATS, params, use_tqdm=False)]
+        finally:
+            llm.llm_engine.engine_core.shutdown()  # its KV connector goes now, not at a later collection
+            del llm
     finally:
         for k, v in saved.items():
             if v is None:
