@@ -329,12 +329,12 @@ def _plans_out_of_order() -> dict:
 def _dropped_move() -> dict:
     def change(self, plans, real):  # each copy loses its first move
         engine = self.engine
-        submit = engine.submit
-        engine.submit = lambda moves, req_id=None: submit(tuple(moves)[1:], req_id=req_id)
+        submit = engine.submit_ordered
+        engine.submit_ordered = lambda copies: submit([(tuple(moves)[1:], req_id) for moves, req_id in copies])
         try:
             real(self, plans)
         finally:
-            del engine.submit
+            del engine.submit_ordered
     return _runtime_commit(change)
 
 

@@ -13,6 +13,8 @@ derandomized.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
@@ -20,8 +22,10 @@ from hypothesis.stateful import run_state_machine_as_test
 pytest.importorskip("numba")
 
 from vtoken.core.block_pool import BlockPool, Purpose  # noqa: E402
-from vtoken.core.errors import ConfigError, InvariantViolation  # noqa: E402
+from vtoken.core.copy_engine import CopyStatus  # noqa: E402
+from vtoken.core.errors import ConfigError, InvalidArgumentError, InvariantViolation  # noqa: E402
 from vtoken.core.policies import StreamingLLM  # noqa: E402
+from vtoken.core.token_table import Move  # noqa: E402
 from vtoken.fuzz.fast_target import FAST_BUGS, FastMachine  # noqa: E402
 from vtoken.fuzz.planted import planted  # noqa: E402
 from vtoken.integration.fastpath import runtime as fast_runtime  # noqa: E402
@@ -65,6 +69,24 @@ def test_the_fast_path_refuses_a_policy_outside_its_domain():
     from vtoken.core.policies import H2O
     with pytest.raises(ConfigError, match="StreamingLLM and Random only, not H2O"):
         fast_runtime.FastRuntime(BlockPool(8, S), ShadowEngine(), H2O(), 0.5, 2, 16)
+
+
+def test_the_fast_path_refuses_an_engine_without_submit_ordered():
+    from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore
+    with pytest.raises(ConfigError, match="one submit_ordered call, which InMemoryCopyEngine does not offer"):
+        fast_runtime.FastRuntime(BlockPool(8, S), InMemoryCopyEngine(TagStore(8, S)), StreamingLLM(), 0.5, 2, 16)
+
+
+def test_the_shadow_engines_submit_ordered_is_its_three_calls_and_refuses_what_is_no_pair():
+    engine = ShadowEngine()
+    moves = (Move(0, 1, 0, 2, 0),)
+    assert engine.submit_ordered([(moves, "a"), ((), "b")]) == [CopyStatus.ORDERED] * 2
+    assert engine.submit_ordered([]) == []
+    assert engine.submitted == [("a", moves), ("b", ())]
+    for bad, named in (("ab", "'ab'"), ([(moves, "a"), (moves,)], "got ((Move("), ([[moves, "a"]], "got [(Move(")):
+        with pytest.raises(InvalidArgumentError, match=re.escape(named)):
+            engine.submit_ordered(bad)
+    assert engine.submitted == [("a", moves), ("b", ())]  # a refused call submitted nothing
 
 
 # ---- planted bugs: the shadow (or the views' recount) must catch each -------------------------------------------

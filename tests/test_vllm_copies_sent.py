@@ -53,3 +53,43 @@ def test_reads_built_while_a_committed_copy_is_unsent_are_an_i3_violation():
     with pytest.raises(InvariantViolation, match=rf"I3: request 'a': its plan left flight \(committed or aborted\) "
                                                  rf"while its copy {handle} has not been sent to the workers"):
         check_copies_sent(rt, engine)
+
+
+def test_submit_ordered_is_submit_order_and_release_of_each_copy_in_one_pass():
+    """The fast path's call: each copy goes to the outbox in order, ORDERED and released, and stays registered until
+    the workers report it, exactly as ``submit``, ``order_before_compute`` and ``release`` leave it."""
+    from vtoken.core.copy_engine import CopyStatus
+    from vtoken.core.token_table import Move
+    from vtoken.integration.fastpath.moves import MoveArray
+
+    one, loop = WorkerCopyEngine(), WorkerCopyEngine()
+    packed = MoveArray(__import__("array").array("q", [3, 1, 0, 2, 1]))
+    copies = [((Move(0, 1, 0, 2, 0),), "a"), (packed, "b"), ([(5, 0, 1, 0, 0)], "c")]
+    assert one.submit_ordered(copies) == [CopyStatus.ORDERED] * 3
+    for moves, r in copies:
+        h = loop.submit(moves, req_id=r)
+        assert loop.order_before_compute(h) is CopyStatus.ORDERED
+        loop.release(h)
+    assert one.unsent() == loop.unsent() == [(1, "a", (Move(0, 1, 0, 2, 0),)), (2, "b", packed),
+                                             (3, "c", (Move(5, 0, 1, 0, 0),))]
+    assert one.unsent()[1][2] is packed  # the packed moves travel as they are
+    assert one.pending() == loop.pending() == [1, 2, 3]
+    for engine in (one, loop):
+        engine.take_outbox()
+        engine.report(2, ok=False)
+        assert engine.pending() == [1, 3] and engine.request_of(1) == "a"
+
+
+def test_submit_ordered_refuses_what_is_no_list_of_pairs_and_changes_nothing():
+    from vtoken.core.errors import InvalidArgumentError
+    from vtoken.core.token_table import Move
+
+    engine = WorkerCopyEngine()
+    moves = (Move(0, 1, 0, 2, 0),)
+    for bad, named in (("ab", "copies must be a sequence, got 'ab'"), ({"a": moves}, "got {'a'"),
+                       ([(moves, "a"), ("a",)], "each is a (moves, request) tuple, got ('a',)"),
+                       ([(moves, "a", 1)], "got ((Move(")):
+        with pytest.raises(InvalidArgumentError) as e:
+            engine.submit_ordered(bad)
+        assert named in str(e.value)
+    assert engine.unsent() == [] and engine.pending() == []

@@ -12,8 +12,20 @@ from __future__ import annotations
 from array import array
 from typing import Sequence
 
+from vtoken.core.checks import as_list
 from vtoken.core.errors import InvalidArgumentError
 from vtoken.core.token_table import Move
+
+
+def copy_pairs(copies: object) -> list:
+    """A step's copies for an engine's ``submit_ordered`` (the fast path's engines: the scheduler's
+    ``WorkerCopyEngine``, the shadow's): a list of (moves, request) tuples, or an ``InvalidArgumentError`` naming the
+    first item that is not one."""
+    copies = as_list("copies", copies)
+    for c in copies:
+        if c.__class__ is not tuple or len(c) != 2:
+            raise InvalidArgumentError(f"copies: each is a (moves, request) tuple, got {c!r}")
+    return copies
 
 
 class MoveArray(Sequence[Move]):

@@ -14,8 +14,11 @@ Anything else is refused when the runtime is built (``ConfigError``), never per 
 A step, as the core runs it: ``sync`` the step's tokens; after the forward ``evict_and_reclaim`` chooses each due
 request's victims, evicts them and densifies every request that is not dense, in admission order; ``settle``
 returns the committed plans. Here the kernel commits each densify plan in the same call that makes it: under EVENT
-ordering the core commits at the ``settle`` right after, with nothing between that could see the difference, and the
-copy engine and the pool receive the same calls in the same order (submit, order_before_compute, release; free).
+ordering the core commits at the ``settle`` right after, with nothing between that could see the difference. The
+pool receives the core's frees in the core's order; the copy engine the same copies in the same order, as one call
+per step (``submit_ordered``: each copy submitted, ordered before the next compute step and released, which is what
+the core's launch and EVENT settle do to it), so the engine must offer that call (vLLM's ``WorkerCopyEngine``, the
+shadow's engine).
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class FastRuntime:
                  names: dict | None = None) -> None:
         if policy is not None and type(policy) not in (StreamingLLM, RandomPolicy):
             raise ConfigError(f"the fast path chooses victims for StreamingLLM and Random only, not {policy!r}")
+        if not callable(getattr(engine, "submit_ordered", None)):
+            raise ConfigError(f"the fast path hands a step's copies to its engine in one submit_ordered call, which "
+                              f"{type(engine).__name__} does not offer")
         check_budget(budget)
         check_int("evict_every", evict_every, 1, error=ConfigError)
         check_int("seed", seed, error=ConfigError)
@@ -235,8 +241,7 @@ class FastRuntime:
         those at least ``evict_every`` tokens over budget (the core's cadence; 0 < excess < beta waits)."""
         if self.policy is None or not ids:
             return [], np.empty(0, np.int64), np.empty(0, np.int64)
-        index = self.table._rows
-        rows = np.fromiter(map(index.__getitem__, ids), np.int64, len(ids))
+        rows = self.table.rows_of(ids)
         meta = self.table.layout.meta
         budgets = self._budgets(meta[rows, M_TOTAL_LEN])
         at = np.flatnonzero(meta[rows, M_NUM_LIVE] - budgets >= self.evict_every)
@@ -245,32 +250,34 @@ class FastRuntime:
     def _commit(self, plans: list) -> None:
         """What the core's launch and settle do for each plan, in order: submit its copy (if it moves anything) and
         order it before the next compute step, release the handle, free the emptied tail blocks; NoPlans are
-        counted, and a request left with holes is densified again at the next step."""
+        counted, and a request left with holes is densified again at the next step. The step's copies go to the
+        engine in one call, in the plans' order (``submit_ordered``)."""
         stats = self.reclaim_stats
+        copies, committed = [], 0
         for r, plan in plans:
-            if not plan and plan.reason is NoPlanReason.ALREADY_DENSE:
-                continue  # the core does not plan a dense request at all: nothing to count
             if not plan:
-                stats.no_plan[plan.reason] += 1
-                self._holey.add(r)
+                if plan.reason is not NoPlanReason.ALREADY_DENSE:  # the core does not plan a dense request at all
+                    stats.no_plan[plan.reason] += 1
+                    self._holey.add(r)
                 continue
             self._holey.discard(r)
-            stats.plans_made += 1
             if plan.moves:
-                h = self.engine.submit(plan.moves, req_id=r)
-                status = self.engine.order_before_compute(h)
+                copies.append((plan.moves, r))
+            if plan.src_blocks:  # NOTE: an empty free changes nothing; the shadow's recorders drop them too
+                self.pool.free(list(plan.src_blocks))
+            stats.moves_committed += len(plan.moves)
+            stats.blocks_released += len(plan.src_blocks)
+            self._settled.append(PlanRecord(plan, PlanState.COMMITTED))
+            committed += 1
+        stats.plans_made += committed
+        stats.plans_committed += committed
+        if copies:
+            for (_, r), status in zip(copies, self.engine.submit_ordered(copies)):
                 if status is not CopyStatus.ORDERED and not status.settled:
                     # NOTE: the kernel committed already; an engine that cannot order the copy before the next step
                     # (the core would keep the plan in flight) is outside this runtime's domain
                     raise InvariantViolation("V6", f"request {r!r}: the fast path committed a plan whose copy the "
                                                    f"engine left {status.value}; it needs EVENT ordering")
-                self.engine.release(h)
-            if plan.src_blocks:  # NOTE: an empty free changes nothing; the shadow's recorders drop them too
-                self.pool.free(list(plan.src_blocks))
-            stats.plans_committed += 1
-            stats.moves_committed += len(plan.moves)
-            stats.blocks_released += len(plan.src_blocks)
-            self._settled.append(PlanRecord(plan, PlanState.COMMITTED))
         self._holey = {r for r in self._holey if r in self.table and not self._is_dense(r)}
 
     def _is_dense(self, r: object) -> bool:

@@ -24,6 +24,7 @@ from vtoken.core.policies.base import RenamedRequests
 from vtoken.core.reclamation import Ordering, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 
+from .moves import copy_pairs
 from .runtime import FastRuntime
 
 _COMPARED_STATS = ("plans_made", "plans_committed", "moves_committed", "moves_dropped", "blocks_released",
@@ -74,6 +75,10 @@ class ShadowEngine:
         self._next += 1
         return CopyHandle(self._next)
 
+    def submit_ordered(self, copies) -> list[CopyStatus]:
+        """``submit``, ``order_before_compute`` and ``release`` of each (moves, request) (the fast path's call)."""
+        return [self.order_before_compute(self.submit(moves, req_id)) for moves, req_id in copy_pairs(copies)]
+
     def poll(self, handle) -> CopyStatus:
         return CopyStatus.ORDERED
 
@@ -111,6 +116,12 @@ class _Recording:
         h = self.real.submit(moves, req_id=req_id)
         self.submitted.append((req_id, tuple(moves)))
         return h
+
+    def submit_ordered(self, copies):
+        copies = list(copies)
+        statuses = self.real.submit_ordered(copies)
+        self.submitted += [(req_id, tuple(moves)) for moves, req_id in copies]
+        return statuses
 
 
 class ShadowedRuntime:

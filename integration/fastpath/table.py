@@ -319,13 +319,13 @@ class FastTable:
 
     def bridge(self, req_ids: Sequence[object]) -> tuple[list[int], list[int], list[int]]:
         """Each request's (total_len, number of blocks, last block or -1), as three lists: one gather for all."""
-        rows = [self._row(r) for r in req_ids]
+        rows = self.rows_of(req_ids)
         meta, counts = self.layout.meta, self.layout.meta[rows, M_NBLOCKS]
         last = np.where(counts > 0, self.layout.blocks[rows, np.maximum(counts - 1, 0)], -1)
         return meta[rows, M_TOTAL_LEN].tolist(), counts.tolist(), last.tolist()
 
     def gaps(self, req_ids: Sequence[object]) -> list[int]:
-        rows = [self._row(r) for r in req_ids]
+        rows = self.rows_of(req_ids)
         meta = self.layout.meta
         return (meta[rows, M_TOTAL_LEN] - meta[rows, M_WRITE_POS]).tolist()
 
@@ -449,6 +449,17 @@ class FastTable:
                 raise InvariantViolation("V6", f"the fast table's {name}: not what a recount gives")
 
     # ---- helpers -----------------------------------------------------------------------
+    def rows_of(self, req_ids: Sequence[object]) -> np.ndarray:
+        """Each request's row, as an int64 array: one C-level pass over the index for a step's requests (``_row``'s
+        error for the first unknown one). NOTE: a bool is no request id (``_row``), though ``True`` finds the row of
+        a request named 1 in the index: any bool sends the call through ``_row``."""
+        try:
+            if bool not in set(map(type, req_ids)):
+                return np.fromiter(map(self._rows.__getitem__, req_ids), np.int64, len(req_ids))
+        except (KeyError, TypeError):
+            pass
+        return np.array([self._row(r) for r in req_ids], np.int64)
+
     def _row(self, req_id: object) -> int:
         try:
             if req_id.__class__ is bool:

@@ -21,7 +21,7 @@ from vtoken.core.copy_engine import CopyHandle, CopyRegistry, CopyStatus
 from vtoken.core.checks import as_list, check_int, is_int
 from vtoken.core.errors import ConfigError, CopyStateError, InvalidArgumentError, VTokenError
 from vtoken.core.token_table import Move
-from vtoken.integration.fastpath.moves import MoveArray
+from vtoken.integration.fastpath.moves import MoveArray, copy_pairs
 
 
 @dataclass
@@ -46,6 +46,19 @@ class WorkerCopyEngine(CopyRegistry):
         h = self._add(copy)
         self._outbox.append((h, req_id, copy.moves))
         return h
+
+    def submit_ordered(self, copies: Sequence[tuple[Sequence[Move], object]]) -> list[CopyStatus]:
+        """``submit``, ``order_before_compute`` and ``release`` of each (moves, request), in order, in one pass: the
+        copies of the plans the fast path commits at once. Each goes out ORDERED (the workers run it before the next
+        compute step) and released, kept until its report. Returns each copy's status (ORDERED). A refused
+        ``copies`` (``copy_pairs``) changes nothing."""
+        outbox, add, statuses = self._outbox, self._add, []
+        for moves, req_id in copy_pairs(copies):
+            if not (moves.__class__ is MoveArray or moves.__class__ is tuple and all(m.__class__ is Move for m in moves)):
+                moves = tuple(Move(*m) for m in moves)
+            outbox.append((add(_Copy(moves, req_id, CopyStatus.ORDERED, True)), req_id, moves))
+            statuses.append(CopyStatus.ORDERED)
+        return statuses
 
     def poll(self, handle: CopyHandle) -> CopyStatus:
         return self._get(handle).status
