@@ -5,7 +5,10 @@ written, and strict verify's digests catch a mover that misplaces tokens."""
 from __future__ import annotations
 
 import random
+import re
+from array import array
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,14 +62,31 @@ def test_the_mover_runs_only_on_the_cpu_and_is_used_by_default_there():
     assert TorchCopyEngine(cache, mover=mover).mover is mover
 
 
-def test_a_slot_outside_the_cache_is_refused_before_anything_is_written():
+def test_a_move_outside_the_cache_is_refused_before_anything_is_written():
     cache, _ = mixed_cache()
     before = snapshot(cache)
     mover = host_mover(cache)
-    for src, dst in (([0, 1], [2, NB * S]), ([-1], [3]), ([0, 1], [2])):
-        with pytest.raises(BlockOutOfRangeError):
-            mover(torch.tensor(src), torch.tensor(dst))
+    inside = [0, 0, 1, 1, 2]
+    for moves, named in (([inside, [1, 0, 2, NB, 0]], f"move (1, 0, 2, {NB}, 0) leaves the KV cache's {NB} blocks"),
+                         ([[0, -1, 3, 0, 0]], "move (0, -1, 3, 0, 0)"), ([inside, [1, 0, S, 1, 0]], f"(1, 0, {S}, 1, 0)"),
+                         ([[0, 0, 0, 0, -1]], "(0, 0, 0, 0, -1)")):
+        with pytest.raises(BlockOutOfRangeError, match=re.escape(named)):
+            mover(array("q", [f for m in moves for f in m]))
+    for bad in (array("q", [0, 1, 2]), np.zeros((2, 4), np.int64), np.zeros((1, 5), np.int32), [inside]):
+        with pytest.raises(BlockOutOfRangeError, match="five int64 fields each"):
+            mover(bad)
     assert bits_equal(snapshot(cache), before) and mover.calls == 0
+
+
+def test_a_wave_nobody_verifies_goes_to_the_mover_as_packed_moves_without_slot_tensors():
+    """The mover reads the wave's packed moves; torch's slot tensors are built only where the digests read them."""
+    copies = [([Move(0, 1, 0, 4, 0), Move(1, 1, 1, 4, 1)], "a"), ([Move(0, 2, 0, 5, 0)], "b")]
+    for verify, slots in (("off", None), ("strict", [4 * S, 4 * S + 1, 5 * S])):
+        _, statuses, eng = run(copies, torch.float32, mover=True, verify=verify)
+        assert statuses == [CopyStatus.DONE] * 2
+        [wave] = {id(c.wave): c.wave for c in eng._copies.values()}.values()
+        assert list(wave.moves) == [f for moves, _ in copies for m in moves for f in m]
+        assert (wave.dst_slots if slots is None else wave.dst_slots.tolist()) == slots
 
 
 def test_strict_verify_catches_a_mover_that_misplaces_tokens():
@@ -74,7 +94,11 @@ def test_strict_verify_catches_a_mover_that_misplaces_tokens():
     before and from the destinations after, differ: the copy fails, naming its request."""
     cache, _ = mixed_cache()
     good = host_mover(cache)
-    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", on_mismatch="raise")),
-                          mover=lambda src, dst: good(src, dst.roll(1)))
+    def one_along(moves):
+        moves = np.frombuffer(moves, np.int64).reshape(-1, 5).copy()
+        moves[:, 3:] = np.roll(moves[:, 3:], 1, axis=0)
+        good(moves)
+
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", on_mismatch="raise")), mover=one_along)
     with pytest.raises(RelocationMismatch, match="request 'a'"):
         eng.wait(eng.submit([Move(0, 1, 0, 4, 0), Move(1, 1, 1, 4, 1)], req_id="a"))

@@ -415,7 +415,7 @@ def corrupt_on_rank(worker, rank: int, victim: str, plane: str = "model.layers.0
         # the copy writes through torch's scatter or the compiled mover (``fast_path``): tear after either
         cache.scatter = lambda slots, values: (real_scatter(slots, values), tear(slots))
         if real_mover is not None:
-            self.mover = lambda src, dst: (real_mover(src, dst), tear(dst))
+            self.mover = lambda moves: (real_mover(moves), tear(wave.dst_slots))  # strict verify: the slots are there
         try:
             return real_launch(self, wave, src, rows)
         finally:

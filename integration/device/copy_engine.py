@@ -104,7 +104,9 @@ class _Wave:
     """Copies launched together: one gather and one scatter per storage group for all their moves, copy after
     copy, and (the verified ones) one source and one destination digest pass, compared in one go."""
     copies: list[_Copy]
-    dst_slots: torch.Tensor  # every move's destination slot, in the copies' order
+    moves: array  # every move's five fields, in the copies' order (``packed``)
+    # every move's destination slot, in the copies' order; None where the compiled mover moved a wave nobody verifies
+    dst_slots: torch.Tensor | None
     src_digests: Digests | None = None  # of the verified copies' moves, taken as part of the wave's work
     dst_digests: Digests | None = None
     compared: bool = False
@@ -125,8 +127,8 @@ def warm_pinned_memory(largest: int = 1 << 20, per_size: int = 4) -> None:
 
 class TorchCopyEngine(CopyRegistry):
     def __init__(self, cache: PagedKVCache, verifier: Verifier | None = None, mover=None) -> None:
-        """``mover(src, dst)``: a compiled move of a wave's tokens on the CPU (``fastpath.relocate.host_mover``) in
-        place of torch's gather and scatter, which stay the reference (and read the sources a verified copy's
+        """``mover(moves)``: a compiled move of a wave's tokens (its packed moves) on the CPU
+        (``fastpath.relocate.host_mover``) in place of torch's gather and scatter, which stay the reference (and read the sources a verified copy's
         digests are taken from)."""
         super().__init__()
         self.cache = cache
@@ -221,10 +223,13 @@ class TorchCopyEngine(CopyRegistry):
         fields = array("q")
         for c in copies:
             fields.extend(packed(c.moves))
-        m = torch.frombuffer(fields, dtype=torch.int64).view(-1, 5) if fields else \
-            torch.empty((0, 5), dtype=torch.int64)
-        src, dst = m[:, 1] * S + m[:, 2], m[:, 3] * S + m[:, 4]
-        w = _Wave(copies, dst)
+        if self.mover is not None and not any(c.verify for c in copies):
+            src = dst = None  # NOTE: the mover reads the packed moves; torch reads slots only to verify
+        else:
+            m = torch.frombuffer(fields, dtype=torch.int64).view(-1, 5) if fields else \
+                torch.empty((0, 5), dtype=torch.int64)
+            src, dst = m[:, 1] * S + m[:, 2], m[:, 3] * S + m[:, 4]
+        w = _Wave(copies, fields, dst)
         rows, n = [], 0  # the verified copies' moves, by their row in the wave
         for c in copies:
             c.wave = w
@@ -257,7 +262,7 @@ class TorchCopyEngine(CopyRegistry):
                 self.cache.scatter(w.dst_slots, values)
                 self.launches += 2 * len(values)
             else:
-                self.mover(src, w.dst_slots)
+                self.mover(w.moves)
                 self.launches += len(self.cache.groups)
             if verify:
                 self._digest(w, values, rows)

@@ -14,6 +14,8 @@ Plain ABI, as ``kernels``: numpy arrays and ints in (``PagedKVCache.host_groups`
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 
 from vtoken.core.errors import BlockOutOfRangeError
@@ -23,18 +25,29 @@ from numba import njit  # noqa: E402
 
 
 @njit(cache=True, nogil=True)
-def relocate(flat, offsets, stride, src, dst, block_size, buf):
-    """Element e of the token at slot ``src[i]`` to slot ``dst[i]``, for every i and e: all read, then all written.
-    An element of the token at (block b, offset o) is ``flat[offsets[o, e] + b * stride[e]]``."""
-    n, E = src.shape[0], offsets.shape[1]
+def relocate(flat, offsets, stride, moves, buf):
+    """For every move i (row i of ``moves``: token, source block, source offset, destination block, destination
+    offset, ``Move``'s fields) and element e: the token's element from its source to its destination, all read,
+    then all written. An element of the token at (block b, offset o) is ``flat[offsets[o, e] + b * stride[e]]``."""
+    n, E = moves.shape[0], offsets.shape[1]
     for i in range(n):
-        b, o = src[i] // block_size, src[i] % block_size
+        b, o = moves[i, 1], moves[i, 2]
         for e in range(E):
             buf[i, e] = flat[offsets[o, e] + b * stride[e]]
     for i in range(n):
-        b, o = dst[i] // block_size, dst[i] % block_size
+        b, o = moves[i, 3], moves[i, 4]
         for e in range(E):
             flat[offsets[o, e] + b * stride[e]] = buf[i, e]
+
+
+@njit(cache=True, nogil=True)
+def first_outside(moves, num_blocks, block_size):
+    """The first move whose source or destination lies outside ``num_blocks`` blocks of ``block_size`` slots, or -1."""
+    for i in range(moves.shape[0]):
+        if not (0 <= moves[i, 1] < num_blocks and 0 <= moves[i, 2] < block_size
+                and 0 <= moves[i, 3] < num_blocks and 0 <= moves[i, 4] < block_size):
+            return i
+    return -1
 
 
 WIDTHS = (np.uint8, np.int16, np.int32, np.int64)  # a storage group's bits, by element size (``kv_cache._BITS``)
@@ -43,34 +56,39 @@ WIDTHS = (np.uint8, np.int16, np.int32, np.int64)  # a storage group's bits, by 
 def warm_up(dtypes=WIDTHS) -> None:
     """Compile (or load from numba's cache) ``relocate`` for storages of ``dtypes``, moving nothing: a worker's first
     step must not pay the compile (seconds, cold)."""
-    none, one = np.empty(0, np.int64), np.zeros((1, 1), np.int64)
+    none, one = np.empty((0, 5), np.int64), np.zeros((1, 1), np.int64)
+    first_outside(none, 1, 1)
     for dtype in dtypes:
-        relocate(np.empty(1, dtype), one, np.zeros(1, np.int64), none, none, 1, np.empty((0, 1), dtype))
+        relocate(np.empty(1, dtype), one, np.zeros(1, np.int64), none, np.empty((0, 1), dtype))
 
 
 class HostMover:
-    """``mover(src, dst)``: the tokens at slots ``src`` (int64 tensors on the CPU) to slots ``dst``, in every group of
-    a CPU cache. Slots are checked against the cache first (the kernel does not check bounds); nothing is written
-    on a refusal."""
+    """``mover(moves)``: a wave's moves, packed as the device layer packs them (``copy_engine.packed``: an
+    ``array('q')`` of five fields per move, or an int64 array of shape [n, 5]), in every group of a CPU cache. Read
+    where they lie: no slot tensors are built for a wave nobody verifies. Every move is checked against the cache
+    first (the kernel does not check bounds); nothing is written on a refusal."""
 
     def __init__(self, groups: list[tuple], block_size: int, num_slots: int) -> None:
         self.groups = groups
-        self.block_size, self.num_slots = block_size, num_slots
+        self.block_size, self.num_blocks = block_size, num_slots // block_size
         self.calls = 0  # kernel calls: one per group per wave
         warm_up(sorted({flat.dtype for flat, _, _ in groups}, key=str))  # at the worker's start, not its first copy
 
-    def __call__(self, src, dst) -> None:
-        s, d = src.numpy(), dst.numpy()
-        if s.shape != d.shape or s.ndim != 1:
-            raise BlockOutOfRangeError(f"a move needs one source slot per destination, got {s.shape} and {d.shape}")
-        if s.size == 0:
+    def __call__(self, moves) -> None:
+        if moves.__class__ is array and moves.typecode == "q" and len(moves) % 5 == 0:
+            moves = np.frombuffer(moves, np.int64).reshape(-1, 5)
+        if moves.__class__ is not np.ndarray or moves.dtype != np.int64 or moves.ndim != 2 or moves.shape[1] != 5:
+            raise BlockOutOfRangeError(f"a wave's moves are five int64 fields each, got {type(moves).__name__} "
+                                       f"{getattr(moves, 'shape', '')}")
+        if moves.shape[0] == 0:
             return
-        lo, hi = min(int(s.min()), int(d.min())), max(int(s.max()), int(d.max()))
-        if lo < 0 or hi >= self.num_slots:
-            raise BlockOutOfRangeError(f"slot {lo if lo < 0 else hi} outside the KV cache's {self.num_slots} slots")
+        bad = first_outside(moves, self.num_blocks, self.block_size)
+        if bad >= 0:
+            raise BlockOutOfRangeError(f"move {tuple(moves[bad].tolist())} leaves the KV cache's {self.num_blocks} "
+                                       f"blocks of {self.block_size} slots")
         for flat, offsets, stride in self.groups:
-            buf = np.empty((s.size, offsets.shape[1]), flat.dtype)
-            relocate(flat, offsets, stride, s, d, self.block_size, buf)
+            buf = np.empty((moves.shape[0], offsets.shape[1]), flat.dtype)
+            relocate(flat, offsets, stride, moves, buf)
             self.calls += 1
 
 
