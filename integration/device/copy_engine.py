@@ -128,8 +128,8 @@ def warm_pinned_memory(largest: int = 1 << 20, per_size: int = 4) -> None:
 class TorchCopyEngine(CopyRegistry):
     def __init__(self, cache: PagedKVCache, verifier: Verifier | None = None, mover=None) -> None:
         """``mover(moves)``: a compiled move of a wave's tokens (its packed moves) on the CPU
-        (``fastpath.relocate.host_mover``) in place of torch's gather and scatter, which stay the reference (and read the sources a verified copy's
-        digests are taken from)."""
+        (``fastpath.relocate.host_mover``) in place of torch's gather and scatter, which stay the reference (and read
+        the sources a verified copy's digests are taken from)."""
         super().__init__()
         self.cache = cache
         self.mover = mover if cache.device.type == "cpu" else None

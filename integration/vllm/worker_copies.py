@@ -32,6 +32,14 @@ class _Copy:
     released: bool = False
 
 
+def _as_sent(moves: Sequence[Move]) -> Sequence[Move]:
+    """A copy's moves as they travel to the workers: a ``MoveArray`` (the fast path's) packed as it is, anything else
+    as a tuple of ``Move``."""
+    if moves.__class__ is MoveArray or moves.__class__ is tuple and all(m.__class__ is Move for m in moves):
+        return moves
+    return tuple(Move(*m) for m in moves)
+
+
 class WorkerCopyEngine(CopyRegistry):
     def __init__(self) -> None:
         super().__init__()
@@ -39,9 +47,7 @@ class WorkerCopyEngine(CopyRegistry):
 
     # ---- CopyEngine -----------------------------------------------------------------------
     def submit(self, moves: Sequence[Move], req_id: object = None) -> CopyHandle:
-        # a MoveArray (the fast path's) travels packed as it is; anything else as a tuple of Move
-        moves = moves if moves.__class__ is MoveArray or moves.__class__ is tuple and all(
-            m.__class__ is Move for m in moves) else tuple(Move(*m) for m in moves)
+        moves = _as_sent(moves)
         copy = _Copy(moves, req_id)
         h = self._add(copy)
         self._outbox.append((h, req_id, copy.moves))
@@ -54,8 +60,7 @@ class WorkerCopyEngine(CopyRegistry):
         ``copies`` (``copy_pairs``) changes nothing."""
         outbox, add, statuses = self._outbox, self._add, []
         for moves, req_id in copy_pairs(copies):
-            if not (moves.__class__ is MoveArray or moves.__class__ is tuple and all(m.__class__ is Move for m in moves)):
-                moves = tuple(Move(*m) for m in moves)
+            moves = _as_sent(moves)
             outbox.append((add(_Copy(moves, req_id, CopyStatus.ORDERED, True)), req_id, moves))
             statuses.append(CopyStatus.ORDERED)
         return statuses
