@@ -153,7 +153,7 @@ class FastMachine(RuleBasedStateMachine):
         victims = self.rt.evict_and_reclaim(decoding)
         EVENTS["steps"] += 1
         EVENTS["evictions"] += sum(map(len, victims.values()))
-        EVENTS["plans_committed"] += len(self.rt.settle())
+        EVENTS["plans_committed"] += self.rt.take_commits().plans
 
     @precondition(lambda self: self.running())
     @rule(index=st.integers(0, 63))
@@ -297,8 +297,8 @@ def _shared_block_densified() -> dict:
 def _runtime_commit(change) -> dict:
     real = fast_runtime.FastRuntime._commit
 
-    def commit(self, plans):
-        return change(self, plans, real)
+    def commit(self, step, committed, refused):  # committed: (admission number, request, row of step or Plan)
+        return change(self, step, committed, refused, real)
     return {(fast_runtime.FastRuntime, "_commit"): commit}
 
 
@@ -313,26 +313,26 @@ def _tail_block_kept() -> dict:
         def free(self, blocks):
             self.real.free(list(blocks)[:-1])
 
-    def change(self, plans, real):  # each plan's last released block is not freed
+    def change(self, step, committed, refused, real):  # each plan's last released block is not freed
         pool, self.pool = self.pool, KeepsTheLast(self.pool)
         try:
-            real(self, plans)
+            real(self, step, committed, refused)
         finally:
             self.pool = pool
     return _runtime_commit(change)
 
 
 def _plans_out_of_order() -> dict:
-    return _runtime_commit(lambda self, plans, real: real(self, plans[::-1]))
+    return _runtime_commit(lambda self, step, committed, refused, real: real(self, step, committed[::-1], refused))
 
 
 def _dropped_move() -> dict:
-    def change(self, plans, real):  # each copy loses its first move
+    def change(self, step, committed, refused, real):  # each copy loses its first move
         engine = self.engine
         submit = engine.submit_ordered
         engine.submit_ordered = lambda copies: submit([(tuple(moves)[1:], req_id) for moves, req_id in copies])
         try:
-            real(self, plans)
+            real(self, step, committed, refused)
         finally:
             del engine.submit_ordered
     return _runtime_commit(change)

@@ -52,7 +52,7 @@ def test_a_due_request_whose_tokens_are_all_protected_plans_nothing_on_either_si
     rt.admit("hit")
     [tail] = pool.allocate(1, Purpose.ADMISSION)
     rt.sync_many([("hit", [head, tail], S + 1)])
-    assert rt.evict_and_reclaim(["hit"]) == {} and rt.settle() == []
+    assert rt.evict_and_reclaim(["hit"]) == {} and len(rt.take_commits()) == 0
     assert not rt.reclaim_stats.no_plan and not rt.core.reclaim_stats.no_plan
 
 
@@ -96,3 +96,20 @@ def test_a_planted_fast_path_bug_is_caught(bug):
         run_state_machine_as_test(FastMachine, settings=settings(max_examples=200, stateful_step_count=40,
                                                                  suppress_health_check=list(HealthCheck),
                                                                  phases=(Phase.generate,)))  # found, not shrunk
+
+
+def test_step_commits_count_what_the_scheduler_counts_and_list_only_the_plans_that_change_a_block_list():
+    """``StepCommits.of_plans`` (the core's answer to ``take_commits``): a compact plan's destinations its request
+    keeps are not released blocks; ``touched`` names the plans after which vLLM's block list must be mirrored (any
+    plan but a densify that released nothing), or every plan when prefix caching drops their hashes."""
+    from vtoken.core.plan import Plan, PlanKind
+    from vtoken.integration.fastpath.commits import StepCommits
+
+    still = Plan(PlanKind.DENSIFY, "a", (1, 9), (Move(7, 1, 3, 1, 1),), (), (), 8)
+    cut = Plan(PlanKind.DENSIFY, "b", (2, 9), (Move(5, 2, 2, 2, 0),), (4, 6), (), 3)
+    packed_ = Plan(PlanKind.COMPACT, "c", (1, 12), (Move(0, 3, 0, 8, 0), Move(1, 5, 2, 8, 1)), (3, 5), (8,))
+    dropped = Plan(PlanKind.RELEASE, "d", (4, 20), (), (9,))
+    c = StepCommits.of_plans([still, cut, packed_, dropped], kept=lambda p: {"c": 1}[p.req_id])
+    assert (c.plans, c.releases, c.densified, c.moves, c.blocks_released) == (3, 1, 2, 4, 2 + 2 - 1 + 1)
+    assert c.touched(everything=False) == [cut, packed_, dropped]
+    assert c.touched(everything=True) == c.all_plans() == [still, cut, packed_, dropped] and len(c) == 4

@@ -14,7 +14,9 @@ Anything else is refused when the runtime is built (``ConfigError``), never per 
 A step, as the core runs it: ``sync`` the step's tokens; after the forward ``evict_and_reclaim`` chooses each due
 request's victims, evicts them and densifies every request that is not dense, in admission order; ``settle``
 returns the committed plans. Here the kernel commits each densify plan in the same call that makes it: under EVENT
-ordering the core commits at the ``settle`` right after, with nothing between that could see the difference. The
+ordering the core commits at the ``settle`` right after, with nothing between that could see the difference; the
+step's commits are then read as ``take_commits()`` (``commits.StepCommits``: counts, and a ``Plan`` made only for a
+plan someone reads). The
 pool receives the core's frees in the core's order; the copy engine the same copies in the same order, as one call
 per step (``submit_ordered``: each copy submitted, ordered before the next compute step and released, which is what
 the core's launch and EVENT settle do to it), so the engine must offer that call (vLLM's ``WorkerCopyEngine``, the
@@ -23,6 +25,7 @@ shadow's engine).
 
 from __future__ import annotations
 
+from array import array
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -33,15 +36,17 @@ from vtoken.core.copy_engine import CopyEngine, CopyStatus
 from vtoken.core.errors import (BlockNotOwnedError, ConfigError, DuplicateRequestError, InvalidArgumentError,
                                 InvariantViolation, UnknownRequestError)
 from vtoken.core.occupancy import waste_ratio
-from vtoken.core.plan import NoPlanReason
+from vtoken.core.plan import NoPlan, NoPlanReason
 from vtoken.core.policies.random_policy import RandomPolicy, request_state
 from vtoken.core.policies.streaming_llm import StreamingLLM
-from vtoken.core.reclamation import PlanRecord, PlanState, ReclaimStats
+from vtoken.core.reclamation import ReclaimStats
 from vtoken.core.runtime import check_budget
 
 from . import kernels as K
 from .layout import M_NUM_LIVE, M_TOTAL_LEN, M_WRITE_POS, P_LIVE_SLOTS
-from .table import FastTable
+from .commits import NO_COMMITS, StepCommits
+from .moves import MoveArray
+from .table import EvictStep, FastTable
 
 
 class FastRuntime:
@@ -73,7 +78,7 @@ class FastRuntime:
         self._order: dict[object, int] = {}  # request -> admission number (plans are made in admission order)
         self._admitted = 0
         self._holey: set[object] = set()  # requests left with holes below their cursor (a densify NoPlan)
-        self._settled: list[PlanRecord] = []  # committed by the last evict_and_reclaim, for settle()
+        self._commits = NO_COMMITS  # committed by the last evict_and_reclaim, for take_commits()
 
     # ---- requests -------------------------------------------------------------------------
     def admit(self, req_id: object) -> None:
@@ -140,28 +145,37 @@ class FastRuntime:
         due, rows, budgets = self._due(ids)
         holey = sorted(self._holey - set(due), key=self._order.__getitem__) if self._holey else []
         victims: dict[object, list[int]] = {}
-        plans = []
+        committed: list[tuple[int, object, object]] = []  # (admission number, request, its row of ``step`` or Plan)
+        refused: list[tuple[object, NoPlan]] = []  # the NoPlans the core counts (not ALREADY_DENSE)
+        step, order = None, self._order
         if due:
             step = self.table.evict_densify_rows(rows, budgets, self.policy, self._draw_states, due)
+            status = step.status
             # NOTE: only the rows that lost a token or planned are visited: at a steady step about half of them
             for k in step.acting:
+                r = due[k]
                 chosen = step.victims_of(k)
                 if chosen:
-                    victims[due[k]] = chosen
-                if step.status[k] != K.ALREADY_DENSE:
-                    plans.append((due[k], step.plan(k)))
+                    victims[r] = chosen
+                if status[k] == K.PLANNED:
+                    committed.append((order[r], r, k))
+                elif status[k] != K.ALREADY_DENSE:
+                    refused.append((r, step.plan(k)))
         if holey:
-            plans += zip(holey, self.table.densify_many([(r, None) for r in holey]))
-        if len(plans) > 1:
-            plans.sort(key=lambda rp: self._order[rp[0]])
-        self._commit(plans)
+            for r, plan in zip(holey, self.table.densify_many([(r, None) for r in holey])):
+                if plan:
+                    committed.append((order[r], r, plan))
+                elif plan.reason is not NoPlanReason.ALREADY_DENSE:
+                    refused.append((r, plan))
+        committed.sort()  # admission order (admission numbers are distinct: nothing after them is compared)
+        self._commit(step, committed, refused)
         self.iteration += 1
         return victims
 
-    def settle(self) -> list[PlanRecord]:
-        """The plans the last ``evict_and_reclaim`` committed, in the order they were made (the core's ``settle``
-        under EVENT ordering); each is returned once."""
-        done, self._settled = self._settled, []
+    def take_commits(self) -> StepCommits:
+        """The plans the last ``evict_and_reclaim`` committed, in the order they were made (what the core's
+        ``settle`` returns under EVENT ordering, as ``StepCommits``); each step's once."""
+        done, self._commits = self._commits, NO_COMMITS
         return done
 
     # ---- read-only queries (``VTokenRuntime``'s, for the plugin and the strict checks) ------------
@@ -247,30 +261,44 @@ class FastRuntime:
         at = np.flatnonzero(meta[rows, M_NUM_LIVE] - budgets >= self.evict_every)
         return [ids[i] for i in at.tolist()], rows[at], budgets[at]
 
-    def _commit(self, plans: list) -> None:
+    def _commit(self, step: EvictStep | None, committed: list[tuple[int, object, object]],
+                refused: list[tuple[object, NoPlan]]) -> None:
         """What the core's launch and settle do for each plan, in order: submit its copy (if it moves anything) and
-        order it before the next compute step, release the handle, free the emptied tail blocks; NoPlans are
+        order it before the next compute step, release the handle, free the emptied tail blocks. NoPlans are
         counted, and a request left with holes is densified again at the next step. The step's copies go to the
-        engine in one call, in the plans' order (``submit_ordered``)."""
-        stats = self.reclaim_stats
-        copies, committed = [], 0
-        for r, plan in plans:
-            if not plan:
-                if plan.reason is not NoPlanReason.ALREADY_DENSE:  # the core does not plan a dense request at all
-                    stats.no_plan[plan.reason] += 1
-                    self._holey.add(r)
-                continue
-            self._holey.discard(r)
-            if plan.moves:
-                copies.append((plan.moves, r))
-            if plan.src_blocks:  # NOTE: an empty free changes nothing; the shadow's recorders drop them too
-                self.pool.free(list(plan.src_blocks))
-            stats.moves_committed += len(plan.moves)
-            stats.blocks_released += len(plan.src_blocks)
-            self._settled.append(PlanRecord(plan, PlanState.COMMITTED))
-            committed += 1
-        stats.plans_made += committed
-        stats.plans_committed += committed
+        engine in one call, in the plans' order (``submit_ordered``). A plan the kernel made stays the kernel's
+        arrays (``step``'s row) until someone reads it (``StepCommits``)."""
+        stats, holey = self.reclaim_stats, self._holey
+        for r, no_plan in refused:
+            stats.no_plan[no_plan.reason] += 1
+            holey.add(r)
+        copies, relists, moves, released = [], [], 0, 0
+        for _, r, made in committed:
+            if holey:
+                holey.discard(r)
+            if made.__class__ is int:  # row ``made`` of the step: its moves and released blocks by their starts
+                a, b = step.move_start[made], step.move_start[made + 1]
+                c, d = step.released_start[made], step.released_start[made + 1]
+                if b > a:
+                    copies.append((MoveArray(array("q", step.moves[40 * a:40 * b])), r))
+                if d > c:
+                    self.pool.free(step.released[c:d])
+            else:
+                a, b, c, d = 0, len(made.moves), 0, len(made.src_blocks)
+                if b:
+                    copies.append((made.moves, r))
+                if d:  # NOTE: an empty free changes nothing; the shadow's recorders drop them too
+                    self.pool.free(list(made.src_blocks))
+            moves += b - a
+            released += d - c
+            relists.append(d > c)
+        n = len(committed)
+        stats.plans_made += n
+        stats.plans_committed += n
+        stats.moves_committed += moves
+        stats.blocks_released += released
+        self._commits = StepCommits(n, 0, n, moves, released, relists,
+                                    lambda i: m if (m := committed[i][2]).__class__ is not int else step.plan(m))
         if copies:
             for (_, r), status in zip(copies, self.engine.submit_ordered(copies)):
                 if status is not CopyStatus.ORDERED and not status.settled:
@@ -278,7 +306,8 @@ class FastRuntime:
                     # (the core would keep the plan in flight) is outside this runtime's domain
                     raise InvariantViolation("V6", f"request {r!r}: the fast path committed a plan whose copy the "
                                                    f"engine left {status.value}; it needs EVENT ordering")
-        self._holey = {r for r in self._holey if r in self.table and not self._is_dense(r)}
+        if holey:
+            self._holey = {r for r in holey if r in self.table and not self._is_dense(r)}
 
     def _is_dense(self, r: object) -> bool:
         row = self.table._rows[r]

@@ -21,9 +21,10 @@ from vtoken.core.copy_engine import CopyHandle, CopyStatus
 from vtoken.core.errors import InvariantViolation, VTokenError
 from vtoken.core.plan import PlanKind
 from vtoken.core.policies.base import RenamedRequests
-from vtoken.core.reclamation import Ordering, ReclaimConfig
+from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 
+from .commits import NO_COMMITS, StepCommits
 from .moves import copy_pairs
 from .runtime import FastRuntime
 
@@ -139,6 +140,7 @@ class ShadowedRuntime:
                                   budget, ReclaimConfig(PlanKind.DENSIFY, ordering=Ordering.EVENT), ReadPath.DENSE,
                                   seed=seed, evict_every=evict_every)
         self.calls = 0  # compared calls so far: a divergence names the call
+        self._commits = NO_COMMITS  # the fast path's, taken in the comparison of its last evict_and_reclaim
 
     # ---- mutations: both, then compared ---------------------------------------------------
     def admit(self, req_id: object) -> None:
@@ -165,13 +167,22 @@ class ShadowedRuntime:
                           key_norms: Mapping | None = None, observed: Mapping | None = None) -> dict[object, list[int]]:
         def run(rt) -> tuple:
             victims = rt.evict_and_reclaim(req_ids, attention, key_norms, observed)
-            # the core commits at its settle (EVENT: at once); the fast path did in the call: compare the plans now
-            settled = rt.settle() if rt is self.core else list(rt._settled)
-            return victims, [rec.plan for rec in settled]
+            # the core commits at its settle (EVENT: at once); the fast path did in the call: compare the plans now,
+            # and their counts as the scheduler reads them
+            if rt is self.core:
+                records = rt.settle()
+                plans, states = [rec.plan for rec in records], [rec.state for rec in records]
+                commits = StepCommits.of_plans(plans, lambda plan: 0)  # densify keeps no destination
+            else:
+                commits = self._commits = rt.take_commits()
+                plans = commits.all_plans()
+                states = [PlanState.COMMITTED] * len(plans)
+            return victims, plans, states, _counts(commits), [p for p, relist in zip(plans, commits.relists) if relist]
         return self._both("evict_and_reclaim", run)[0]
 
-    def settle(self) -> list:
-        return self.fast.settle()
+    def take_commits(self) -> StepCommits:
+        done, self._commits = self._commits, NO_COMMITS
+        return done
 
     # ---- queries: the fast path's ------------------------------------------------------------
     def __getattr__(self, name):
@@ -217,6 +228,10 @@ class ShadowedRuntime:
     def _diverged(self, call: str, what: str, want, got) -> None:
         raise InvariantViolation("V6", f"call {self.calls} ({call}): the fast path's {what} differs from the core's: "
                                        f"core {_short(want)}, fast {_short(got)}")
+
+
+def _counts(c: StepCommits) -> tuple[int, int, int, int, int]:
+    return c.plans, c.releases, c.densified, c.moves, c.blocks_released
 
 
 def _short(x: object, n: int = 300) -> str:

@@ -43,6 +43,7 @@ from vtoken.core.runtime import ReadChanges, ReadPath, VTokenRuntime
 from vtoken.core.token_table import Move
 
 from ..device.copy_engine import packed
+from ..fastpath.commits import StepCommits
 from . import manager_hooks
 from .allocator import VllmBlockAllocator
 from .settings import SCORE_POLICIES, VTokenSettings
@@ -125,6 +126,11 @@ class CoreDriver(VTokenRuntime):
 
     def gaps(self, req_ids) -> list[int]:
         return [self.gap(r) for r in req_ids]
+
+    def take_commits(self) -> StepCommits:
+        """``settle``'s committed plans as ``StepCommits`` (the fast path's answer; the drill reads ``settle``)."""
+        plans = [rec.plan for rec in self.settle() if rec.state is PlanState.COMMITTED]
+        return StepCommits.of_plans(plans, lambda p: len(set(p.dst_blocks) & set(self.block_ids(p.req_id))))
 
 
 @dataclass
@@ -415,7 +421,7 @@ class SchedulerTokens:
                                                f"under EVENT ordering ({rec.state.value}: {rec.abort_reason})")
             self.stats.drill_planned += 1
             self.stats.drill_moves += len(rec.plan.moves)
-            self._committed(rec, listed=len(self.rt.block_ids(rec.plan.req_id)))
+            self._committed(rec.plan, listed=len(self.rt.block_ids(rec.plan.req_id)))
 
     # ---- update_connector_output -----------------------------------------------------------
     def on_reports(self, done: list[int], failed: list[int]) -> list[str]:
@@ -453,22 +459,22 @@ class SchedulerTokens:
         if self.ranked is not None:
             self.ranked.victims, self.ranked.sent = {}, {}
         self.stats.attention_rows += scored
+        first = self.first_evicted
         for r, chosen in victims.items():
-            self.first_evicted[r] = min(self.first_evicted.get(r, chosen[0]), min(chosen))
-            self.stats.evicted += len(chosen)
-        for rec in rt.settle():  # EVENT ordering: ORDERED copies commit at once
-            if rec.state is not PlanState.COMMITTED:
-                continue
-            r = rec.plan.req_id
-            if rec.plan.kind is PlanKind.RELEASE:
-                self.stats.releases += 1
-            else:
-                self.stats.plans_committed += 1
-                self.stats.packs += rec.plan.kind is PlanKind.DENSIFY and self.read_path is ReadPath.GATHER
-            self.stats.moves += len(rec.plan.moves)
-            self.stats.blocks_released += len(rec.plan.src_blocks) - (
-                len(set(rec.plan.dst_blocks) & set(rt.block_ids(r))) if rec.plan.dst_blocks else 0)
-            self._committed(rec)
+            low = min(chosen)
+            if low < first.get(r, low + 1):
+                first[r] = low
+        self.stats.evicted += sum(map(len, victims.values()))
+        commits = rt.take_commits()  # EVENT ordering: ORDERED copies commit at once
+        self.stats.releases += commits.releases
+        self.stats.plans_committed += commits.plans
+        self.stats.packs += commits.densified if self.read_path is ReadPath.GATHER else 0
+        self.stats.moves += commits.moves
+        self.stats.blocks_released += commits.blocks_released
+        # NOTE: a densify that released nothing leaves vLLM's block list as it is; with prefix caching every plan's
+        # written blocks lose their hashes (``_drop_stale_hashes``)
+        for plan in commits.touched(everything=self.allocator.pool.enable_caching):
+            self._committed(plan)
         # every abort, whichever path made it (a refused launch, a failed copy, a request that left mid-copy)
         self.stats.plans_aborted = sum(rt.reclaim_stats.plans_aborted.values())
         self.stats.seconds += time.perf_counter() - t0
@@ -516,10 +522,9 @@ class SchedulerTokens:
         private = [b.block_id for b in self.manager.req_to_blocks.get(r, []) if not b.is_null and b.ref_cnt == 1]
         return manager_hooks.uncache(pool, private)
 
-    def _committed(self, rec, listed: int | None = None) -> None:
+    def _committed(self, plan, listed: int | None = None) -> None:
         """After a commit: vLLM's block list for the request becomes the table's, and B2 holds again.
         ``listed``: how many blocks the table listed before the commit (default: all vLLM holds)."""
-        plan = rec.plan
         if plan.kind is PlanKind.DENSIFY and listed is None:
             self._cut(plan.req_id, plan)
         else:
