@@ -102,3 +102,42 @@ def test_strict_verify_catches_a_mover_that_misplaces_tokens():
     eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", on_mismatch="raise")), mover=one_along)
     with pytest.raises(RelocationMismatch, match="request 'a'"):
         eng.wait(eng.submit([Move(0, 1, 0, 4, 0), Move(1, 1, 1, 4, 1)], req_id="a"))
+
+
+def test_a_workers_batch_nobody_verifies_runs_as_submit_batch_runs_it_without_handles():
+    """``run_batch`` (the workers' step) with verification off: the bits, statuses, launches and relocation count of
+    ``submit_batch`` then ``wait`` and ``release`` of each copy, over 100 random steps with read-after-write waves,
+    and no handle left behind; under strict verify it is that very path (handles made, digests compared)."""
+    rng = random.Random("run-batch")
+    for case in range(100):
+        copies = random_copies(rng)
+        want, want_status, ref = run(copies, torch.float32, mover=True)
+        for h in list(ref._copies):
+            ref.release(h)
+        cache, _ = mixed_cache(torch.float32, seed=3)
+        eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("off")), mover=host_mover(cache))
+        assert eng.run_batch(copies) == want_status, f"case {case}: {copies}"
+        assert bits_equal(snapshot(cache), want) and eng._copies == {} and eng.launches == ref.launches
+        assert eng.verifier.counters.relocations == ref.verifier.counters.relocations == len(copies)
+    cache, _ = mixed_cache(torch.float32, seed=3)
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict")), mover=host_mover(cache))
+    assert eng.run_batch(copies) == want_status and eng.verifier.counters.verified == len(copies) and not eng._copies
+
+
+def test_a_wave_that_fails_to_launch_fails_its_copies_only():
+    """Three copies, the second reads what the first writes (waves [a] and [b, c]); the second wave's launch raises:
+    its two copies are FAILED, the first wave's DONE, with handles (``submit_batch``) or without (``run_batch``)."""
+    copies = [([Move(0, 1, 0, 4, 0)], "a"), ([Move(0, 4, 0, 5, 0)], "b"), ([Move(1, 2, 0, 6, 0)], "c")]
+    for batch in ("run_batch", "submit_batch"):
+        cache, _ = mixed_cache()
+        eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("off")), mover=host_mover(cache))
+        real, calls = eng._launch, []
+
+        def launch(wave, src, rows):
+            calls.append(len(wave.moves) // 5)
+            if len(calls) == 2:
+                raise RuntimeError("planted: the launch fails")
+            real(wave, src, rows)
+        eng._launch = launch
+        got = eng.run_batch(copies) if batch == "run_batch" else [eng.wait(h) for h in eng.submit_batch(copies)]
+        assert got == [CopyStatus.DONE, CopyStatus.FAILED, CopyStatus.FAILED] and calls == [1, 2], batch

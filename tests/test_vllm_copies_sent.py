@@ -93,3 +93,28 @@ def test_submit_ordered_refuses_what_is_no_list_of_pairs_and_changes_nothing():
             engine.submit_ordered(bad)
         assert named in str(e.value)
     assert engine.unsent() == [] and engine.pending() == []
+
+
+def test_a_steps_done_reports_settle_as_one_report_each_and_a_bad_one_is_named():
+    """``report_done`` (the scheduler's loop over a step's reports) leaves what ``report(h, ok=True)`` of each leaves;
+    a handle reported twice, or unknown, raises ``report``'s error, the reports before it counted."""
+    from vtoken.core.copy_engine import CopyStatus
+    from vtoken.core.errors import UnknownCopyHandleError, VTokenError
+    from vtoken.core.token_table import Move
+
+    one, loop = WorkerCopyEngine(), WorkerCopyEngine()
+    for engine in (one, loop):
+        engine.submit_ordered([((Move(0, 1, 0, 2, 0),), "a"), ((Move(0, 3, 0, 4, 0),), "b")])
+        h = engine.submit((Move(0, 5, 0, 6, 0),), req_id="c")  # PENDING, not released: kept once DONE
+        engine.take_outbox()
+    one.report_done([1, 2, 3])
+    for h in (1, 2, 3):
+        loop.report(h, ok=True)
+    assert one.pending() == loop.pending() == [] and one._copies.keys() == loop._copies.keys() == {h}
+    assert one.poll(h) is CopyStatus.DONE
+    with pytest.raises(VTokenError, match="copy 3 reported twice"):
+        one.report_done([3])
+    one.submit_ordered([((Move(0, 1, 0, 2, 0),), "d")])
+    with pytest.raises(UnknownCopyHandleError, match="unknown copy handle 9"):
+        one.report_done([4, 9])
+    assert one.pending() == []  # 4 was reported before 9 was refused

@@ -75,8 +75,8 @@ def test_a_planted_divergence_in_the_fast_path_stops_the_engine_with_v6(monkeypa
     """The shadow has teeth inside vLLM: a fast runtime whose cadence is off by one (a request one token over its
     budget waits) evicts less than the core; the first such step raises V6 and names the call."""
     real = fast_runtime.FastRuntime._due
-    monkeypatch.setattr(fast_runtime.FastRuntime, "_due", lambda self, ids: (
-        setattr(self, "evict_every", self.evict_every + 1), real(self, ids),
+    monkeypatch.setattr(fast_runtime.FastRuntime, "_due", lambda self, ids, rows: (
+        setattr(self, "evict_every", self.evict_every + 1), real(self, ids, rows),
         setattr(self, "evict_every", self.evict_every - 1))[1])
     with pytest.raises(Exception, match=r"V6: call \d+ \(evict_and_reclaim\): the fast path's answer differs"):
         H.run({"policy": "streaming_llm", "budget": 0.5, "strict_verify": "strict"}, max_tokens=16)

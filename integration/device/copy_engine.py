@@ -36,7 +36,7 @@ from array import array
 from contextlib import nullcontext
 from itertools import chain
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -45,7 +45,7 @@ from vtoken.core.errors import InvariantViolation
 from vtoken.core.token_table import Move
 
 from .kv_cache import PagedKVCache
-from .verify import Digests, Verifier
+from .verify import Digests, Verifier, VerifyMode
 
 
 def packed(moves: Sequence[Move]) -> array:
@@ -84,6 +84,21 @@ def check_copies(copies: Sequence[tuple[object, object]], num_blocks: int, block
                 and len(set(zip(db, do))) == len(tok)):
             return batches
     return [check_moves(moves, num_blocks, block_size, req_id) for moves, req_id in copies]
+
+
+def waves(batches: Sequence[Sequence[Move]]) -> Iterator[tuple[int, int, array]]:
+    """A batch's copies (each one's moves, in order) as waves: (first copy, end, their packed moves), a new wave
+    wherever a copy reads or writes a block an earlier copy of the wave writes (``submit_batch``'s NOTE)."""
+    first, fields, written = 0, array("q"), set()
+    for i, moves in enumerate(batches):
+        f = packed(moves)
+        if i > first and not (written.isdisjoint(f[1::5]) and written.isdisjoint(f[3::5])):
+            yield first, i, fields
+            first, fields, written = i, array("q"), set()
+        fields.extend(f)
+        written.update(f[3::5])
+    if len(batches) > first:
+        yield first, len(batches), fields
 
 
 @dataclass
@@ -159,20 +174,40 @@ class TorchCopyEngine(CopyRegistry):
         # validated on the host, in Python, before any tensor is built or anything launched: torch.tensor
         # would round a float field to some other slot and read a bool as slot 0 or 1
         checked = check_copies(copies, self.cache.num_blocks, self.cache.block_size)
-        handles, wave, written = [], [], set()
-        for moves, (_, req_id) in zip(checked, copies):
-            c = _Copy(moves, req_id)
-            handles.append(self._add(c))
-            c.verify = self.verifier.select()
-            fields = packed(moves)
-            if wave and not (written.isdisjoint(fields[1::5]) and written.isdisjoint(fields[3::5])):
-                self._launch_wave(wave)
-                wave, written = [], set()
-            wave.append(c)
-            written.update(fields[3::5])
-        if wave:
-            self._launch_wave(wave)
+        handles = []
+        for first, end, fields in waves(checked):
+            wave = []
+            for moves, (_, req_id) in zip(checked[first:end], copies[first:end]):
+                c = _Copy(moves, req_id)
+                handles.append(self._add(c))
+                c.verify = self.verifier.select()
+                wave.append(c)
+            self._launch_wave(wave, fields)
         return handles
+
+    def run_batch(self, copies: Sequence[tuple[Sequence[Move], object]]) -> list[CopyStatus]:
+        """``submit_batch`` of ``copies``, then ``wait`` and ``release`` of each in order: a vLLM worker's step, whose
+        copies all run before the step's inputs are prepared. Returns each copy's status.
+
+        NOTE: on the CPU with the compiled mover and verification off, no copy needs a handle (nothing polls it
+        later, no digest is compared): the same waves go to the same ``_launch`` as packed moves alone, and a wave
+        that fails to launch fails its copies, as ``submit_batch`` has them."""
+        if self.cuda or self.mover is None or self.verifier.config.mode is not VerifyMode.OFF:
+            handles, statuses = self.submit_batch(copies), []
+            for h in handles:
+                statuses.append(self.wait(h))
+                self.release(h)
+            return statuses
+        checked = check_copies(copies, self.cache.num_blocks, self.cache.block_size)
+        self.verifier.counters.relocations += len(checked)  # what ``select`` counts, selecting none
+        statuses = []
+        for first, end, fields in waves(checked):
+            try:
+                self._launch(_Wave([], fields, None), None, None)
+                statuses += [CopyStatus.DONE] * (end - first)
+            except RuntimeError:
+                statuses += [CopyStatus.FAILED] * (end - first)
+        return statuses
 
     def poll(self, handle: CopyHandle) -> CopyStatus:
         c = self._get(handle)
@@ -218,11 +253,9 @@ class TorchCopyEngine(CopyRegistry):
         event.query()
         self.stream.synchronize()
 
-    def _launch_wave(self, copies: list[_Copy]) -> None:
+    def _launch_wave(self, copies: list[_Copy], fields: array) -> None:
+        """``copies`` as one wave; ``fields``: their packed moves, in order (``waves``)."""
         S = self.cache.block_size
-        fields = array("q")
-        for c in copies:
-            fields.extend(packed(c.moves))
         if self.mover is not None and not any(c.verify for c in copies):
             src = dst = None  # NOTE: the mover reads the packed moves; torch reads slots only to verify
         else:

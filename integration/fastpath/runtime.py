@@ -25,7 +25,6 @@ shadow's engine).
 
 from __future__ import annotations
 
-from array import array
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -133,16 +132,22 @@ class FastRuntime:
         for what, given in (("attention", attention), ("key_norms", key_norms), ("observed", observed)):
             if given is not None:
                 check_mapping(what, given)
-        unknown = [r for r in ids + list(attention or {}) + list(key_norms or {}) + list(observed or {})
-                   if r not in self.table]
-        if unknown:
-            raise UnknownRequestError(f"unknown request(s) {unknown[:5]}")
+        try:
+            rows = self.table.rows_of(ids)  # NOTE: the usual call names only known requests: one pass finds them all
+            known = True
+        except UnknownRequestError:
+            known = False
+        if not known or attention or key_norms or observed:
+            unknown = [r for r in ids + list(attention or {}) + list(key_norms or {}) + list(observed or {})
+                       if r not in self.table]
+            if unknown:
+                raise UnknownRequestError(f"unknown request(s) {unknown[:5]}")
         if len(set(ids)) != len(ids):
             raise InvalidArgumentError(f"req_ids name a request twice: {ids[:8]}")
         if attention or key_norms or observed:
             raise InvalidArgumentError(f"the fast path records no attention rows, key norms or votes: its policy "
                                        f"({self.policy.name if self.policy else 'none'}) reads none")
-        due, rows, budgets = self._due(ids)
+        due, rows, budgets = self._due(ids, rows)
         holey = sorted(self._holey - set(due), key=self._order.__getitem__) if self._holey else []
         victims: dict[object, list[int]] = {}
         committed: list[tuple[int, object, object]] = []  # (admission number, request, its row of ``step`` or Plan)
@@ -250,12 +255,11 @@ class FastRuntime:
             return np.full(totals.shape[0], self.budget, np.int64)
         return np.maximum(1, np.ceil(self.budget * totals.astype(np.float64))).astype(np.int64)
 
-    def _due(self, ids: list[object]) -> tuple[list[object], np.ndarray, np.ndarray]:
-        """The requests of ``ids`` the policy is asked for victims, in the given order, with their rows and budgets:
-        those at least ``evict_every`` tokens over budget (the core's cadence; 0 < excess < beta waits)."""
+    def _due(self, ids: list[object], rows: np.ndarray) -> tuple[list[object], np.ndarray, np.ndarray]:
+        """The requests of ``ids`` (in ``rows``) the policy is asked for victims, in the given order, with their rows
+        and budgets: those at least ``evict_every`` tokens over budget (the core's cadence; 0 < excess < beta waits)."""
         if self.policy is None or not ids:
             return [], np.empty(0, np.int64), np.empty(0, np.int64)
-        rows = self.table.rows_of(ids)
         meta = self.table.layout.meta
         budgets = self._budgets(meta[rows, M_TOTAL_LEN])
         at = np.flatnonzero(meta[rows, M_NUM_LIVE] - budgets >= self.evict_every)
@@ -280,7 +284,7 @@ class FastRuntime:
                 a, b = step.move_start[made], step.move_start[made + 1]
                 c, d = step.released_start[made], step.released_start[made + 1]
                 if b > a:
-                    copies.append((MoveArray(array("q", step.moves[40 * a:40 * b])), r))
+                    copies.append((MoveArray(step.moves[5 * a:5 * b]), r))
                 if d > c:
                     self.pool.free(step.released[c:d])
             else:

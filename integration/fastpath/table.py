@@ -14,6 +14,7 @@ limit, before anything changes.
 from __future__ import annotations
 
 from array import array
+from itertools import accumulate, chain
 from typing import Sequence
 
 import numpy as np
@@ -122,24 +123,38 @@ class FastTable:
         earlier one filled in the same call), and a refusal (the core's error for the first bad item) undoes the
         items already synced, so every request is as it was. ``check_only``: the core's checks alone (not the
         layout's capacity), changing nothing; returns []."""
+        ids, news, totals = [r for r, _, _ in items], [new for _, new, _ in items], [t for _, _, t in items]
         try:
-            rows = [self._row(r) for r, _, _ in items]
+            rows = self.rows_of(ids).tolist()
         except UnknownRequestError:
             for r, new, total in items:  # the core's order: an earlier item's bad arguments are refused first
                 self._sync_args(r, self.layout.meta.item(self._row(r), M_TOTAL_LEN), new, total)
             raise
-        synced = self.layout.meta[rows, M_TOTAL_LEN].tolist()
-        totals, starts, blocks, slot_starts = [], [0], [], [0]
-        for (r, new, total), row, before in zip(items, rows, synced):
-            new = self._sync_args(r, before, new, total)
-            totals.append(min(total, 2**62))  # as sync_new_tokens: the kernel refuses past the layout's tokens
-            blocks += new
-            starts.append(len(blocks))
-            slot_starts.append(slot_starts[-1] + min(total, self.cap.tokens) - before)
+        synced = self.layout.meta[rows, M_TOTAL_LEN]
+        # NOTE: a step's usual items (int lengths, lists of new blocks, mostly empty) are checked in one pass for
+        # all; any other item goes through the core's checks one by one, in its order, as before
+        usual = all(t.__class__ is int for t in totals) and all(new.__class__ is list for new in news) \
+            and (not totals or max(totals) < 2**62)
+        if usual:
+            usual = bool((np.array(totals, np.int64) >= synced).all())
+        if usual:
+            for k, new in enumerate(news):
+                if new:  # NOTE: most steps add no block to a request
+                    self._sync_args(ids[k], int(synced[k]), new, totals[k])
+            blocks = list(chain.from_iterable(news))
+            starts = [0, *accumulate(map(len, news))]
+        else:
+            blocks, starts = [], [0]
+            for (r, new, total), before in zip(items, synced.tolist()):
+                new = self._sync_args(r, before, new, total)
+                blocks += new
+                starts.append(len(blocks))
+            totals = [min(total, 2**62) for total in totals]  # as sync_new_tokens: the kernel refuses past the layout's
+        slot_starts = [0, *accumulate((np.minimum(np.array(totals, np.int64), self.cap.tokens) - synced).tolist())]
         if len(set(rows)) != len(items):
             raise InvalidArgumentError(f"a request is named twice in one sync: {[r for r, _, _ in items][:8]}")
         out = np.empty(max(slot_starts[-1], 1), np.int64)
-        code, i, a, b = K.sync_batch(*self._L, np.asarray(rows, np.int64), np.asarray(totals, np.int64),
+        code, i, a, b = K.sync_batch(*self._L, np.asarray(rows, np.int64), np.array(totals, np.int64),
                                      np.asarray(starts, np.int64), np.asarray(blocks, np.int64),
                                      np.asarray(slot_starts, np.int64), out, not check_only)
         if code != K.OK and not (check_only and code in (K.OVER_TOKENS, K.OVER_BLOCKS)):
@@ -494,7 +509,7 @@ class FastTable:
               n_live: int) -> Plan | NoPlan:
         """A densify kernel's answer for one request as the core's planner gives it: the ``Plan``, its moves a
         ``MoveArray`` packed from ``moves`` (``_fields``' rows), or the ``NoPlan``."""
-        return _plan(status, req_id, version, moves.tobytes(), released.tolist(), n_live)
+        return _plan(status, req_id, version, array("q", moves.tobytes()), released.tolist(), n_live)
 
     def _name(self, row: int) -> object:
         return next(k for k, r in self._rows.items() if r == row)
@@ -543,11 +558,11 @@ class FastTable:
 class EvictStep:
     """``FastTable.evict_densify_rows``' answer for a step's rows, as the kernel wrote it: per row k its status
     (``K.PLANNED``, ``ALREADY_DENSE`` or ``SHARED_BLOCK``), its victims ``victims[vstart[k]:vstart[k + 1]]``, its moves
-    (``Move``'s five fields per row, packed) and released blocks by the same kind of starts, and the (layout version,
+    (``Move``'s five fields per row, one ``array('q')``) and released blocks by the same kind of starts, and the (layout version,
     total_len) and cursor its plan was made at. ``acting``: the rows that lost a token or planned something, the
     only ones a caller need visit.
 
-    NOTE: read into Python lists and one byte string once per step: a caller visits about half the rows of a steady
+    NOTE: read into Python lists and one array once per step: a caller visits about half the rows of a steady
     step, and a numpy scalar read costs what a whole list conversion costs per row."""
 
     __slots__ = ("req_ids", "status", "vstart", "victims", "moves", "move_start", "released", "released_start",
@@ -559,7 +574,7 @@ class EvictStep:
         self.req_ids = req_ids
         self.acting = np.flatnonzero((vstart[1:] > vstart[:-1]) | (status != K.ALREADY_DENSE)).tolist()
         self.status, self.vstart, self.victims = status.tolist(), vstart.tolist(), victims[:vstart[n]].tolist()
-        self.moves, self.move_start = moves.tobytes(), move_start.tolist()
+        self.moves, self.move_start = array("q", moves.tobytes()), move_start.tolist()
         self.released, self.released_start = released[:released_start[n]].tolist(), released_start.tolist()
         self.version, self.total, self.cursor = version.tolist(), total.tolist(), cursor.tolist()
 
@@ -569,16 +584,16 @@ class EvictStep:
     def plan(self, k: int) -> Plan | NoPlan:
         """Row k's plan as the core's planner gives it (``FastTable._plan``'s)."""
         a, b = self.move_start[k], self.move_start[k + 1]
-        return _plan(self.status[k], self.req_ids[k], (self.version[k], self.total[k]), self.moves[40 * a:40 * b],
+        return _plan(self.status[k], self.req_ids[k], (self.version[k], self.total[k]), self.moves[5 * a:5 * b],
                      self.released[self.released_start[k]:self.released_start[k + 1]], self.cursor[k])
 
 
-def _plan(status: int, req_id: object, version: tuple[int, int], moves: bytes, released: list[int],
+def _plan(status: int, req_id: object, version: tuple[int, int], moves: array, released: list[int],
           n_live: int) -> Plan | NoPlan:
     """A densify kernel's answer for one request as the core's planner gives it: the ``Plan`` (its moves a
-    ``MoveArray`` over ``moves``, five int64 fields per move), or the ``NoPlan``."""
+    ``MoveArray`` over ``moves``, an ``array('q')`` of five fields per move), or the ``NoPlan``."""
     if status == K.PLANNED:
-        return Plan(PlanKind.DENSIFY, req_id, version, MoveArray(array("q", moves)), tuple(released), (), n_live)
+        return Plan(PlanKind.DENSIFY, req_id, version, MoveArray(moves), tuple(released), (), n_live)
     if status == K.ALREADY_DENSE:
         return NoPlan(NoPlanReason.ALREADY_DENSE, f"request {req_id!r}")
     assert status == K.SHARED_BLOCK, status

@@ -47,6 +47,7 @@ before schedule k can hand it out (``manager_hooks.uncache``).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -203,7 +204,9 @@ class VTokenConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, VTokenWorkerMeta):
+            t0 = time.perf_counter()
             corrupted = self.tokens.on_reports(*self.shards.settle(meta.done, meta.failed))
+            self.tokens.stats.seconds += time.perf_counter() - t0  # vtoken's, as ``on_schedule`` and ``after_step``
             if corrupted:
                 self.fail_requests(corrupted)
             w = self.workers

@@ -284,6 +284,7 @@ class SchedulerTokens:
                                     evict_every=settings.evict_every)
             self.runtime_note = f"the core's runtime runs: {refusal}"
         self.prompt_len: dict[str, int] = {}
+        self._decoding: set[str] = set()  # requests whose table holds their whole prompt (after_step asks these)
         self._admitted = 0
         self.first_evicted: dict[str, int] = {}
         self._layouts: dict[str, list[int]] = {}  # changed by commits since the last step's orders
@@ -305,6 +306,7 @@ class SchedulerTokens:
         if req_id not in self.rt:
             return
         self.rt.detach(req_id)
+        self._decoding.discard(req_id)
         self._forgotten.append(req_id)
         self.stats.copies_dropped += self.engine.drop_request(req_id)
         self._layouts.pop(req_id, None)
@@ -346,24 +348,26 @@ class SchedulerTokens:
         for (r, computed, scheduled), total, known, last in zip(syncs, *rt.bridge(ids)):
             held = req_to_blocks[r]
             # new and resumed requests start empty: a prefix-cache hit arrives as computed tokens in held blocks
-            if total not in (0, computed):
+            if total != computed and total:
                 raise InvariantViolation("B1", f"request {r!r}: vLLM computed {computed} tokens, the token table has "
                                                f"{total}")
             # NOTE: vLLM only appends to a running request's list between steps (after a commit ``_mirror`` makes it
             # the table's), so its last known block pins the prefix in O(1); strict verify's ``check`` compares the
             # whole lists after every step
-            if len(held) < known or known and held[known - 1].block_id != last:
+            n = len(held)
+            if n < known or known and held[known - 1].block_id != last:
                 raise InvariantViolation("B1", f"request {r!r}: token table blocks {rt.block_ids(r)} are not a prefix "
                                                f"of vLLM's {[b.block_id for b in held]}")
-            items.append((r, [b.block_id for b in held[known:]] if len(held) > known else [], computed + scheduled))
+            items.append((r, [b.block_id for b in held[known:]] if n > known else [], computed + scheduled))
         synced = rt.sync_many(items)
-        for (r, _, scheduled), slots, g in zip(syncs, synced, rt.gaps(ids)):
-            if g:
-                orders.gaps[r] = g
-            if self.settings.strict_verify == "strict":
-                orders.write_slots[r] = slots[len(slots) - scheduled:]  # a prefix hit's tokens are not rewritten
-            if reads:
-                orders.read[r] = self._read_delta(r, check)
+        prompt_len = self.prompt_len
+        self._decoding.update(r for r, _, total in items if total >= prompt_len[r])
+        orders.gaps = {r: g for r, g in zip(ids, rt.gaps(ids)) if g}
+        if self.settings.strict_verify == "strict":
+            # a prefix hit's tokens are not rewritten
+            orders.write_slots = {r: slots[len(slots) - scheduled:] for (r, _, scheduled), slots in zip(syncs, synced)}
+        if reads:
+            orders.read = {r: self._read_delta(r, check) for r in ids}
         if self.ranked is not None:
             self._rank_orders(orders, [r for r, _, _ in syncs])
         if self.settings.strict_verify == "strict":
@@ -427,8 +431,7 @@ class SchedulerTokens:
     def on_reports(self, done: list[int], failed: list[int]) -> list[str]:
         """The workers' copy results; returns the requests a failed copy corrupted (to be failed: the plan
         committed when the copy was ordered, so the request's KV is wrong from here on)."""
-        for h in done:
-            self.engine.report(h, ok=True)
+        self.engine.report_done(done)
         corrupted = []
         for h in failed:
             corrupted.append(self.engine.request_of(h))
@@ -446,7 +449,7 @@ class SchedulerTokens:
         t0 = time.perf_counter()
         rt = self.rt
         running = rt.running()
-        decoding = [r for r, total in zip(running, rt.bridge(running)[0]) if total >= self.prompt_len[r]]
+        decoding = [r for r in running if r in self._decoding]  # whose whole prompt is in (``on_schedule``)
         rows = {r: row for r, row in (attention or {}).items() if r in rt}
         keys = {r: norms for r, norms in (key_norms or {}).items() if r in rt}
         votes = {r: given for r, given in (observed or {}).items() if r in rt}

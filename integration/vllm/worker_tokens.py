@@ -10,7 +10,7 @@ Touch points, each named with its vLLM 0.32 file:
 
 Per step (``apply``, called from ``handle_preemptions``, before ``_update_states``):
   1. run the copies the scheduler planned after the previous forward, all requests' as one batch (device layer,
-     ``submit_batch``; verified per ``strict_verify``); a copy whose verification fails is reported FAILED;
+     ``run_batch``; verified per ``strict_verify``); a copy whose verification fails is reported FAILED;
   2. install the block lists those copies changed (the worker's list and the block-table row);
   3. remember the step's gaps (and, under strict verify, the table's write slots to audit);
   4. patch each request's read list (numpy arrays) by the step's change of it (gather path, score policies:
@@ -160,11 +160,11 @@ class WorkerTokens:
         t0 = time.perf_counter()
         # NOTE: one batch for the step's copies, every request's (as few launches as their order allows, one
         # digest pass, one read-back); each copy still settles on its own, so a mismatch fails its request only
-        engine = self.engine
-        for (handle, _, _), h in zip(orders.copies, engine.submit_batch([(m, r) for _, r, m in orders.copies])):
-            status = engine.wait(h)  # CPU: already done; a mismatch raises RelocationMismatch under "raise"
-            engine.release(h)
-            (self.done if status is CopyStatus.DONE else self.failed).append(handle)
+        # (under "raise" ``run_batch`` raises RelocationMismatch)
+        copies = orders.copies
+        if copies:
+            for (handle, _, _), status in zip(copies, self.engine.run_batch([(m, r) for _, r, m in copies])):
+                (self.done if status is CopyStatus.DONE else self.failed).append(handle)
         for rid, blocks in orders.layouts.items():
             self._install_layout(rid, blocks)
         self.gaps = orders.gaps

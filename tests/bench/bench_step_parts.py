@@ -28,11 +28,14 @@ if os.environ.get("VTOKEN_TREE"):  # before anything imports vtoken
         finder.MAPPING[name] = path.replace(here, os.environ["VTOKEN_TREE"])
 
 PARTS = {  # module: {class: [methods]}
-    "vtoken.integration.vllm.scheduler_tokens": {"SchedulerTokens": ["on_schedule", "after_step", "_committed"]},
+    "vtoken.integration.vllm.scheduler_tokens": {"SchedulerTokens": ["on_schedule", "after_step", "_committed",
+                                                                      "on_reports"]},
+    "vtoken.integration.vllm.worker_copies": {"ShardReports": ["settle"]},
     "vtoken.integration.fastpath.runtime": {"FastRuntime": ["sync_many", "evict_and_reclaim", "_commit", "bridge",
                                                             "gaps"]},
     "vtoken.integration.vllm.worker_tokens": {"WorkerTokens": ["apply", "_map_through_table"]},
-    "vtoken.integration.device.copy_engine": {"TorchCopyEngine": ["submit_batch", "_launch_wave", "wait"]},
+    "vtoken.integration.device.copy_engine": {"TorchCopyEngine": ["run_batch", "submit_batch", "_launch_wave",
+                                                                  "_launch"]},
     "vtoken.integration.fastpath.relocate": {"HostMover": ["__call__"]},
 }
 
