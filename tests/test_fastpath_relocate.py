@@ -16,10 +16,12 @@ pytest.importorskip("numba")
 
 from test_device_layer import DTYPES, NB, S, bits_equal, fp8_dtypes, mixed_cache, snapshot  # noqa: E402
 from vtoken.core.copy_engine import CopyStatus  # noqa: E402
-from vtoken.core.errors import BlockOutOfRangeError  # noqa: E402
+from vtoken.core.errors import BlockOutOfRangeError, VTokenError  # noqa: E402
 from vtoken.core.token_table import Move  # noqa: E402
 from vtoken.integration.device.copy_engine import TorchCopyEngine  # noqa: E402
 from vtoken.integration.device.verify import RelocationMismatch, Verifier, VerifyConfig  # noqa: E402
+from vtoken.integration.device.copy_engine import check_copies, waves  # noqa: E402
+from vtoken.integration.fastpath.moves import MoveArray  # noqa: E402
 from vtoken.integration.fastpath.relocate import HostMover, host_mover  # noqa: E402
 
 
@@ -111,6 +113,8 @@ def test_a_workers_batch_nobody_verifies_runs_as_submit_batch_runs_it_without_ha
     rng = random.Random("run-batch")
     for case in range(100):
         copies = random_copies(rng)
+        if case % 2:  # packed, as the scheduler sends them: the mover's compiled split (``HostMover.waves``)
+            copies = [(MoveArray(array("q", [f for m in moves for f in m])), r) for moves, r in copies]
         want, want_status, ref = run(copies, torch.float32, mover=True)
         for h in list(ref._copies):
             ref.release(h)
@@ -141,3 +145,34 @@ def test_a_wave_that_fails_to_launch_fails_its_copies_only():
         eng._launch = launch
         got = eng.run_batch(copies) if batch == "run_batch" else [eng.wait(h) for h in eng.submit_batch(copies)]
         assert got == [CopyStatus.DONE, CopyStatus.FAILED, CopyStatus.FAILED] and calls == [1, 2], batch
+
+
+def test_the_movers_compiled_split_is_the_python_check_and_split_or_declines():
+    """``HostMover.waves`` (one kernel call) against ``waves(check_copies(...))``, its reference, on 300 random
+    packed batches with read-after-write and write-after-write waves: the same waves and moves; where a move leaves
+    the cache or two moves write one slot it declines (None), so the Python checks name the culprit or split it."""
+    cache, _ = mixed_cache()
+    mover = host_mover(cache)
+    rng = random.Random("split-waves")
+    declined = 0
+    for case in range(300):
+        copies = [(MoveArray(array("q", [f for m in moves for f in m])), r) for moves, r in random_copies(rng)]
+        if case % 10 == 9:  # a move outside the cache
+            k = rng.randrange(len(copies))
+            fields = array("q", copies[k][0].fields) + array("q", [0, 1, 0, NB, 0])
+            copies[k] = (MoveArray(fields), copies[k][1])
+        got = mover.waves(copies)
+        try:
+            want = list(waves(check_copies(copies, NB, S)))
+        except VTokenError:  # the reference names the move (``check_moves``)
+            assert got is None, case
+            declined += 1
+            continue
+        dst = [(m.dst_block, m.dst_offset) for moves, _ in copies for m in moves]
+        if len(set(dst)) < len(dst) or not dst:  # the Python pass decides these
+            assert got is None, case
+            declined += 1
+            continue
+        assert [(a, b, list(f)) for a, b, f in got] == [(a, b, list(f)) for a, b, f in want], f"case {case}"
+    assert 30 <= declined <= 200  # and at least 100 batches compared
+    assert mover.waves([([Move(0, 1, 0, 2, 0)], "a")]) is None  # not packed: the Python checks run

@@ -198,10 +198,14 @@ class TorchCopyEngine(CopyRegistry):
                 statuses.append(self.wait(h))
                 self.release(h)
             return statuses
-        checked = check_copies(copies, self.cache.num_blocks, self.cache.block_size)
-        self.verifier.counters.relocations += len(checked)  # what ``select`` counts, selecting none
+        # the mover's compiled check and split where it can decide (``HostMover.waves``: packed moves), else ours
+        split = getattr(self.mover, "waves", None)
+        found = split(copies) if split is not None else None
+        if found is None:
+            found = waves(check_copies(copies, self.cache.num_blocks, self.cache.block_size))
+        self.verifier.counters.relocations += len(copies)  # what ``select`` counts, selecting none
         statuses = []
-        for first, end, fields in waves(checked):
+        for first, end, fields in found:
             try:
                 self._launch(_Wave([], fields, None), None, None)
                 statuses += [CopyStatus.DONE] * (end - first)

@@ -50,6 +50,41 @@ def first_outside(moves, num_blocks, block_size):
     return -1
 
 
+@njit(cache=True, nogil=True)
+def split_waves(moves, starts, num_blocks, block_size, slot_seen, block_written, stamp, ends):
+    """``copy_engine.waves`` over a batch's packed moves, checked as ``check_copies``' fast pass checks them: copy i
+    is rows ``starts[i]:starts[i + 1]`` of ``moves``. Returns (-1, waves) with each wave's end (a copy index) in
+    ``ends[:waves]``, or (the first move outside the cache or writing a slot an earlier move of the batch writes, 0):
+    the caller then checks and splits the batch in Python, which names the culprit or allows it.
+
+    ``slot_seen`` [slots] and ``block_written`` [blocks]: scratch stamps, never reset: a slot is seen in this batch
+    when it holds ``stamp``, a block written in the current wave when it holds that wave's stamp (``stamp`` + the
+    wave's index); the caller passes a ``stamp`` above every one an earlier batch used."""
+    waves, first, wave = 0, 0, stamp
+    for i in range(starts.shape[0] - 1):
+        a, b = starts[i], starts[i + 1]
+        for j in range(a, b):
+            if not (0 <= moves[j, 1] < num_blocks and 0 <= moves[j, 2] < block_size
+                    and 0 <= moves[j, 3] < num_blocks and 0 <= moves[j, 4] < block_size and moves[j, 0] >= 0):
+                return j, 0
+            slot = moves[j, 3] * block_size + moves[j, 4]
+            if slot_seen[slot] == stamp:
+                return j, 0
+            slot_seen[slot] = stamp
+        if i > first:  # a copy that reads or writes a block an earlier copy of the wave writes starts the next
+            for j in range(a, b):
+                if block_written[moves[j, 1]] == wave or block_written[moves[j, 3]] == wave:
+                    ends[waves] = i
+                    waves, first, wave = waves + 1, i, wave + 1
+                    break
+        for j in range(a, b):
+            block_written[moves[j, 3]] = wave
+    if starts.shape[0] > 1:
+        ends[waves] = starts.shape[0] - 1
+        waves += 1
+    return -1, waves
+
+
 WIDTHS = (np.uint8, np.int16, np.int32, np.int64)  # a storage group's bits, by element size (``kv_cache._BITS``)
 
 
@@ -58,6 +93,8 @@ def warm_up(dtypes=WIDTHS) -> None:
     step must not pay the compile (seconds, cold)."""
     none, one = np.empty((0, 5), np.int64), np.zeros((1, 1), np.int64)
     first_outside(none, 1, 1)
+    split_waves(none, np.zeros(1, np.int64), 1, 1, np.zeros(1, np.int64), np.zeros(1, np.int64), 0,
+                np.zeros(1, np.int64))
     for dtype in dtypes:
         relocate(np.empty(1, dtype), one, np.zeros(1, np.int64), none, np.empty((0, 1), dtype))
 
@@ -72,6 +109,9 @@ class HostMover:
         self.groups = groups
         self.block_size, self.num_blocks = block_size, num_slots // block_size
         self.calls = 0  # kernel calls: one per group per wave
+        self._slot_seen = np.full(self.num_blocks * block_size, -1, np.int64)  # ``split_waves``' stamps
+        self._block_written = np.full(self.num_blocks, -1, np.int64)
+        self._stamp = 0
         warm_up(sorted({flat.dtype for flat, _, _ in groups}, key=str))  # at the worker's start, not its first copy
 
     def __call__(self, moves) -> None:
@@ -90,6 +130,33 @@ class HostMover:
             buf = np.empty((moves.shape[0], offsets.shape[1]), flat.dtype)
             relocate(flat, offsets, stride, moves, buf)
             self.calls += 1
+
+
+    def waves(self, copies) -> list[tuple[int, int, array]] | None:
+        """``copy_engine.waves(check_copies(copies, ...))`` for a batch of (moves, request) copies whose moves are
+        packed (``MoveArray``), in one kernel call (``split_waves``); None where that call cannot decide (a copy not
+        packed, a move outside the cache, a slot written twice): the caller's Python checks then name the culprit,
+        or allow the batch and split it."""
+        flat, starts = array("q"), [0]
+        for moves, _ in copies:
+            fields = getattr(moves, "fields", None)
+            if fields.__class__ is not array or fields.typecode != "q":
+                return None
+            flat.extend(fields)
+            starts.append(len(flat) // 5)
+        if not starts[-1]:
+            return None
+        ends = np.empty(len(copies), np.int64)
+        bad, n = split_waves(np.frombuffer(flat, np.int64).reshape(-1, 5), np.array(starts, np.int64), self.num_blocks,
+                             self.block_size, self._slot_seen, self._block_written, self._stamp, ends)
+        self._stamp += len(copies) + 1  # above every stamp this batch used (one per wave, at most one per copy)
+        if bad >= 0:
+            return None
+        out, first = [], 0
+        for end in ends[:n].tolist():
+            out.append((first, end, flat[5 * starts[first]:5 * starts[end]]))
+            first = end
+        return out
 
 
 def host_mover(cache) -> HostMover | None:

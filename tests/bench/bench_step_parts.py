@@ -48,6 +48,8 @@ def instrument(seconds: collections.Counter, timing: list[bool]) -> None:
         for cls_name, methods in classes.items():
             cls = getattr(mod, cls_name)
             for name in methods:
+                if not hasattr(cls, name):  # an older tree (``VTOKEN_TREE``) may lack it
+                    continue
                 wrapped, label = getattr(cls, name), f"{cls_name}.{name}"
 
                 def timed(*a, _f=wrapped, _label=label, **k):
