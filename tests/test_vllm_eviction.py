@@ -66,13 +66,14 @@ def test_eviction_changes_what_the_model_attends_to():
 
 def test_a_slot_mapping_that_ignores_the_table_is_caught_by_the_slot_audit():
     """Planted bug: the worker forgets to map write slots and sequence lengths through the token table."""
-    real = WorkerTokens._map_through_table
-    WorkerTokens._map_through_table = lambda self, n: None
+    real = WorkerTokens._map_through_table, WorkerTokens._physical_positions
+    WorkerTokens._map_through_table = lambda self, gap: None
+    WorkerTokens._physical_positions = lambda self, positions, gap: positions
     try:
         with pytest.raises(Exception) as info:
             H.run({"policy": "streaming_llm", "budget": 0.5, "strict_verify": "strict"})
     finally:
-        WorkerTokens._map_through_table = real
+        WorkerTokens._map_through_table, WorkerTokens._physical_positions = real
     assert "I2: request" in str(info.value) and "its token table assigned" in str(info.value)
 
 

@@ -2,11 +2,12 @@
 
 Touch points, each named with its vLLM 0.32 file:
   ``v1/worker/gpu_model_runner.py``  ``runner.requests[r].block_ids``, ``runner.input_batch`` and the
-        ``_prepare_inputs`` method, wrapped on the runner instance: after it has computed positions,
-        ``seq_lens`` and write slots from logical positions, vtoken lowers ``seq_lens`` (and the
-        CPU-side upper bound) by each request's ``gap`` and recomputes the write slots from
-        ``positions - gap``. ``positions`` stay logical, so RoPE sees the true positions.
-  ``v1/worker/block_table.py``  ``BlockTable.add_row`` and ``compute_slot_mapping``, ``slot_mapping``.
+        ``_prepare_inputs`` method, wrapped on the runner instance: while it runs, its one call of the batch's
+        ``compute_slot_mapping`` is handed ``positions - gap`` (each request's ``gap``), so the write slots are
+        the table's; afterwards vtoken lowers ``seq_lens`` (and the CPU-side upper bound) by the gaps.
+        ``positions`` stay logical, so RoPE sees the true positions.
+  ``v1/worker/block_table.py``  ``BlockTable.add_row`` and ``MultiGroupBlockTable.compute_slot_mapping``,
+        ``slot_mapping``.
 
 Per step (``apply``, called from ``handle_preemptions``, before ``_update_states``):
   1. run the copies the scheduler planned after the previous forward, all requests' as one batch (device layer,
@@ -252,10 +253,26 @@ class WorkerTokens:
         prepare_inputs = runner._prepare_inputs
 
         def _prepare_inputs(scheduler_output, num_scheduled_tokens):
-            out = prepare_inputs(scheduler_output, num_scheduled_tokens)
-            t0 = time.perf_counter()
-            if self.gaps:
-                self._map_through_table(scheduler_output.total_num_scheduled_tokens)
+            if not self.gaps:
+                out = prepare_inputs(scheduler_output, num_scheduled_tokens)
+                t0 = time.perf_counter()
+            else:
+                # NOTE: vLLM computes the step's slot mapping inside ``_prepare_inputs`` from its logical positions
+                # (which RoPE keeps reading); for that one call it is handed the physical ones instead, so the slots
+                # are the token table's and vLLM computes them once (``_physical_positions``)
+                t0 = time.perf_counter()
+                gap = self._step_gaps()  # NOTE: vLLM's batch is this step's (``_update_states`` ran before)
+                tables = runner.input_batch.block_table
+                compute = tables.compute_slot_mapping
+                tables.compute_slot_mapping = lambda num_reqs, query_start_loc, positions: compute(
+                    num_reqs, query_start_loc, self._physical_positions(positions, gap))
+                self.seconds += time.perf_counter() - t0
+                try:
+                    out = prepare_inputs(scheduler_output, num_scheduled_tokens)
+                finally:
+                    del tables.compute_slot_mapping
+                t0 = time.perf_counter()
+                self._map_through_table(gap)
             if self.audit:
                 self._audit(scheduler_output.total_num_scheduled_tokens)
             self.read_plan = self._read_plan(scheduler_output.total_num_scheduled_tokens) \
@@ -265,19 +282,30 @@ class WorkerTokens:
 
         runner._prepare_inputs = _prepare_inputs
 
-    def _map_through_table(self, num_tokens: int) -> None:
-        r = self.runner
-        batch = r.input_batch
-        n = batch.num_reqs
-        gap = np.zeros(n, dtype=np.int64)
+    def _step_gaps(self) -> np.ndarray:
+        """Each batch row's gap this step (``orders.gaps``; 0 for a request without one)."""
+        batch = self.runner.input_batch
+        gap = np.zeros(batch.num_reqs, dtype=np.int64)
         for rid, g in self.gaps.items():
             gap[batch.req_id_to_index[rid]] = g
+        return gap
+
+    def _physical_positions(self, positions: torch.Tensor, gap: np.ndarray) -> torch.Tensor:
+        """The step's query positions less their requests' gaps: where the table writes each token. Timed as vtoken's,
+        though vLLM calls it (the slot mapping it then computes is vLLM's own work, done once)."""
+        t0 = time.perf_counter()
+        per_token = torch.from_numpy(gap[self.runner.req_indices.np[:positions.shape[0]]]).to(positions.device)
+        physical = positions - per_token
+        self.seconds += time.perf_counter() - t0
+        return physical
+
+    def _map_through_table(self, gap: np.ndarray) -> None:
+        """After vLLM prepared the step: its sequence lengths less the gaps (attention reads n_live tokens)."""
+        r = self.runner
+        n = len(gap)
         gap_t = torch.from_numpy(gap)
         r.seq_lens[:n] -= gap_t.to(r.seq_lens.device, r.seq_lens.dtype)
         r.optimistic_seq_lens_cpu[:n] -= gap_t.to(r.optimistic_seq_lens_cpu.dtype)
-        per_token = torch.from_numpy(gap[r.req_indices.np[:num_tokens]]).to(r.positions.device)
-        physical = r.positions[:num_tokens] - per_token
-        batch.block_table.compute_slot_mapping(n, r.query_start_loc.gpu[: n + 1], physical)
 
     def _read_plan(self, num_tokens: int) -> ReadPlan:
         """The requests' read lists padded into one batch, and every query token's request and position."""
