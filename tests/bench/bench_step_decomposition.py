@@ -10,13 +10,14 @@ tokens, the byte-llama; the configurations of ``bench_context_step.py``, and Str
 path and on the core's runtime), reads vtoken's scheduler and worker seconds and the tokens evicted after every step, and splits each
 run into:
 
-  * **steady**: the median over the decode steps that evicted at most one token per request and committed at most
-    one relocation move per request (µs per request);
+  * **steady**: the median over the decode steps that scheduled one token for every request and evicted at most one
+    token per request and committed at most one relocation move per request (µs per request);
   * **burst**: the steps that evicted more, as µs per evicted token (their cost less one steady step each);
   * **reclaim**: the steps that evicted little but committed more than one relocation move per request (the
     reclamation working through what a burst left), as µs per moved token (less one steady step each);
   * **mean**: Q7's number (every step, prefill included), and its parts: the steady cost, and what the prefill,
-    burst and reclaim steps cost beyond a steady step, spread over every step.
+    burst, reclaim and mixed steps (a prefill chunk or a finished request beside the decodes) cost beyond a steady
+    step, spread over every step.
 
 If steady barely grows with L while mean does, what grows is the bursts and the reclamation after them, whose costs
 are per evicted and per moved token: O(changes).
@@ -58,7 +59,13 @@ def one_run(vtoken: dict, context: int, seed: int, requests: int = 8) -> dict:
             llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], warm, use_tqdm=False)  # untimed
             for i, p in enumerate(prompts):
                 engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=p), params)
-            steps = []
+            steps, scheduled = [], {}
+            build = conn.build_connector_meta
+
+            def capture(so):  # what the step schedules: a steady step decodes one token for every request
+                scheduled["tokens"], scheduled["requests"] = so.total_num_scheduled_tokens, len(so.num_scheduled_tokens)
+                return build(so)
+            conn.build_connector_meta = capture
             reclaim = conn.tokens.rt.reclaim_stats
             last = (conn.tokens.stats.seconds, conn.workers.seconds, conn.tokens.stats.evicted, reclaim.moves_committed)
             while engine.has_unfinished_requests():
@@ -68,7 +75,8 @@ def one_run(vtoken: dict, context: int, seed: int, requests: int = 8) -> dict:
                 now = (conn.tokens.stats.seconds, conn.workers.seconds, conn.tokens.stats.evicted,
                        reclaim.moves_committed)
                 steps.append({"vtoken_s": (now[0] - last[0]) + (now[1] - last[1]), "evicted": now[2] - last[2],
-                              "moved": now[3] - last[3], "wall_s": wall})
+                              "moved": now[3] - last[3], "wall_s": wall,
+                              "decode": scheduled.get("tokens") == scheduled.get("requests") == requests})
                 last = now
         finally:
             llm.llm_engine.engine_core.shutdown()  # now: the next engine must not find this one's KV connector
@@ -86,8 +94,11 @@ def split(steps: list[dict], requests: int) -> dict:
     after = steps[first:]
     bursts = [s for s in after if s["evicted"] > requests]
     reclaims = [s for s in after if s["evicted"] <= requests and s["moved"] > requests]
-    steady = [s["vtoken_s"] for s in after if s["evicted"] <= requests and s["moved"] <= requests]
+    # NOTE: steady steps decode one token for every request (no prefill chunk, none finished): a mixed step's cost
+    # is the prefill's sync, not the steady machinery's
+    steady = [s["vtoken_s"] for s in after if s["evicted"] <= requests and s["moved"] <= requests and s["decode"]]
     steady_s = statistics.median(steady) if steady else float("nan")
+    mixed = [s for s in after if s["evicted"] <= requests and s["moved"] <= requests and not s["decode"]]
     burst_tokens, moved = sum(s["evicted"] for s in bursts), sum(s["moved"] for s in reclaims)
     extra = lambda kind: sum(s["vtoken_s"] - steady_s for s in kind)  # noqa: E731
     per_request_step = 1e6 / len(steps) / requests
@@ -101,7 +112,8 @@ def split(steps: list[dict], requests: int) -> dict:
             "mean_us_per_request": 1e6 * sum(s["vtoken_s"] for s in steps) / len(steps) / requests,
             "parts": {"steady": 1e6 * steady_s / requests,
                       "prefill": per_request_step * sum(s["vtoken_s"] - steady_s for s in steps[:first]),
-                      "burst": per_request_step * extra(bursts), "reclaim": per_request_step * extra(reclaims)},
+                      "burst": per_request_step * extra(bursts), "reclaim": per_request_step * extra(reclaims),
+                      "mixed": per_request_step * extra(mixed)},
             "step_ms": 1e3 * statistics.median(s["wall_s"] for s in after)}
 
 
