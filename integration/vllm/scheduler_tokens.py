@@ -387,7 +387,7 @@ class SchedulerTokens:
         rt = self.rt
         self._scheduled = set(scheduled)
         for r in scheduled:
-            if rt.total_len(r) >= self.prompt_len[r] and rt.eviction_due(r):
+            if r in self._decoding and rt.eviction_due(r):  # its whole prompt is in (this step's sync)
                 orders.rank[r] = self.ranked.order(rt.policy_view(r))
         orders.rows = self.ranked.check
 
