@@ -225,10 +225,11 @@ def _wrap(name: str, after) -> dict:
 
 
 def _slot_off_by_one() -> dict:
-    def after(args, out):  # sync_batch(..., out_slots, apply): the first write slot reported one past the written
-        if out[0] == K.OK and args[-1] and args[-2].shape[0]:
-            args[-2][0] += 1
-    return _wrap("sync_batch", after)
+    def after(args, out):  # sync_step(..., record, apply): the first write slot reported one past the written
+        n = args[13].shape[0]  # the record: n + 1 slot starts, then the slots (``out[3]`` words in all)
+        if out[0] == K.OK and args[-1] and out[3] > n + 1:
+            args[-2][n + 1] += 1
+    return _wrap("sync_step", after)
 
 
 def _live_bit_kept_on_eviction() -> dict:

@@ -32,3 +32,30 @@ def test_a_move_array_reads_as_the_tuple_of_moves_it_packs():
     for bad in (array("q", [1, 2, 3]), array("i", [0] * 5), [0] * 5):
         with pytest.raises(InvalidArgumentError, match="a MoveArray packs an array"):
             MoveArray(bad)
+
+
+def test_packed_copies_read_as_the_pairs_they_pack_and_sent_copies_as_the_outbox_triples():
+    """A step's copies in one record read as the (moves, request) list they stand for (iteration, indexing from
+    either end, slicing, ``==`` with that list, pickling), and once sent as (handle, request, moves); a malformed
+    record is refused by name."""
+    from vtoken.integration.fastpath.moves import PackedCopies, SentCopies
+
+    pairs = [((Move(4, 1, 2, 0, 3),), "a"), ((Move(9, 2, 0, 1, 1), Move(5, 2, 1, 1, 2)), "b")]
+    c = PackedCopies(["a", "b"], array("q", [0, 1, 3]), array("q", [4, 1, 2, 0, 3, 9, 2, 0, 1, 1, 5, 2, 1, 1, 2]))
+    assert list(c) == pairs and c == pairs and len(c) == 2 and c[-1] == pairs[1] and c[0:1] == pairs[:1]
+    assert c[1][0].__class__ is MoveArray and pickle.loads(pickle.dumps(c)) == c
+    with pytest.raises(IndexError):
+        c[2]
+    sent = SentCopies(range(7, 9), c)
+    assert list(sent) == [(7, "a", pairs[0][0]), (8, "b", pairs[1][0])] and sent[1] == (8, "b", pairs[1][0])
+    assert sent.copy_of(8) == ("b", pairs[1][0]) and pickle.loads(pickle.dumps(sent)).handles == range(7, 9)
+    for args, named in (((["a"], array("q", [0, 2, 3]), array("q", [0] * 15)), "one more than the requests"),
+                        ((["a", "b"], array("q", [0, 2, 1]), array("q", [0] * 5)), "ascending starts"),
+                        ((["a"], array("q", [0, 1]), array("q", [0] * 6)), "a fifth of the fields"),
+                        ((("a",), array("q", [0, 1]), array("q", [0] * 5)), "1 requests"),
+                        ((["a"], [0, 1], array("q", [0] * 5)), "array('q') each")):
+        with pytest.raises(InvalidArgumentError, match="PackedCopies") as e:
+            PackedCopies(*args)
+        assert named in str(e.value)
+    with pytest.raises(InvalidArgumentError, match="a range of handles, one per copy"):
+        SentCopies(range(3), c)

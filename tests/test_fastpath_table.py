@@ -511,3 +511,27 @@ def test_vllms_kernel_scan_passes_after_the_fast_path_is_imported():
     code = "import numba\nfrom vllm.triton_utils.dispatcher import _rebind_kernels\n_rebind_kernels([])"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "'_lib_fn_wrapper' object has no attribute 'get'" in proc.stderr
+
+
+def test_a_steps_sync_grows_its_record_and_leaves_odd_items_to_the_cores_checks_in_order():
+    """``sync_many``'s one kernel call (``K.sync_step``): a step longer than the kept record grows it and answers as
+    the core's loop does; a step whose first item goes below its synced length while a later one names a block
+    outside the pool gets the core's error for the first item (the kernel's NOT_USUAL hands the items to the core's
+    checks one by one), and nothing changes."""
+    from vtoken.core.errors import TokenOutOfRangeError
+
+    core, fast = TokenTable(NUM_BLOCKS, S), FastTable(NUM_BLOCKS, S, ROWS, TOKENS)
+    for r in ("a", "b"):
+        core.add_request(r)
+        fast.add_request(r)
+    small = fast._sync_out.shape[0]
+    items = [("a", list(range(0, 10)), 40), ("b", list(range(10, 20)), 37)]
+    assert fast.sync_many(items) == [core.sync_new_tokens(*item) for item in items]
+    assert fast._sync_out.shape[0] > small  # 77 slots + 3 starts did not fit the first record
+    before = fast.state()
+    with pytest.raises(TokenOutOfRangeError) as got:
+        fast.sync_many([("a", [], 39), ("b", [NUM_BLOCKS + 3], 40)])
+    with pytest.raises(TokenOutOfRangeError) as want:
+        core.sync_new_tokens("a", [], 39)
+    assert str(got.value) == str(want.value) and "below the synced length 40" in str(got.value)
+    assert fast.state() == before == core.state()

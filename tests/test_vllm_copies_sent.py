@@ -118,3 +118,42 @@ def test_a_steps_done_reports_settle_as_one_report_each_and_a_bad_one_is_named()
     with pytest.raises(UnknownCopyHandleError, match="unknown copy handle 9"):
         one.report_done([4, 9])
     assert one.pending() == []  # 4 was reported before 9 was refused
+
+
+def test_a_packed_step_is_one_outbox_record_whose_copies_answer_as_submitted_ones():
+    """``submit_ordered`` of a ``PackedCopies`` (the fast path's step) registers consecutive handles to one record
+    and sends it whole (``take_outbox`` gives the ``SentCopies``); every handle answers ``poll``, ``request_of``,
+    ``moves_of``, ``pending``, ``report``, ``report_done`` and ``drop_request`` as the same copies submitted one by
+    one do."""
+    from array import array
+
+    from vtoken.core.copy_engine import CopyStatus
+    from vtoken.core.errors import UnknownCopyHandleError
+    from vtoken.integration.fastpath.moves import PackedCopies, SentCopies
+
+    def packed():
+        return PackedCopies(["a", "b", "c"], array("q", [0, 1, 2, 4]),
+                            array("q", [0, 1, 0, 2, 0, 3, 3, 0, 4, 0, 4, 5, 0, 6, 0, 6, 5, 1, 6, 1]))
+
+    one, loop = WorkerCopyEngine(), WorkerCopyEngine()
+    assert one.submit_ordered(packed()) == loop.submit_ordered(list(packed())) == [CopyStatus.ORDERED] * 3
+    assert one.submit_ordered(PackedCopies([], array("q", [0]), array("q"))) == []
+    assert one.unsent() == loop.unsent() and len(one._outbox) == 1
+    assert one.pending() == loop.pending() == [1, 2, 3]
+    for h in (1, 2, 3):
+        assert (one.poll(h), one.request_of(h), one.moves_of(h)) == (loop.poll(h), loop.request_of(h), loop.moves_of(h))
+    sent = one.take_outbox()
+    assert sent.__class__ is SentCopies and sent.handles == range(1, 4) and list(sent) == loop.take_outbox()
+    for engine in (one, loop):
+        engine.report(2, ok=False)
+        engine.report_done([1])
+        assert engine.pending() == [3] and engine.request_of(3) == "c"
+        for report in (lambda: engine.report_done([1]), lambda: engine.report(2, ok=True)):
+            with pytest.raises(UnknownCopyHandleError, match="unknown copy handle"):  # released: gone once reported
+                report()
+    # a request that leaves before its step is sent: its copy is taken out of the record, the others stay
+    for engine, copies in ((one, packed()), (loop, list(packed()))):
+        engine.submit_ordered(copies)
+        assert engine.drop_request("b") == 1 and engine.drop_request("zz") == 0
+        assert [(h, r) for h, r, _ in engine.take_outbox()] == [(4, "a"), (6, "c")]
+        assert engine.pending() == [3, 4, 6]

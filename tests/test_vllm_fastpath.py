@@ -14,7 +14,7 @@ pytest.importorskip("numba")
 
 import vllm_harness as H  # noqa: E402
 
-from vtoken.integration.fastpath import runtime as fast_runtime  # noqa: E402
+from vtoken.integration.fastpath import table as fast_table  # noqa: E402
 from vtoken.integration.vllm.scheduler_tokens import fast_path_refusal  # noqa: E402
 from vtoken.integration.vllm.settings import SettingsError, VTokenSettings  # noqa: E402
 
@@ -74,10 +74,9 @@ def test_under_strict_verify_the_core_shadows_every_call_and_the_workers_verify_
 def test_a_planted_divergence_in_the_fast_path_stops_the_engine_with_v6(monkeypatch):
     """The shadow has teeth inside vLLM: a fast runtime whose cadence is off by one (a request one token over its
     budget waits) evicts less than the core; the first such step raises V6 and names the call."""
-    real = fast_runtime.FastRuntime._due
-    monkeypatch.setattr(fast_runtime.FastRuntime, "_due", lambda self, ids, rows: (
-        setattr(self, "evict_every", self.evict_every + 1), real(self, ids, rows),
-        setattr(self, "evict_every", self.evict_every - 1))[1])
+    real = fast_table.FastTable.evict_step
+    monkeypatch.setattr(fast_table.FastTable, "evict_step", lambda self, rows, budget, evict_every, *rest:
+                        real(self, rows, budget, evict_every + 1, *rest))
     with pytest.raises(Exception, match=r"V6: call \d+ \(evict_and_reclaim\): the fast path's answer differs"):
         H.run({"policy": "streaming_llm", "budget": 0.5, "strict_verify": "strict"}, max_tokens=16)
 

@@ -63,6 +63,9 @@ NAMED_TWICE = 10  # a: the token                                          TokenA
 OVER_TOKENS = 11  # a: total_len (past the layout's tokens per row)       ConfigError
 OVER_BLOCKS = 12  # a: blocks the row would list                          ConfigError
 DENSE_MISMATCH = 13  # a: movers, b: holes (a table bug: I7)              InvariantViolation
+# sync_step's answers that send the caller to its other path (not errors)
+NOT_USUAL = 20  # a total_len below the synced length: the core's checks, item by item, decide
+NEED_SPACE = 21  # a: the words ``out`` needs
 # densify's answers (not errors)
 PLANNED = 100  # a: moves, b: released blocks
 ALREADY_DENSE = 101
@@ -294,6 +297,52 @@ def sync_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, li
         _undo_sync_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, live_bits,
                          word_live, group_live, rows, saved, n, S)
     return OK, -1, 0, 0
+
+
+@njit(cache=True, nogil=True)
+def sync_step(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+              live_bits, word_live, group_live,
+              rows, total_lens, block_start, new_blocks, max_tokens, out, apply):
+    """``sync_batch`` for a step, its outputs in one flat record: ``out`` = write slots' starts [n + 1] | write
+    slots. The new token counts (each row's ``total_lens[i]``, at most ``max_tokens``, less its synced length) size it
+    here. Before anything changes: (NOT_USUAL, i, 0, 0) if row i's total_len is below its synced length,
+    (NEED_SPACE, -1, words, 0) if ``out`` is shorter than the record. Else ``sync_batch``'s answer, with b the words
+    used when OK."""
+    n = rows.shape[0]
+    new = 0
+    for i in range(n):
+        synced = meta[rows[i], M_TOTAL_LEN]
+        if total_lens[i] < synced:
+            return NOT_USUAL, i, 0, 0
+        new += min(total_lens[i], max_tokens) - synced
+    used = n + 1 + new
+    if used > out.shape[0]:
+        return NEED_SPACE, -1, used, 0
+    out[0] = 0
+    for i in range(n):
+        out[i + 1] = out[i] + min(total_lens[i], max_tokens) - meta[rows[i], M_TOTAL_LEN]
+    code, i, a, b = sync_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                               live_bits, word_live, group_live, rows, total_lens, block_start, new_blocks, out[:n + 1],
+                               out[n + 1:], apply)
+    if code != OK:
+        return code, i, a, b
+    return OK, -1, 0, used
+
+
+@njit(cache=True, nogil=True)
+def bridge_rows(meta, blocks, rows, out):
+    """For each of ``rows``: (total_len, blocks listed, the last of them or -1), three words each into ``out``."""
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        nb = meta[row, M_NBLOCKS]
+        out[3 * i], out[3 * i + 1], out[3 * i + 2] = meta[row, M_TOTAL_LEN], nb, blocks[row, nb - 1] if nb else -1
+
+
+@njit(cache=True, nogil=True)
+def gap_rows(meta, rows, out):
+    """For each of ``rows``: total_len - cursor, into ``out``."""
+    for i in range(rows.shape[0]):
+        out[i] = meta[rows[i], M_TOTAL_LEN] - meta[rows[i], M_WRITE_POS]
 
 
 @njit(cache=True, nogil=True)
@@ -639,6 +688,124 @@ def evict_densify_batch(tok_pos, pos_token, blocks, counts, meta, holders, block
 
 
 @njit(cache=True, nogil=True)
+def due_rows(meta, rows, ratio, fixed, evict_every, out_due, out_rows, out_budgets, out_at, sizes):
+    """The runtime's cadence for a step's ``rows`` (each request's row, in the caller's order): row i is due when
+    its live tokens exceed its budget by at least ``evict_every`` (the budget ``fixed`` if > 0, else
+    max(1, ceil(``ratio`` x total_len)), the core's ``token_budget`` in the same float64 arithmetic). The due ones,
+    in order: their index in ``rows`` (``out_due``), row, budget, and (layout version, total_len) before the step
+    (``out_at``, two per row). ``sizes`` gets what ``evict_densify_batch`` may write for them at most: victims
+    (+1), moves, released blocks (+1). Changes nothing else. Returns the number due."""
+    m, victims, moves, released = 0, 1, 0, 1
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        live, total = meta[row, M_NUM_LIVE], meta[row, M_TOTAL_LEN]
+        budget = fixed if fixed > 0 else max(1, np.int64(np.ceil(ratio * np.float64(total))))
+        if live - budget >= evict_every:
+            out_due[m], out_rows[m], out_budgets[m] = i, row, budget
+            out_at[2 * m], out_at[2 * m + 1] = meta[row, M_LAYOUT_VERSION], total
+            m += 1
+            # NOTE: densify_batch's bound: a row moves at most its dead positions after the eviction and releases at
+            # most its blocks
+            victims += live - budget
+            moves += meta[row, M_WRITE_POS] - budget
+            released += meta[row, M_NBLOCKS]
+    sizes[0], sizes[1], sizes[2] = victims, moves, released
+    return m
+
+
+HEAD = 8  # step_record's header: m, lost, commits, refused, copies, moves, released, victims
+
+
+@njit(cache=True, nogil=True)
+def step_record(meta, admission, due, rows, m, at, status, vstart, victims, moves, move_start, released,
+                released_start, S, out):
+    """An ``evict_densify_batch`` step's answer as one flat int64 record (``table.EvictStep`` reads it with one
+    conversion): for the ``m`` due rows (``rows``, with their (version, total_len) before the step in ``at`` and their
+    index among the caller's requests in ``due``), in ``out``, after a ``HEAD`` header (m, rows that lost tokens,
+    commits, refusals, copies, moves, released blocks, victims):
+    status [m] | commit index [m] (-1: none) | due [m] | lost rows [lost x 3: row, victims' start, end] | victims |
+    commits [commits x 8: row, version, total_len, cursor, first move, end move, first released, end released] |
+    refused rows | released blocks | copies' rows [copies] | copies' move starts [copies + 1] | moves [5 each].
+    The commits are the PLANNED rows in admission order (``admission`` per layout row); their moves follow in that
+    order as ``Move``'s five fields (``S``: block size). Returns the words used, or -1 if ``out`` is too short
+    (nothing written that a caller reads)."""
+    n_lost, n_commit, n_refused = 0, 0, 0
+    for k in range(m):
+        if vstart[k + 1] > vstart[k]:
+            n_lost += 1
+        if status[k] == PLANNED:
+            n_commit += 1
+        elif status[k] != ALREADY_DENSE:
+            n_refused += 1
+    order = np.empty(n_commit, np.int64)  # the PLANNED rows by admission: insertion sort (they come in it, usually)
+    c = 0
+    for k in range(m):
+        if status[k] == PLANNED:
+            j = c
+            while j > 0 and admission[rows[order[j - 1]]] > admission[rows[k]]:
+                order[j] = order[j - 1]
+                j -= 1
+            order[j] = k
+            c += 1
+    n_copies = 0
+    for j in range(n_commit):
+        if move_start[order[j] + 1] > move_start[order[j]]:
+            n_copies += 1
+    n_moves, n_released = move_start[m], released_start[m]
+    used = HEAD + 3 * m + 3 * n_lost + vstart[m] + 8 * n_commit + n_refused + n_released + 2 * n_copies + 1 \
+        + 5 * n_moves
+    if used > out.shape[0]:
+        return -1
+    h = out[:HEAD]
+    h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7] = m, n_lost, n_commit, n_refused, n_copies, n_moves, n_released, \
+        vstart[m]
+    w = HEAD
+    for k in range(m):
+        out[w + k] = status[k]
+        out[w + m + k] = -1
+        out[w + 2 * m + k] = due[k]
+    for j in range(n_commit):
+        out[w + m + order[j]] = j
+    w += 3 * m
+    for k in range(m):
+        if vstart[k + 1] > vstart[k]:
+            out[w], out[w + 1], out[w + 2] = k, vstart[k], vstart[k + 1]
+            w += 3
+    for v in range(vstart[m]):
+        out[w + v] = victims[v]
+    w += vstart[m]
+    commits, w = w, w + 8 * n_commit
+    for k in range(m):
+        if status[k] != PLANNED and status[k] != ALREADY_DENSE:
+            out[w] = k
+            w += 1
+    for r in range(n_released):
+        out[w + r] = released[r]
+    first_released, w = w, w + n_released
+    copy_rows, copy_starts = w, w + n_copies
+    fields = copy_starts + n_copies + 1
+    out[copy_starts] = 0
+    f, c = 0, 0
+    for j in range(n_commit):
+        k = order[j]
+        a, b = move_start[k], move_start[k + 1]
+        r = commits + 8 * j
+        out[r], out[r + 1], out[r + 2], out[r + 3] = k, at[2 * k], at[2 * k + 1], meta[rows[k], M_WRITE_POS]
+        out[r + 4], out[r + 5] = f, f + b - a
+        out[r + 6], out[r + 7] = first_released + released_start[k], first_released + released_start[k + 1]
+        for i in range(a, b):
+            q = fields + 5 * f
+            out[q], out[q + 1], out[q + 2] = moves[i, 0], moves[i, 1] // S, moves[i, 1] % S
+            out[q + 3], out[q + 4] = moves[i, 2] // S, moves[i, 2] % S
+            f += 1
+        if b > a:
+            out[copy_rows + c] = k
+            out[copy_starts + c + 1] = f
+            c += 1
+    return used
+
+
+@njit(cache=True, nogil=True)
 def clear_row(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
               live_bits, word_live, group_live, row, out_blocks):
     """``TokenTable.remove_request``: the row's live slots released, its blocks unlisted (into ``out_blocks``),
@@ -675,6 +842,10 @@ def warm_up() -> None:
     assert densify(*L, 0, out[:1], np.empty((8, 3), np.int64), out)[0] == PLANNED
     one, two = np.array([0], np.int64), np.array([0, 1], np.int64)
     assert sync_batch(*L, one, np.array([7], np.int64), np.array([0, 0], np.int64), out[:0], two, out, True)[0] == OK
+    assert sync_step(*L, one, np.array([7], np.int64), np.array([0, 0], np.int64), out[:0], 8, np.empty(8, np.int64),
+                     True)[0] == OK
+    bridge_rows(lay.meta, lay.blocks, one, out)
+    gap_rows(lay.meta, one, out)
     assert evict_batch(*L, one, two, np.array([6], np.int64), out)[0] == OK
     starts = np.zeros(2, np.int64)
     assert densify_batch(*L, one, two, out[:1], np.empty((8, 3), np.int64), starts, out, starts.copy(),
@@ -687,4 +858,8 @@ def warm_up() -> None:
         assert evict_densify_batch(*L, one, policy, 1, np.array([2], np.int64), states, starts, out, out.copy(),
                                    np.empty((8, 3), np.int64), starts.copy(), out.copy(), starts.copy(),
                                    np.empty(1, np.int64))[0] == OK
+    rows, sizes, at = np.array([0], np.int64), np.zeros(3, np.int64), np.zeros(2, np.int64)
+    assert due_rows(lay.meta, rows, 0.5, 0, 1, out, out.copy(), out.copy(), at, sizes) == 0
+    assert step_record(lay.meta, out, out, rows, 0, at, starts, starts, out, np.empty((1, 3), np.int64), starts, out,
+                       starts, 4, np.zeros(HEAD + 1, np.int64)) == HEAD + 1
     assert clear_row(*L, 0, out)[0] == OK

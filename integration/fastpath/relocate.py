@@ -21,6 +21,7 @@ import numpy as np
 from vtoken.core.errors import BlockOutOfRangeError
 
 from . import kernels  # noqa: F401, I001  (first: it keeps vLLM's kernel scan working beside numba, its NOTE)
+from .moves import PackedCopies  # noqa: I001
 from numba import njit  # noqa: E402
 
 
@@ -134,21 +135,24 @@ class HostMover:
 
     def waves(self, copies) -> list[tuple[int, int, array]] | None:
         """``copy_engine.waves(check_copies(copies, ...))`` for a batch of (moves, request) copies whose moves are
-        packed (``MoveArray``), in one kernel call (``split_waves``); None where that call cannot decide (a copy not
+        packed (``MoveArray``, or the whole batch a ``PackedCopies``), in one kernel call (``split_waves``); None where that call cannot decide (a copy not
         packed, a move outside the cache, a slot written twice): the caller's Python checks then name the culprit,
         or allow the batch and split it."""
-        flat, starts = array("q"), [0]
-        for moves, _ in copies:
-            fields = getattr(moves, "fields", None)
-            if fields.__class__ is not array or fields.typecode != "q":
-                return None
-            flat.extend(fields)
-            starts.append(len(flat) // 5)
+        if copies.__class__ is PackedCopies:  # a step's copies, packed already
+            flat, starts = copies.fields, copies.starts
+        else:
+            flat, starts = array("q"), array("q", [0])
+            for moves, _ in copies:
+                fields = getattr(moves, "fields", None)
+                if fields.__class__ is not array or fields.typecode != "q":
+                    return None
+                flat.extend(fields)
+                starts.append(len(flat) // 5)
         if not starts[-1]:
             return None
         ends = np.empty(len(copies), np.int64)
-        bad, n = split_waves(np.frombuffer(flat, np.int64).reshape(-1, 5), np.array(starts, np.int64), self.num_blocks,
-                             self.block_size, self._slot_seen, self._block_written, self._stamp, ends)
+        bad, n = split_waves(np.frombuffer(flat, np.int64).reshape(-1, 5), np.frombuffer(starts, np.int64),
+                             self.num_blocks, self.block_size, self._slot_seen, self._block_written, self._stamp, ends)
         self._stamp += len(copies) + 1  # above every stamp this batch used (one per wave, at most one per copy)
         if bad >= 0:
             return None

@@ -25,6 +25,8 @@ shadow's engine).
 
 from __future__ import annotations
 
+import math
+from array import array
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -41,10 +43,9 @@ from vtoken.core.policies.streaming_llm import StreamingLLM
 from vtoken.core.reclamation import ReclaimStats
 from vtoken.core.runtime import check_budget
 
-from . import kernels as K
-from .layout import M_NUM_LIVE, M_TOTAL_LEN, M_WRITE_POS, P_LIVE_SLOTS
+from .layout import M_NUM_LIVE, M_WRITE_POS, P_LIVE_SLOTS
 from .commits import NO_COMMITS, StepCommits
-from .moves import MoveArray
+from .moves import PackedCopies
 from .table import EvictStep, FastTable
 
 
@@ -74,7 +75,7 @@ class FastRuntime:
         self.iteration = 0
         self.pressure = 0
         self.reclaim_stats = ReclaimStats()
-        self._order: dict[object, int] = {}  # request -> admission number (plans are made in admission order)
+        self._admission = np.zeros(rows, np.int64)  # per row: its request's admission number (plans commit in that order)
         self._admitted = 0
         self._holey: set[object] = set()  # requests left with holes below their cursor (a densify NoPlan)
         self._commits = NO_COMMITS  # committed by the last evict_and_reclaim, for take_commits()
@@ -87,7 +88,7 @@ class FastRuntime:
         self.table.add_request(req_id)
         if type(self.policy) is RandomPolicy:
             self._draw_states[self.table._rows[req_id]] = request_state(self.seed, self.names.get(req_id, req_id))
-        self._order[req_id] = self._admitted
+        self._admission[self.table._rows[req_id]] = self._admitted
         self._admitted += 1
 
     def detach(self, req_id: object) -> list[int]:
@@ -96,7 +97,6 @@ class FastRuntime:
         if req_id not in self.table:
             raise UnknownRequestError(f"unknown request {req_id!r}")
         blocks = self.table.remove_request(req_id)
-        del self._order[req_id]
         self._holey.discard(req_id)
         return blocks
 
@@ -147,32 +147,27 @@ class FastRuntime:
         if attention or key_norms or observed:
             raise InvalidArgumentError(f"the fast path records no attention rows, key norms or votes: its policy "
                                        f"({self.policy.name if self.policy else 'none'}) reads none")
-        due, rows, budgets = self._due(ids, rows)
-        holey = sorted(self._holey - set(due), key=self._order.__getitem__) if self._holey else []
+        step = self.table.evict_step(rows, self.budget, self.evict_every, self.policy, self._draw_states,
+                                     self._admission, ids) if self.policy is not None and ids else None
+        due = step.due if step is not None else []
+        holey = sorted(self._holey - set(due), key=self._admitted_as) if self._holey else []
         victims: dict[object, list[int]] = {}
-        committed: list[tuple[int, object, object]] = []  # (admission number, request, its row of ``step`` or Plan)
         refused: list[tuple[object, NoPlan]] = []  # the NoPlans the core counts (not ALREADY_DENSE)
-        step, order = None, self._order
-        if due:
-            step = self.table.evict_densify_rows(rows, budgets, self.policy, self._draw_states, due)
-            status = step.status
-            # NOTE: only the rows that lost a token or planned are visited: at a steady step about half of them
-            for k in step.acting:
-                r = due[k]
-                chosen = step.victims_of(k)
-                if chosen:
-                    victims[r] = chosen
-                if status[k] == K.PLANNED:
-                    committed.append((order[r], r, k))
-                elif status[k] != K.ALREADY_DENSE:
-                    refused.append((r, step.plan(k)))
-        if holey:
+        committed: range | list = []
+        if step is not None:
+            victims = step.victims_by_request()
+            refused += [(due[k], step.plan(k)) for k in step.refused]
+            committed = range(len(step))  # NOTE: the step's commits, in admission order already (``K.step_record``)
+        if holey:  # every plan, the step's and these, in admission order: (admission number, request, made)
+            made = [(self._admitted_as(due[k]), due[k], j) for j, k in enumerate(step.committed_rows())] \
+                if step is not None else []
             for r, plan in zip(holey, self.table.densify_many([(r, None) for r in holey])):
                 if plan:
-                    committed.append((order[r], r, plan))
+                    made.append((self._admitted_as(r), r, plan))
                 elif plan.reason is not NoPlanReason.ALREADY_DENSE:
                     refused.append((r, plan))
-        committed.sort()  # admission order (admission numbers are distinct: nothing after them is compared)
+            made.sort()  # admission numbers are distinct: nothing after them is compared
+            committed = made
         self._commit(step, committed, refused)
         self.iteration += 1
         return victims
@@ -245,73 +240,87 @@ class FastRuntime:
 
     def token_budget(self, total_len: int) -> int:
         check_int("total_len", total_len, 0)
-        return int(self._budgets(np.asarray([total_len], np.int64))[0])
+        return self.budget if isinstance(self.budget, int) else max(1, math.ceil(self.budget * total_len))
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _budgets(self, totals: np.ndarray) -> np.ndarray:
-        """``VTokenRuntime.token_budget`` of each total length: max(1, ceil(budget x total)) for a ratio (the same
-        float64 product and ceiling as Python's), the count itself for an int."""
-        if isinstance(self.budget, int):
-            return np.full(totals.shape[0], self.budget, np.int64)
-        return np.maximum(1, np.ceil(self.budget * totals.astype(np.float64))).astype(np.int64)
-
-    def _due(self, ids: list[object], rows: np.ndarray) -> tuple[list[object], np.ndarray, np.ndarray]:
-        """The requests of ``ids`` (in ``rows``) the policy is asked for victims, in the given order, with their rows
-        and budgets: those at least ``evict_every`` tokens over budget (the core's cadence; 0 < excess < beta waits)."""
-        if self.policy is None or not ids:
-            return [], np.empty(0, np.int64), np.empty(0, np.int64)
-        meta = self.table.layout.meta
-        budgets = self._budgets(meta[rows, M_TOTAL_LEN])
-        at = np.flatnonzero(meta[rows, M_NUM_LIVE] - budgets >= self.evict_every)
-        return [ids[i] for i in at.tolist()], rows[at], budgets[at]
-
-    def _commit(self, step: EvictStep | None, committed: list[tuple[int, object, object]],
+    def _commit(self, step: EvictStep | None, committed: range | list[tuple[int, object, object]],
                 refused: list[tuple[object, NoPlan]]) -> None:
         """What the core's launch and settle do for each plan, in order: submit its copy (if it moves anything) and
         order it before the next compute step, release the handle, free the emptied tail blocks. NoPlans are
         counted, and a request left with holes is densified again at the next step. The step's copies go to the
         engine in one call, in the plans' order (``submit_ordered``). A plan the kernel made stays the kernel's
-        arrays (``step``'s row) until someone reads it (``StepCommits``)."""
+        record (``step``'s commit) until someone reads it (``StepCommits``).
+
+        ``committed``: the plans in commit order, as ``step``'s commits (their indices: the usual step, read
+        whole), or as (admission number, request, commit of ``step`` or ``Plan``) when densify's retries join them."""
         stats, holey = self.reclaim_stats, self._holey
         for r, no_plan in refused:
             stats.no_plan[no_plan.reason] += 1
             holey.add(r)
-        copies, relists, moves, released = [], [], 0, 0
-        for _, r, made in committed:
-            if holey:
-                holey.discard(r)
-            if made.__class__ is int:  # row ``made`` of the step: its moves and released blocks by their starts
-                a, b = step.move_start[made], step.move_start[made + 1]
-                c, d = step.released_start[made], step.released_start[made + 1]
-                if b > a:
-                    copies.append((MoveArray(step.moves[5 * a:5 * b]), r))
-                if d > c:
-                    self.pool.free(step.released[c:d])
-            else:
-                a, b, c, d = 0, len(made.moves), 0, len(made.src_blocks)
-                if b:
-                    copies.append((made.moves, r))
-                if d:  # NOTE: an empty free changes nothing; the shadow's recorders drop them too
-                    self.pool.free(list(made.src_blocks))
-            moves += b - a
-            released += d - c
-            relists.append(d > c)
-        n = len(committed)
+        if committed.__class__ is range:
+            copies, relists, moves, released, plan_of = self._step_commits(step, committed)
+        else:
+            copies, relists, moves, released, plans = [], [], 0, 0, []
+            for _, r, made in committed:
+                if holey:
+                    holey.discard(r)
+                plan = step.plan_of(made) if made.__class__ is int else made  # commit ``made`` of the step, or a Plan
+                plans.append(plan)
+                if plan.moves:
+                    copies.append((plan.moves, r))
+                if plan.src_blocks:  # NOTE: an empty free changes nothing; the shadow's recorders drop them too
+                    self.pool.free(list(plan.src_blocks))
+                moves += len(plan.moves)
+                released += len(plan.src_blocks)
+                relists.append(bool(plan.src_blocks))
+            plan_of = plans.__getitem__
+        n = len(relists)
         stats.plans_made += n
         stats.plans_committed += n
         stats.moves_committed += moves
         stats.blocks_released += released
-        self._commits = StepCommits(n, 0, n, moves, released, relists,
-                                    lambda i: m if (m := committed[i][2]).__class__ is not int else step.plan(m))
+        self._commits = StepCommits(n, 0, n, moves, released, relists, plan_of)
         if copies:
-            for (_, r), status in zip(copies, self.engine.submit_ordered(copies)):
-                if status is not CopyStatus.ORDERED and not status.settled:
-                    # NOTE: the kernel committed already; an engine that cannot order the copy before the next step
-                    # (the core would keep the plan in flight) is outside this runtime's domain
-                    raise InvariantViolation("V6", f"request {r!r}: the fast path committed a plan whose copy the "
-                                                   f"engine left {status.value}; it needs EVENT ordering")
+            statuses = self.engine.submit_ordered(copies)
+            if statuses.count(CopyStatus.ORDERED) != len(statuses):
+                for (_, r), status in zip(copies, statuses):
+                    if status is not CopyStatus.ORDERED and not status.settled:
+                        # NOTE: the kernel committed already; an engine that cannot order the copy before the next
+                        # step (the core would keep the plan in flight) is outside this runtime's domain
+                        raise InvariantViolation("V6", f"request {r!r}: the fast path committed a plan whose copy "
+                                                       f"the engine left {status.value}; it needs EVENT ordering")
         if holey:
             self._holey = {r for r in holey if r in self.table and not self._is_dense(r)}
+
+    def _step_commits(self, step: EvictStep, js: range) -> tuple:
+        """``_commit`` of ``step``'s commits ``js``, in that order (all of them, in the record's order, but for a
+        planted bug's reordering), read from its record: frees each one's released blocks (few commits release
+        any), and answers (the copies as one ``PackedCopies``, relists, moves, blocks released, plan_of)."""
+        due, every = step.due, js == range(len(step))
+        if self._holey:
+            self._holey.difference_update(map(due.__getitem__, step.committed_rows()))
+        relists = step.relists()
+        if not every:
+            relists = [relists[j] for j in js]
+        if any(relists):
+            for j, relist in zip(js, relists):
+                if relist:
+                    self.pool.free(step.released_by(j))
+        if every:
+            copies = PackedCopies(list(map(due.__getitem__, step.copy_rows)), array("q", step.copy_starts),
+                                  array("q", step.fields)) if step.copy_rows else []
+        else:
+            rows, starts, fields = [], array("q", [0]), array("q")
+            for j in js:
+                if step.fields_of(j):
+                    fields.extend(step.fields_of(j))
+                    rows.append(due[step.commits[8 * j]])
+                    starts.append(len(fields) // 5)
+            copies = PackedCopies(rows, starts, fields) if rows else []
+        return copies, relists, step.moves, step.released, lambda i: step.plan_of(js[i])
+
+    def _admitted_as(self, r: object) -> int:
+        return self._admission.item(self.table._rows[r])
 
     def _is_dense(self, r: object) -> bool:
         row = self.table._rows[r]

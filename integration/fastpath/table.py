@@ -44,6 +44,8 @@ class FastTable:
         self._scratch = np.empty(max(tokens, self.cap.max_positions), np.int64)
         self._moves = np.empty((self.cap.max_positions, 3), np.int64)
         self._no_states = np.zeros(rows, np.uint64)  # StreamingLLM draws nothing
+        self._step = _StepBuffers(rows)
+        self._sync_out = np.empty(4 * rows + 1, np.int64)  # sync_step's record, grown to the largest step seen
 
     # ---- registration ------------------------------------------------------------------
     def add_request(self, req_id: object) -> None:
@@ -125,49 +127,53 @@ class FastTable:
         layout's capacity), changing nothing; returns []."""
         ids, news, totals = [r for r, _, _ in items], [new for _, new, _ in items], [t for _, _, t in items]
         try:
-            rows = self.rows_of(ids).tolist()
+            rows = self.rows_of(ids)
         except UnknownRequestError:
             for r, new, total in items:  # the core's order: an earlier item's bad arguments are refused first
                 self._sync_args(r, self.layout.meta.item(self._row(r), M_TOTAL_LEN), new, total)
             raise
-        synced = self.layout.meta[rows, M_TOTAL_LEN]
-        # NOTE: a step's usual items (int lengths, lists of new blocks, mostly empty) are checked in one pass for
-        # all; any other item goes through the core's checks one by one, in its order, as before
+        # NOTE: a step's usual items (int lengths not below the synced ones, lists of new blocks in the pool, mostly
+        # empty) are checked in one pass for all (the lengths by the kernel, before it changes anything); any other
+        # item sends the step through the core's checks one by one, in its order
         usual = all(t.__class__ is int for t in totals) and all(new.__class__ is list for new in news) \
-            and (not totals or max(totals) < 2**62)
+            and (not totals or max(totals) < 2**62) \
+            and all(b.__class__ is int and 0 <= b < self.num_blocks for new in news if new for b in new)
+        code = K.NOT_USUAL
         if usual:
-            usual = bool((np.array(totals, np.int64) >= synced).all())
-        if usual:
-            for k, new in enumerate(news):
-                if new:  # NOTE: most steps add no block to a request
-                    self._sync_args(ids[k], int(synced[k]), new, totals[k])
-            blocks = list(chain.from_iterable(news))
-            starts = [0, *accumulate(map(len, news))]
-        else:
-            blocks, starts = [], [0]
-            for (r, new, total), before in zip(items, synced.tolist()):
-                new = self._sync_args(r, before, new, total)
-                blocks += new
-                starts.append(len(blocks))
+            code, i, a, b = self._sync_step(rows, ids, totals, news, check_only)
+        if code == K.NOT_USUAL:
+            news = [self._sync_args(r, before, new, total)
+                    for (r, new, total), before in zip(items, self.layout.meta[rows, M_TOTAL_LEN].tolist())]
             totals = [min(total, 2**62) for total in totals]  # as sync_new_tokens: the kernel refuses past the layout's
-        slot_starts = [0, *accumulate((np.minimum(np.array(totals, np.int64), self.cap.tokens) - synced).tolist())]
-        if len(set(rows)) != len(items):
-            raise InvalidArgumentError(f"a request is named twice in one sync: {[r for r, _, _ in items][:8]}")
-        out = np.empty(max(slot_starts[-1], 1), np.int64)
-        code, i, a, b = K.sync_batch(*self._L, np.asarray(rows, np.int64), np.array(totals, np.int64),
-                                     np.asarray(starts, np.int64), np.asarray(blocks, np.int64),
-                                     np.asarray(slot_starts, np.int64), out, not check_only)
+            code, i, a, b = self._sync_step(rows, ids, totals, news, check_only)
         if code != K.OK and not (check_only and code in (K.OVER_TOKENS, K.OVER_BLOCKS)):
             r, new, total = items[i]
-            holder_pos = None
+            holder_pos, rows = None, rows.tolist()
             if code == K.SHARED_UNFILLED_HOLDER and b in rows[:i]:  # the holder's cursor as its sync in this call left it
                 j = rows.index(b)
                 holder_pos = int(self.layout.meta[b, M_WRITE_POS]) + totals[j] - int(self.layout.meta[b, M_TOTAL_LEN])
             self._raise(code, a, b, r, rows[i], list(new), total, holder_pos)
         if check_only:
             return []
-        slots = out.tolist()
-        return [slots[slot_starts[k]:slot_starts[k + 1]] for k in range(len(items))]
+        n = len(items)
+        record = self._sync_out[:b].tolist()  # slots' starts [n + 1] | slots
+        slots = record[n + 1:]
+        return list(map(slots.__getitem__, map(slice, record[:n], record[1:n + 1])))
+
+    def _sync_step(self, rows: np.ndarray, ids: list, totals: list[int], news: list[list[int]], check_only: bool
+                   ) -> tuple[int, int, int, int]:
+        """``K.sync_step`` of the items (checked: int lengths below 2**62, lists of int blocks in the pool), into the
+        kept record buffer, grown when the kernel asks for more."""
+        if len(set(ids)) != len(ids):
+            raise InvalidArgumentError(f"a request is named twice in one sync: {ids[:8]}")
+        totals_, starts = np.array(totals, np.int64), np.array([0, *accumulate(map(len, news))], np.int64)
+        blocks = np.array(list(chain.from_iterable(news)), np.int64)
+        while True:
+            code, i, a, b = K.sync_step(*self._L, rows, totals_, starts, blocks, self.cap.tokens, self._sync_out,
+                                        not check_only)
+            if code != K.NEED_SPACE:
+                return code, i, a, b
+            self._sync_out = np.empty(2 * a, np.int64)
 
     def _evict_args(self, req_id: object, row: int, token_ids: object) -> list[int]:
         """``evict_tokens``' first check, made in Python in the core's order: every id an int in [0, total_len)
@@ -286,36 +292,59 @@ class FastTable:
 
     def evict_densify_rows(self, rows: np.ndarray, budgets: np.ndarray, policy: StreamingLLM | RandomPolicy,
                            states: np.ndarray | None, req_ids: list) -> "EvictStep":
-        """``evict_densify_many`` for rows already checked (distinct rows in use, budgets >= 1, int64 arrays; the
-        runtime's own ``_due`` makes them), answered as arrays (``EvictStep``): no Python object per request that
-        neither lost a token nor planned. ``req_ids``: each row's request, for the errors and the plans."""
+        """``evict_densify_many`` for rows already checked (distinct rows in use, budgets >= 1, int64 arrays),
+        answered as one record (``EvictStep``). ``req_ids``: each row's request, for the errors and the plans."""
+        kind, param = self._policy_args(policy, states)
+        meta, n, buf = self.layout.meta, len(rows), self._step
+        buf.due[:n], buf.rows[:n], buf.budgets[:n] = np.arange(n), rows, budgets
+        buf.at[:2 * n:2], buf.at[1:2 * n:2] = meta[rows, M_LAYOUT_VERSION], meta[rows, M_TOTAL_LEN]
+        buf.sizes[:] = (int(np.maximum(meta[rows, M_NUM_LIVE] - budgets, 0).sum()) + 1,
+                        int((meta[rows, M_WRITE_POS] - meta[rows, M_NUM_LIVE]
+                             + np.maximum(meta[rows, M_NUM_LIVE] - budgets, 0)).sum()),
+                        int(meta[rows, M_NBLOCKS].sum()) + 1)
+        return self._evict_rows(n, kind, param, states, np.zeros(self.cap.rows, np.int64), req_ids)
+
+    def evict_step(self, rows: np.ndarray, budget: float | int, evict_every: int, policy: StreamingLLM | RandomPolicy,
+                   states: np.ndarray | None, admission: np.ndarray, req_ids: list) -> "EvictStep | None":
+        """The runtime's eviction step for ``rows`` (``req_ids``' rows, distinct, in use): the rows due by the cadence
+        (``K.due_rows``: at least ``evict_every`` live tokens over ``budget``), then ``evict_densify_many`` of them
+        at their budgets, answered as one record whose plans are in admission order (``admission`` per row).
+        None when no row is due."""
+        kind, param = self._policy_args(policy, states)
+        buf = self._step
+        fixed, ratio = (budget, 0.0) if budget.__class__ is int else (0, budget)
+        m = K.due_rows(self.layout.meta, rows, ratio, fixed, evict_every, buf.due, buf.rows, buf.budgets, buf.at,
+                       buf.sizes)
+        return self._evict_rows(m, kind, param, states, admission, req_ids) if m else None
+
+    def _policy_args(self, policy, states) -> tuple[int, int]:
         if type(policy) is StreamingLLM:
-            kind, param = K.STREAMING, check_int("sinks", policy.sinks, 0)
-        elif type(policy) is RandomPolicy and isinstance(states, np.ndarray) and states.dtype == np.uint64 \
+            return K.STREAMING, check_int("sinks", policy.sinks, 0)
+        if type(policy) is RandomPolicy and isinstance(states, np.ndarray) and states.dtype == np.uint64 \
                 and states.shape == (self.cap.rows,):
-            kind, param = K.RANDOM, check_int("keep_recent", policy.keep_recent, 0)
-        else:
-            raise InvalidArgumentError(f"the fast path chooses victims for StreamingLLM, or Random with a uint64 draw "
-                                       f"state per row, not {policy!r}")
-        at, meta, n = rows, self.layout.meta, len(rows)
-        version, total = meta[at, M_LAYOUT_VERSION], meta[at, M_TOTAL_LEN]
-        over = np.maximum(meta[at, M_NUM_LIVE] - budgets, 0)
-        most = int(over.sum()) + 1
-        victims, positions = np.empty(most, np.int64), np.empty(most, np.int64)
-        # NOTE: sized for the worst case, as densify_many's: a row moves at most its dead positions (its cursor minus
-        # its live tokens after the eviction) and releases at most its blocks
-        moves = np.empty((int((meta[at, M_WRITE_POS] - meta[at, M_NUM_LIVE]).sum()) + most, 3), np.int64)
-        released = np.empty(int(meta[at, M_NBLOCKS].sum()) + 1, np.int64)
-        vstart, move_start, released_start = (np.zeros(n + 1, np.int64) for _ in range(3))
-        status = np.zeros(max(n, 1), np.int64)
-        code, i, a, b = K.evict_densify_batch(*self._L, at, kind, param, budgets,
-                                              self._no_states if states is None else states, vstart, victims,
-                                              positions, moves, move_start, released, released_start, status)
+            return K.RANDOM, check_int("keep_recent", policy.keep_recent, 0)
+        raise InvalidArgumentError(f"the fast path chooses victims for StreamingLLM, or Random with a uint64 draw "
+                                   f"state per row, not {policy!r}")
+
+    def _evict_rows(self, m: int, kind: int, param: int, states, admission: np.ndarray, req_ids: list) -> "EvictStep":
+        """``K.evict_densify_batch`` of the ``m`` rows the step buffers hold (rows, budgets, (version, total_len),
+        their index in ``req_ids``; ``sizes``: the outputs' bounds), then ``K.step_record`` of its answer, read
+        with one conversion."""
+        buf = self._step
+        buf.fit(*buf.sizes.tolist())
+        v1, r1 = buf.vstart[:m + 1], buf.released_start[:m + 1]
+        code, i, a, b = K.evict_densify_batch(*self._L, buf.rows[:m], kind, param, buf.budgets[:m],
+                                              self._no_states if states is None else states, v1, buf.victims,
+                                              buf.positions, buf.moves, buf.move_start[:m + 1], buf.released, r1,
+                                              buf.status[:m])
         if code == K.DENSE_MISMATCH:
-            raise InvariantViolation("I7", f"request {req_ids[i]!r}: {a} live tokens at or above n_live, {b} holes "
-                                           f"below it")
-        return EvictStep(req_ids, status[:n], vstart, victims, self._fields(moves[:move_start[n]]), move_start, released,
-                         released_start, version, total, meta[at, M_WRITE_POS])
+            raise InvariantViolation("I7", f"request {req_ids[buf.due.item(i)]!r}: {a} live tokens at or above n_live, "
+                                           f"{b} holes below it")
+        used = K.step_record(self.layout.meta, admission, buf.due, buf.rows, m, buf.at, buf.status, buf.vstart,
+                             buf.victims, buf.moves, buf.move_start, buf.released, buf.released_start, self.block_size,
+                             buf.out)
+        assert used > 0, "step_record's record outgrew the bound fit() sized it for"
+        return EvictStep(req_ids, buf.out[:used].tolist())
 
     # ---- views -------------------------------------------------------------------------
     def num_live(self, req_id: object) -> int:
@@ -333,16 +362,18 @@ class FastTable:
         return meta.item(row, M_TOTAL_LEN) - meta.item(row, M_WRITE_POS)
 
     def bridge(self, req_ids: Sequence[object]) -> tuple[list[int], list[int], list[int]]:
-        """Each request's (total_len, number of blocks, last block or -1), as three lists: one gather for all."""
+        """Each request's (total_len, number of blocks, last block or -1), as three lists: one kernel pass for all."""
         rows = self.rows_of(req_ids)
-        meta, counts = self.layout.meta, self.layout.meta[rows, M_NBLOCKS]
-        last = np.where(counts > 0, self.layout.blocks[rows, np.maximum(counts - 1, 0)], -1)
-        return meta[rows, M_TOTAL_LEN].tolist(), counts.tolist(), last.tolist()
+        out = np.empty(3 * rows.shape[0], np.int64)
+        K.bridge_rows(self.layout.meta, self.layout.blocks, rows, out)
+        words = out.tolist()
+        return words[0::3], words[1::3], words[2::3]
 
     def gaps(self, req_ids: Sequence[object]) -> list[int]:
         rows = self.rows_of(req_ids)
-        meta = self.layout.meta
-        return (meta[rows, M_TOTAL_LEN] - meta[rows, M_WRITE_POS]).tolist()
+        out = np.empty(rows.shape[0], np.int64)
+        K.gap_rows(self.layout.meta, rows, out)
+        return out.tolist()
 
     def layout_version(self, req_id: object) -> int:
         return self.layout.meta.item(self._row(req_id), M_LAYOUT_VERSION)
@@ -555,37 +586,102 @@ class FastTable:
         raise InvariantViolation("V6", f"request {req_id!r}: a fast path kernel answered code {code} ({a}, {b})")
 
 
+class _StepBuffers:
+    """The eviction step's kernel buffers, kept between steps: per row (due index, row, budget, (version, total_len),
+    the starts and status), and the outputs, grown to the largest step seen (``fit``)."""
+
+    def __init__(self, rows: int) -> None:
+        self.due, self.rows, self.budgets = (np.empty(rows, np.int64) for _ in range(3))
+        self.at, self.sizes = np.empty(2 * rows, np.int64), np.zeros(3, np.int64)
+        self.vstart, self.move_start, self.released_start = (np.zeros(rows + 1, np.int64) for _ in range(3))
+        self.status = np.zeros(rows, np.int64)
+        self.victims = self.positions = self.released = self.out = np.empty(0, np.int64)
+        self.moves = np.empty((0, 3), np.int64)
+
+    def fit(self, victims: int, moves: int, released: int) -> None:
+        """Outputs for up to ``victims`` victims, ``moves`` moves and ``released`` released blocks (and the record
+        ``K.step_record`` makes of them, whose size those bound): grown, twice what is asked, when short."""
+        record = K.HEAD + 17 * self.status.shape[0] + 1 + victims + released + 5 * moves
+        if self.victims.shape[0] < victims:
+            self.victims, self.positions = np.empty(2 * victims, np.int64), np.empty(2 * victims, np.int64)
+        if self.moves.shape[0] < moves:
+            self.moves = np.empty((2 * moves, 3), np.int64)
+        if self.released.shape[0] < released:
+            self.released = np.empty(2 * released, np.int64)
+        if self.out.shape[0] < record:
+            self.out = np.empty(2 * record, np.int64)
+
+
 class EvictStep:
-    """``FastTable.evict_densify_rows``' answer for a step's rows, as the kernel wrote it: per row k its status
-    (``K.PLANNED``, ``ALREADY_DENSE`` or ``SHARED_BLOCK``), its victims ``victims[vstart[k]:vstart[k + 1]]``, its moves
-    (``Move``'s five fields per row, one ``array('q')``) and released blocks by the same kind of starts, and the (layout version,
-    total_len) and cursor its plan was made at. ``acting``: the rows that lost a token or planned something, the
-    only ones a caller need visit.
+    """An eviction step's answer (``FastTable.evict_step``, ``evict_densify_rows``), read from ``K.step_record``'s
+    record as one list: for the step's m due rows (k = 0..m-1, ``req_ids[due[k]]`` each) their status (``K.PLANNED``,
+    ``ALREADY_DENSE``, ``SHARED_BLOCK``) and victims; the PLANNED rows as commits j = 0..commits-1 in admission
+    order, each with its (version, total_len), cursor, moves and released blocks; the step's copies (the commits
+    that move anything), packed in commit order (``copy_rows``, ``copy_starts``, ``fields``).
 
-    NOTE: read into Python lists and one array once per step: a caller visits about half the rows of a steady
-    step, and a numpy scalar read costs what a whole list conversion costs per row."""
+    NOTE: the record is a copy of the kernel's buffers (which the next step reuses): a ``Plan`` may be made from it
+    at any later time, and only for a commit someone reads."""
 
-    __slots__ = ("req_ids", "status", "vstart", "victims", "moves", "move_start", "released", "released_start",
-                 "version", "total", "cursor", "acting")
+    __slots__ = ("req_ids", "due", "status", "commit_of", "lost", "victims", "commits", "refused", "copy_rows",
+                 "copy_starts", "fields", "moves", "released", "_rec")
 
-    def __init__(self, req_ids, status, vstart, victims, moves, move_start, released, released_start, version, total,
-                 cursor) -> None:
-        n = len(req_ids)
+    def __init__(self, req_ids: list, rec: list) -> None:
+        m, n_lost, n_commit, n_refused, n_copies, self.moves, self.released, n_victims = rec[:K.HEAD]
+        w = K.HEAD
+        self.status, self.commit_of = rec[w:w + m], rec[w + m:w + 2 * m]
+        self.due = list(map(req_ids.__getitem__, rec[w + 2 * m:w + 3 * m]))
         self.req_ids = req_ids
-        self.acting = np.flatnonzero((vstart[1:] > vstart[:-1]) | (status != K.ALREADY_DENSE)).tolist()
-        self.status, self.vstart, self.victims = status.tolist(), vstart.tolist(), victims[:vstart[n]].tolist()
-        self.moves, self.move_start = array("q", moves.tobytes()), move_start.tolist()
-        self.released, self.released_start = released[:released_start[n]].tolist(), released_start.tolist()
-        self.version, self.total, self.cursor = version.tolist(), total.tolist(), cursor.tolist()
+        w += 3 * m
+        self.lost, w = rec[w:w + 3 * n_lost], w + 3 * n_lost
+        self.victims, w = rec[w:w + n_victims], w + n_victims
+        self.commits, w = rec[w:w + 8 * n_commit], w + 8 * n_commit
+        self.refused, w = rec[w:w + n_refused], w + n_refused + self.released
+        self.copy_rows, w = rec[w:w + n_copies], w + n_copies
+        self.copy_starts, w = rec[w:w + n_copies + 1], w + n_copies + 1
+        self.fields = rec[w:w + 5 * self.moves]
+        self._rec = rec
+
+    def __len__(self) -> int:
+        """Commits."""
+        return len(self.commits) // 8
+
+    def victims_by_request(self) -> dict[object, list[int]]:
+        """Each due row's victims by its request, for the rows that lost a token (ascending ids, the core's order)."""
+        lost = self.lost
+        return dict(zip(map(self.due.__getitem__, lost[0::3]),
+                        map(self.victims.__getitem__, map(slice, lost[1::3], lost[2::3]))))
 
     def victims_of(self, k: int) -> list[int]:
-        return self.victims[self.vstart[k]:self.vstart[k + 1]]
+        lost = self.lost
+        for i in range(0, len(lost), 3):
+            if lost[i] == k:
+                return self.victims[lost[i + 1]:lost[i + 2]]
+        return []
+
+    def committed_rows(self) -> list[int]:
+        """The commits' rows (k), in commit order."""
+        return self.commits[0::8]
+
+    def relists(self) -> list[bool]:
+        """Each commit: does it release blocks (change its request's block list)?"""
+        return list(map(int.__lt__, self.commits[6::8], self.commits[7::8]))
+
+    def released_by(self, j: int) -> list[int]:
+        return self._rec[self.commits[8 * j + 6]:self.commits[8 * j + 7]]
+
+    def fields_of(self, j: int) -> list[int]:
+        return self.fields[5 * self.commits[8 * j + 4]:5 * self.commits[8 * j + 5]]
+
+    def plan_of(self, j: int) -> Plan:
+        """Commit j's ``Plan``, as the core's planner gives it."""
+        k, version, total, cursor = self.commits[8 * j:8 * j + 4]
+        return _plan(K.PLANNED, self.due[k], (version, total), array("q", self.fields_of(j)), self.released_by(j),
+                     cursor)
 
     def plan(self, k: int) -> Plan | NoPlan:
-        """Row k's plan as the core's planner gives it (``FastTable._plan``'s)."""
-        a, b = self.move_start[k], self.move_start[k + 1]
-        return _plan(self.status[k], self.req_ids[k], (self.version[k], self.total[k]), self.moves[5 * a:5 * b],
-                     self.released[self.released_start[k]:self.released_start[k + 1]], self.cursor[k])
+        """Due row k's plan or NoPlan as the core's planner gives it (``FastTable._plan``'s)."""
+        j = self.commit_of[k]
+        return self.plan_of(j) if j >= 0 else _plan(self.status[k], self.due[k], (0, 0), array("q"), [], 0)
 
 
 def _plan(status: int, req_id: object, version: tuple[int, int], moves: array, released: list[int],

@@ -21,7 +21,7 @@ from vtoken.core.copy_engine import CopyHandle, CopyRegistry, CopyStatus
 from vtoken.core.checks import as_list, check_int, is_int
 from vtoken.core.errors import ConfigError, CopyStateError, InvalidArgumentError, VTokenError
 from vtoken.core.token_table import Move
-from vtoken.integration.fastpath.moves import MoveArray, copy_pairs
+from vtoken.integration.fastpath.moves import MoveArray, PackedCopies, SentCopies, copy_pairs
 
 
 @dataclass
@@ -43,7 +43,7 @@ def _as_sent(moves: Sequence[Move]) -> Sequence[Move]:
 class WorkerCopyEngine(CopyRegistry):
     def __init__(self) -> None:
         super().__init__()
-        self._outbox: list[tuple[CopyHandle, object, tuple[Move, ...]]] = []
+        self._outbox: list = []  # (handle, request, moves) per ``submit``, a ``SentCopies`` per packed step
 
     # ---- CopyEngine -----------------------------------------------------------------------
     def submit(self, moves: Sequence[Move], req_id: object = None) -> CopyHandle:
@@ -53,17 +53,42 @@ class WorkerCopyEngine(CopyRegistry):
         self._outbox.append((h, req_id, copy.moves))
         return h
 
-    def submit_ordered(self, copies: Sequence[tuple[Sequence[Move], object]]) -> list[CopyStatus]:
+    def submit_ordered(self, copies: Sequence[tuple[Sequence[Move], object]] | PackedCopies) -> list[CopyStatus]:
         """``submit``, ``order_before_compute`` and ``release`` of each (moves, request), in order, in one pass: the
         copies of the plans the fast path commits at once. Each goes out ORDERED (the workers run it before the next
         compute step) and released, kept until its report. Returns each copy's status (ORDERED). A refused
-        ``copies`` (``copy_pairs``) changes nothing."""
+        ``copies`` (``copy_pairs``) changes nothing.
+
+        A ``PackedCopies`` (the fast path's step) is taken whole: consecutive handles, one outbox record
+        (``SentCopies``), each handle registered to that record.
+
+        NOTE: a handle registered to a ``SentCopies`` is ORDERED and released, as every copy of ``submit_ordered``
+        is, until its report deletes it; ``_get`` gives its record, read from the batch."""
+        if copies.__class__ is PackedCopies:
+            n = len(copies)
+            if not n:
+                return []
+            sent = SentCopies(range(self._next, self._next + n), copies)
+            self._next += n
+            self._copies.update(dict.fromkeys(sent.handles, sent))
+            self._outbox.append(sent)
+            return [CopyStatus.ORDERED] * n
         outbox, add, statuses = self._outbox, self._add, []
         for moves, req_id in copy_pairs(copies):
             moves = _as_sent(moves)
             outbox.append((add(_Copy(moves, req_id, CopyStatus.ORDERED, True)), req_id, moves))
             statuses.append(CopyStatus.ORDERED)
         return statuses
+
+    def _get(self, handle: CopyHandle) -> _Copy:
+        c = super()._get(handle)
+        if c.__class__ is SentCopies:
+            req_id, moves = c.copy_of(handle)
+            return _Copy(moves, req_id, CopyStatus.ORDERED, True)
+        return c
+
+    def pending(self) -> list[CopyHandle]:
+        return [h for h in self._copies if self._get(h).status in (CopyStatus.PENDING, CopyStatus.ORDERED)]
 
     def poll(self, handle: CopyHandle) -> CopyStatus:
         return self._get(handle).status
@@ -75,21 +100,26 @@ class WorkerCopyEngine(CopyRegistry):
         return None  # the workers copy before they prepare the step's inputs
 
     # ---- the channel to the workers ------------------------------------------------------------
-    def take_outbox(self) -> list[tuple[CopyHandle, object, tuple[Move, ...]]]:
-        """The copies to send with the next step's metadata, in submission order."""
+    def take_outbox(self) -> Sequence[tuple[CopyHandle, object, tuple[Move, ...]]]:
+        """The copies to send with the next step's metadata, in submission order: (handle, request, moves) each.
+        A step whose copies are one ``PackedCopies`` sends its ``SentCopies`` as it is."""
         out, self._outbox = self._outbox, []
-        return out
+        if len(out) == 1 and out[0].__class__ is SentCopies:
+            return out[0]
+        return _flat(out)
 
     def unsent(self) -> list[tuple[CopyHandle, object, tuple[Move, ...]]]:
         """The copies submitted since the last ``take_outbox``, in submission order (read-only)."""
-        return list(self._outbox)
+        return _flat(self._outbox)
 
     def drop_request(self, req_id: object) -> int:
         """The request left before its copies were sent (finished, aborted, preempted): its blocks went
         back to vLLM, so they must not be written. Returns how many copies were dropped."""
-        keep = [c for c in self._outbox if c[1] != req_id]
-        dropped = [c for c in self._outbox if c[1] == req_id]
-        self._outbox = keep
+        out = _flat(self._outbox)
+        dropped = [c for c in out if c[1] == req_id]
+        if not dropped:
+            return 0
+        self._outbox = [c for c in out if c[1] != req_id]
         for h, _, _ in dropped:
             self.report(h, ok=True)  # nothing will run; nothing can race
         return len(dropped)
@@ -111,11 +141,21 @@ class WorkerCopyEngine(CopyRegistry):
         copies, running = self._copies, (CopyStatus.PENDING, CopyStatus.ORDERED)
         for h in handles:
             c = copies.get(h) if h.__class__ is int else None
+            if c.__class__ is SentCopies:  # ORDERED and released (``submit_ordered``'s NOTE)
+                del copies[h]
+                continue
             if c is None or c.status not in running:
                 self.report(h, ok=True)  # raises, naming the handle
             c.status = CopyStatus.DONE
             if c.released:
                 del copies[h]
+
+
+def _flat(outbox: list) -> list[tuple[CopyHandle, object, tuple[Move, ...]]]:
+    """An outbox's records as (handle, request, moves) tuples: each ``SentCopies`` opened into its copies."""
+    if not any(c.__class__ is SentCopies for c in outbox):
+        return list(outbox)
+    return [c for record in outbox for c in (record if record.__class__ is SentCopies else (record,))]
 
 
 class ShardReports:

@@ -41,6 +41,7 @@ from vtoken.core.scores import ROW_STATISTICS
 from ..device.copy_engine import TorchCopyEngine
 from ..device.gather_attention import PAD
 from ..device.scores import DeviceScores
+from ..fastpath.moves import SentCopies
 from .compat import UnsupportedConfigError
 
 
@@ -164,8 +165,15 @@ class WorkerTokens:
         # (under "raise" ``run_batch`` raises RelocationMismatch)
         copies = orders.copies
         if copies:
-            for (handle, _, _), status in zip(copies, self.engine.run_batch([(m, r) for _, r, m in copies])):
-                (self.done if status is CopyStatus.DONE else self.failed).append(handle)
+            if copies.__class__ is SentCopies:  # the fast path's step: one record
+                handles, statuses = copies.handles, self.engine.run_batch(copies.copies)
+            else:
+                handles, statuses = [h for h, _, _ in copies], self.engine.run_batch([(m, r) for _, r, m in copies])
+            if statuses.count(CopyStatus.DONE) == len(statuses):
+                self.done += handles
+            else:
+                for handle, status in zip(handles, statuses):
+                    (self.done if status is CopyStatus.DONE else self.failed).append(handle)
         for rid, blocks in orders.layouts.items():
             self._install_layout(rid, blocks)
         self.gaps = orders.gaps
