@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from itertools import compress
 
 from vtoken.core.block_pool import Purpose, blocks_needed, blocks_short
 from vtoken.core.errors import InvariantViolation
@@ -360,9 +361,11 @@ class SchedulerTokens:
                                                f"of vLLM's {[b.block_id for b in held]}")
             items.append((r, [b.block_id for b in held[known:]] if n > known else [], computed + scheduled))
         synced = rt.sync_many(items)
-        prompt_len = self.prompt_len
-        self._decoding.update(r for r, _, total in items if total >= prompt_len[r])
-        orders.gaps = {r: g for r, g in zip(ids, rt.gaps(ids)) if g}
+        if not self._decoding.issuperset(ids):  # NOTE: at a steady step every scheduled request is decoding already
+            prompt_len = self.prompt_len
+            self._decoding.update(r for r, _, total in items if total >= prompt_len[r])
+        gaps = rt.gaps(ids)
+        orders.gaps = dict(compress(zip(ids, gaps), gaps))  # the requests with a gap
         if self.settings.strict_verify == "strict":
             # a prefix hit's tokens are not rewritten
             orders.write_slots = {r: slots[len(slots) - scheduled:] for (r, _, scheduled), slots in zip(syncs, synced)}
@@ -449,7 +452,8 @@ class SchedulerTokens:
         t0 = time.perf_counter()
         rt = self.rt
         running = rt.running()
-        decoding = [r for r in running if r in self._decoding]  # whose whole prompt is in (``on_schedule``)
+        # whose whole prompt is in (``on_schedule``); NOTE: ``_decoding`` only holds running requests (``forget``)
+        decoding = running if len(self._decoding) == len(running) else [r for r in running if r in self._decoding]
         rows = {r: row for r, row in (attention or {}).items() if r in rt}
         keys = {r: norms for r, norms in (key_norms or {}).items() if r in rt}
         votes = {r: given for r, given in (observed or {}).items() if r in rt}
