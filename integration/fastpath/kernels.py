@@ -727,8 +727,8 @@ def step_record(meta, admission, due, rows, m, at, status, vstart, victims, move
     commits [commits x 8: row, version, total_len, cursor, first move, end move, first released, end released] |
     refused rows | released blocks | copies' rows [copies] | copies' move starts [copies + 1] | moves [5 each].
     The commits are the PLANNED rows in admission order (``admission`` per layout row); their moves follow in that
-    order as ``Move``'s five fields (``S``: block size). Returns the words used, or -1 if ``out`` is too short
-    (nothing written that a caller reads)."""
+    order as ``Move``'s five fields (``S``: block size), from the word ``used - 5 x moves`` on. Returns the words
+    used, or -1 if ``out`` is too short (nothing written that a caller reads)."""
     n_lost, n_commit, n_refused = 0, 0, 0
     for k in range(m):
         if vstart[k + 1] > vstart[k]:

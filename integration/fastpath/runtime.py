@@ -308,7 +308,7 @@ class FastRuntime:
                     self.pool.free(step.released_by(j))
         if every:
             copies = PackedCopies(list(map(due.__getitem__, step.copy_rows)), array("q", step.copy_starts),
-                                  array("q", step.fields)) if step.copy_rows else []
+                                  step.fields) if step.copy_rows else []
         else:
             rows, starts, fields = [], array("q", [0]), array("q")
             for j in js:

@@ -344,7 +344,9 @@ class FastTable:
                              buf.victims, buf.moves, buf.move_start, buf.released, buf.released_start, self.block_size,
                              buf.out)
         assert used > 0, "step_record's record outgrew the bound fit() sized it for"
-        return EvictStep(req_ids, buf.out[:used].tolist())
+        # NOTE: the moves' fields, the record's tail and most of a burst's words, are copied as bytes, not as ints
+        fields = used - 5 * buf.move_start.item(m)
+        return EvictStep(req_ids, buf.out[:fields].tolist(), array("q", buf.out[fields:used].tobytes()))
 
     # ---- views -------------------------------------------------------------------------
     def num_live(self, req_id: object) -> int:
@@ -614,7 +616,7 @@ class _StepBuffers:
 
 class EvictStep:
     """An eviction step's answer (``FastTable.evict_step``, ``evict_densify_rows``), read from ``K.step_record``'s
-    record as one list: for the step's m due rows (k = 0..m-1, ``req_ids[due[k]]`` each) their status (``K.PLANNED``,
+    record as one list (the moves' fields as one ``array('q')``): for the step's m due rows (k = 0..m-1, ``req_ids[due[k]]`` each) their status (``K.PLANNED``,
     ``ALREADY_DENSE``, ``SHARED_BLOCK``) and victims; the PLANNED rows as commits j = 0..commits-1 in admission
     order, each with its (version, total_len), cursor, moves and released blocks; the step's copies (the commits
     that move anything), packed in commit order (``copy_rows``, ``copy_starts``, ``fields``).
@@ -625,7 +627,7 @@ class EvictStep:
     __slots__ = ("req_ids", "due", "status", "commit_of", "lost", "victims", "commits", "refused", "copy_rows",
                  "copy_starts", "fields", "moves", "released", "_rec")
 
-    def __init__(self, req_ids: list, rec: list) -> None:
+    def __init__(self, req_ids: list, rec: list, fields: array) -> None:
         m, n_lost, n_commit, n_refused, n_copies, self.moves, self.released, n_victims = rec[:K.HEAD]
         w = K.HEAD
         self.status, self.commit_of = rec[w:w + m], rec[w + m:w + 2 * m]
@@ -637,8 +639,8 @@ class EvictStep:
         self.commits, w = rec[w:w + 8 * n_commit], w + 8 * n_commit
         self.refused, w = rec[w:w + n_refused], w + n_refused + self.released
         self.copy_rows, w = rec[w:w + n_copies], w + n_copies
-        self.copy_starts, w = rec[w:w + n_copies + 1], w + n_copies + 1
-        self.fields = rec[w:w + 5 * self.moves]
+        self.copy_starts = rec[w:w + n_copies + 1]
+        self.fields = fields
         self._rec = rec
 
     def __len__(self) -> int:
@@ -669,7 +671,7 @@ class EvictStep:
     def released_by(self, j: int) -> list[int]:
         return self._rec[self.commits[8 * j + 6]:self.commits[8 * j + 7]]
 
-    def fields_of(self, j: int) -> list[int]:
+    def fields_of(self, j: int) -> array:
         return self.fields[5 * self.commits[8 * j + 4]:5 * self.commits[8 * j + 5]]
 
     def plan_of(self, j: int) -> Plan:
