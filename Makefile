@@ -28,8 +28,13 @@ self-test: $(STAMP)
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 
+# Triton's kernels run in its interpreter on the CPU, in a process of their own: Triton reads TRITON_INTERPRET when a
+# kernel is decorated and while one runs, so it holds for a whole process; the rest of the suite must not see it.
+TRITON_TESTS = tests/test_triton_relocate.py tests/test_triton_attention.py
+
 test: $(STAMP)
 	$(PY) -m pytest $(XDIST)
+	TRITON_INTERPRET=1 $(PY) -m pytest $(XDIST) $(TRITON_TESTS)
 
 # The inner loop, a few minutes: the core, the spec's tests, the misuse corpora, the fuzzer's machine and oracles,
 # the layout and import rules; no vLLM engine, no benchmark, no campaign.

@@ -254,6 +254,119 @@ CHECKS = [check_moves_exact_on_cuda, check_pre_attention_hook_orders_compute_aft
           check_cuda_graph_reads_relocations_through_an_updated_slot_buffer]
 
 
+# ---- the Triton kernels (issue #47): compiled for this GPU, against the torch path and the reference --------------
+def check_triton_relocation_is_bit_exact_and_its_digests_are_verifiers():
+    """``TritonRelocator`` on every layout and dtype of ``cuda_cache``: random moves with a chain (one wave staged,
+    then disjoint moves direct) leave the bits torch's gather and scatter leave, and the fused digests equal
+    ``Verifier``'s of the same tokens."""
+    from vtoken.integration.device.triton_relocate import TritonRelocator
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for disjoint in (False, True):
+            cache, ref = cuda_cache(dtype, seed=5), cuda_cache(dtype, seed=5)
+            slots = random.Random(7).sample(range(NB * S), 400)
+            src, dst = slots[:200], slots[200:]
+            if not disjoint:
+                dst[0] = src[1]  # a chain: the wave reads a slot it writes
+            moves = torch.tensor(list(zip(src, dst)), dtype=torch.int64, device="cuda")
+            verifier = Verifier(cache, VerifyConfig("strict"))
+            got_src, got_dst = TritonRelocator(cache, verifier).relocate(moves, digests=True, disjoint=disjoint)
+            values = ref.gather(moves[:, 0])
+            ref.scatter(moves[:, 1], values)
+            want = verifier.source_digests(values)
+            torch.cuda.synchronize()
+            for n in cache.plane_names():
+                every = torch.arange(NB * S, device="cuda")
+                assert torch.equal(cache.read(n, every).view(torch.uint8), ref.read(n, every).view(torch.uint8)), n
+            for a, b, c in zip(got_src.per_group, got_dst.per_group, want.per_group):
+                assert torch.equal(a, c) and torch.equal(b, c), (dtype, disjoint)
+
+
+def check_triton_padded_relocation_replays_in_a_cuda_graph():
+    """``relocate_padded`` captured once with a capacity of 256 moves, replayed with 3 and then 100 valid ones (the
+    count in a device tensor): each replay moves exactly its valid moves."""
+    from vtoken.integration.device.triton_relocate import TritonRelocator
+    cache, ref = cuda_cache(torch.float16, seed=9), cuda_cache(torch.float16, seed=9)
+    mover = TritonRelocator(cache)
+    buf = torch.zeros(256, 2, dtype=torch.int64, device="cuda")
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    mover.relocate_padded(buf, count)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mover.relocate_padded(buf, count)
+    for n, seed in ((3, 1), (100, 2)):
+        slots = random.Random(seed).sample(range(NB * S), 2 * n)
+        moves = torch.tensor(list(zip(slots[:n], slots[n:])), dtype=torch.int64, device="cuda")
+        buf[:n] = moves
+        buf[n:] = -1  # padding: never read
+        count.fill_(n)
+        graph.replay()
+        ref.scatter(moves[:, 1], ref.gather(moves[:, 0]))
+        torch.cuda.synchronize()
+        every = torch.arange(NB * S, device="cuda")
+        for name in cache.plane_names():
+            assert torch.equal(cache.read(name, every).view(torch.uint8), ref.read(name, every).view(torch.uint8))
+
+
+def check_triton_decode_attention_is_within_the_bound():
+    """``decode_attention`` on the GPU (fp16, bf16, fp32; GQA 4:1 over ``cuda_cache``'s layers 0 and 4, MQA over
+    layer 3; 1, 2 and 5 splits) within ``check_decode_agreement``'s bound of the fp32 reference."""
+    from vtoken.integration.device.gather_attention import PAD
+    from vtoken.integration.device.triton_attention import check_decode_agreement, decode_attention
+    rng = random.Random(3)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        cache = cuda_cache(dtype, seed=11)
+        for layer, kv_heads in (("layer0", H), ("layer3", 1), ("layer4", 2)):
+            R, N = 4, 200
+            slots = torch.full((R, N), PAD, dtype=torch.int64)
+            ids = torch.full((R, N), PAD, dtype=torch.int64)
+            for r in range(R):
+                n = rng.randint(1, N)
+                slots[r, :n] = torch.tensor(sorted(rng.sample(range(NB * S), n)))
+                ids[r, :n] = torch.tensor(sorted(rng.sample(range(4 * N), n)))
+            query_pos = ids.masked_fill(ids == PAD, -1).amax(dim=1)
+            plane = cache.read(f"{layer}.K", torch.zeros(1, dtype=torch.int64, device="cuda"))
+            g = torch.Generator().manual_seed(kv_heads)
+            q = torch.randn(R, 4 * kv_heads, D, generator=g).to(plane.dtype).cuda()
+            for splits in (1, 2, 5):
+                args = (cache, layer, q, slots.cuda(), ids.cuda(), query_pos.cuda(), D ** -0.5)
+                out = decode_attention(*args, splits=splits)
+                check_decode_agreement(*args, out)
+
+
+CHECKS += [check_triton_relocation_is_bit_exact_and_its_digests_are_verifiers,
+           check_triton_padded_relocation_replays_in_a_cuda_graph, check_triton_decode_attention_is_within_the_bound]
+
+
+def triton_bench(out: str | None, quick: bool) -> dict:
+    """#47's figures, each a ratio measured in the same run on this card: relocation (and with its fused digest) as a
+    fraction of a plain device copy of the same bytes at 512 MB and 16 MB of random moves; gather decode against
+    SDPA over the same live tokens stored densely, at 4K and 32K context, batch 1-64. JSON in ``out``."""
+    import json
+    from vtoken.integration.device import triton_attention, triton_relocate
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    try:
+        import triton
+        report["triton"] = triton.__version__
+    except ImportError:
+        report["triton"] = None
+    for name, run in (("relocation", lambda: triton_relocate.benchmark(sizes_mb=(64, 16) if quick else (512, 16))),
+                      ("gather_decode", lambda: triton_attention.benchmark(
+                          contexts=(4096,) if quick else (4096, 32768), batches=(1, 8) if quick else (1, 8, 64)))):
+        t = time.perf_counter()
+        try:
+            report[name] = run()
+        except Exception:  # one kernel's failure is a finding: the other is still measured
+            report[name] = {"error": traceback.format_exc()[-2000:]}
+        print(f"triton {name}: {time.perf_counter() - t:.0f} s\n{json.dumps(report[name], indent=1, default=str)}",
+              flush=True)
+    out_dir = Path(out or tempfile.mkdtemp(prefix="vtoken-device-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "triton.json").write_text(json.dumps(report, indent=1, default=str))
+    print(f"triton: JSON in {out_dir}/triton.json", flush=True)
+    return report
+
+
 def bench(out: str | None, quick: bool, gpu: bool = True) -> dict:
     """Q4's device half (``vtoken bench device --gpu``): JSON (and PNG where matplotlib is installed) in ``out``."""
     from vtoken.integration.bench import q4_device
@@ -299,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{check.__name__:<72} {time.perf_counter() - t:6.2f} s  {status}", flush=True)
     if not a.bench_only:
         print(f"\n{len(CHECKS) - failed}/{len(CHECKS)} CUDA checks passed", flush=True)
+    triton_bench(a.out, a.quick)  # first: #47's figures have never been taken
     bench(a.out, a.quick)
     return 1 if failed else 0
 
