@@ -49,6 +49,18 @@ def rand(shape, dtype, gen):
         torch.randint(-100, 100, shape, generator=gen).to(torch.float32).div(8).to(dtype)
 
 
+def random_copies(rng: random.Random, requests: int = 4) -> list:
+    """A step's copies for a ``mixed_cache``: up to ``requests`` requests, each up to 6 moves to distinct destinations
+    (a destination may be a source of the same copy: a cycle); copies may read or write what earlier ones write
+    (new waves). The movers' tests (compiled, Triton) compare against the torch path with these."""
+    copies = []
+    for r in range(rng.randint(1, requests)):
+        dsts = rng.sample(range(NB * S), rng.randint(0, 6))
+        moves = [Move(i, *divmod(rng.randrange(NB * S), S), *divmod(d, S)) for i, d in enumerate(dsts)]
+        copies.append((moves, f"r{r}"))
+    return copies
+
+
 def mixed_cache(dtype=torch.float32, seed=0, shared=False):
     """Three layers in the three layouts (plus a fourth sharing layer 0's buffers if ``shared``)."""
     gen = torch.Generator().manual_seed(seed)

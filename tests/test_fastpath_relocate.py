@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("numba")
 
-from test_device_layer import DTYPES, NB, S, bits_equal, fp8_dtypes, mixed_cache, snapshot  # noqa: E402
+from test_device_layer import DTYPES, NB, S, bits_equal, fp8_dtypes, mixed_cache, random_copies, snapshot  # noqa: E402
 from vtoken.core.copy_engine import CopyStatus  # noqa: E402
 from vtoken.core.errors import BlockOutOfRangeError, VTokenError  # noqa: E402
 from vtoken.core.token_table import Move  # noqa: E402
@@ -23,17 +23,6 @@ from vtoken.integration.device.verify import RelocationMismatch, Verifier, Verif
 from vtoken.integration.device.copy_engine import check_copies, waves  # noqa: E402
 from vtoken.integration.fastpath.moves import MoveArray  # noqa: E402
 from vtoken.integration.fastpath.relocate import HostMover, host_mover  # noqa: E402
-
-
-def random_copies(rng: random.Random) -> list:
-    """A step's copies: up to 4 requests, each up to 6 moves to distinct destinations (a destination may be a
-    source of the same copy: a cycle); copies may read or write what earlier ones write (new waves)."""
-    copies = []
-    for r in range(rng.randint(1, 4)):
-        dsts = rng.sample(range(NB * S), rng.randint(0, 6))
-        moves = [Move(i, *divmod(rng.randrange(NB * S), S), *divmod(d, S)) for i, d in enumerate(dsts)]
-        copies.append((moves, f"r{r}"))
-    return copies
 
 
 def run(copies, dtype, mover: bool, verify: str = "off"):

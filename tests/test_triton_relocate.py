@@ -26,6 +26,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from test_device_layer import DTYPES, NB, S, bits_equal, fp8_dtypes, mixed_cache, snapshot  # noqa: E402
+from test_device_layer import random_copies as device_layer_copies  # noqa: E402
 from vtoken.core.copy_engine import CopyStatus  # noqa: E402
 from vtoken.core.errors import BlockOutOfRangeError, DestinationError, InvalidArgumentError  # noqa: E402
 from vtoken.core.token_table import Move  # noqa: E402
@@ -48,14 +49,7 @@ SEED = 11  # the verifiers' seed, both sides
 
 
 def random_copies(rng: random.Random) -> list:
-    """A step's copies: up to 3 requests, each up to 6 moves to distinct destinations (a destination may be a
-    source of the same copy: a cycle); copies may read or write what earlier ones write (new waves)."""
-    copies = []
-    for r in range(rng.randint(1, 3)):
-        dsts = rng.sample(range(NB * S), rng.randint(0, 6))
-        moves = [Move(i, *divmod(rng.randrange(NB * S), S), *divmod(d, S)) for i, d in enumerate(dsts)]
-        copies.append((moves, f"r{r}"))
-    return copies
+    return device_layer_copies(rng, requests=3)
 
 
 def reference(copies, dtype):
