@@ -19,8 +19,8 @@ step's commits are then read as ``take_commits()`` (``commits.StepCommits``: cou
 plan someone reads). The
 pool receives the core's frees in the core's order; the copy engine the same copies in the same order, as one call
 per step (``submit_ordered``: each copy submitted, ordered before the next compute step and released, which is what
-the core's launch and EVENT settle do to it), so the engine must offer that call (vLLM's ``WorkerCopyEngine``, the
-shadow's engine).
+the core's launch and EVENT settle do to it; the step's copies as one ``PackedCopies`` record), so the engine must
+offer that call (vLLM's ``WorkerCopyEngine``, the shadow's engine).
 """
 
 from __future__ import annotations
