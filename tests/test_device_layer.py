@@ -102,7 +102,7 @@ def test_a_read_through_the_strided_view_equals_the_element_by_element_read(dtyp
     cache, _ = mixed_cache(dtype, seed=3)
     slots = torch.randperm(NB * S, generator=torch.Generator().manual_seed(1))[: NB * S // 2]
     for name in cache.plane_names():
-        g, a, b = cache._segment(name)
+        g, a, b = cache.segment(name)
         assert g.strided(a, b) is not None, name
         assert torch.equal(cache.read(name, slots), g.flat[g.index(slots, S, a, b)]), name
     with pytest.raises(BlockOutOfRangeError):

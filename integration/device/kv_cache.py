@@ -291,7 +291,9 @@ class PagedKVCache:
                 a += rows * cols
 
     # ---- per-layer access for models, tests and the fuzzer ----------------------------------------
-    def _segment(self, name: str) -> tuple[Group, int, int]:
+    def segment(self, name: str) -> tuple[Group, int, int]:
+        """The plane ``name`` ("layer.K"; an alias resolved) as (its group, its element range [a, b) there), or a
+        ``LayoutError`` naming the known planes."""
         if not isinstance(name, str):
             raise LayoutError(f"a plane name must be a string like 'layer.K', got {name!r}")
         layer, _, part = name.partition(".")
@@ -306,7 +308,7 @@ class PagedKVCache:
 
     def write(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``values [len(slots), heads * head_dim]`` as plane ``name`` ("layer.K" / "layer.V")."""
-        g, a, b = self._segment(name)
+        g, a, b = self.segment(name)
         slots = self._slots(slots)
         if not isinstance(values, torch.Tensor) or values.numel() != slots.numel() * (b - a) \
                 or values.device != self.device:
@@ -321,7 +323,7 @@ class PagedKVCache:
         layout vLLM uses); else None. For kernels that read K/V in place (``gather_attention``), every layer of
         every step: computed once per (plane, head_dim)."""
         if not isinstance(name, str):
-            self._segment(name)  # raises LayoutError, naming what it got
+            self.segment(name)  # raises LayoutError, naming what it got
         if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1:
             return None
         key = (name, head_dim)
@@ -330,7 +332,7 @@ class PagedKVCache:
         return self._heads_views[key]
 
     def _heads_view(self, name: str, head_dim: int) -> torch.Tensor | None:
-        g, a, b = self._segment(name)
+        g, a, b = self.segment(name)
         view = g.strided(a, b)
         E = b - a
         if view is None or E % head_dim:
@@ -350,7 +352,7 @@ class PagedKVCache:
     def read(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         """Plane ``name`` of the tokens at ``slots``, ``[len(slots), heads * head_dim]``: through the plane's
         strided view where its layout has one (``Group.strided``: every layout vLLM uses), else element by element."""
-        g, a, b = self._segment(name)
+        g, a, b = self.segment(name)
         slots = self._slots(slots)
         view = g.strided(a, b)
         if view is not None:  # two indices per token (block, offset), not one per element

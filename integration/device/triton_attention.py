@@ -219,8 +219,8 @@ class PlaneAddress(NamedTuple):
 
 def plane_address(cache: PagedKVCache, name: str, head_dim: int) -> PlaneAddress:
     """Plane ``name``'s elements as heads of ``head_dim``: through its heads view where the layout has one."""
-    # NOTE: _segment is the cache's own lookup of a plane (aliases resolved; LayoutError naming the known planes)
-    group, a, b = cache._segment(name)
+    # NOTE: the cache's own lookup of a plane (aliases resolved; LayoutError naming the known planes)
+    group, a, b = cache.segment(name)
     if (b - a) % head_dim:
         raise InvalidArgumentError(f"decode attention: plane {name!r} holds {b - a} elements per token, not whole "
                                    f"heads of head_dim {head_dim} (q's last dimension)")

@@ -430,8 +430,8 @@ class TritonRelocator:
             raise InvalidArgumentError(f"the verifier must be a Verifier of this very cache, got {verifier!r:.80}")
         self.cache = cache
         self.block_size, self.num_slots = cache.block_size, cache.num_slots
-        # NOTE: ``Verifier._weights`` are the digest's w_i, per group and word: the same draws, so the same digests
-        self.units = _units(cache, None if verifier is None else verifier._weights)
+        # NOTE: the verifier's digest weights, per group and word: the same draws, so the same digests
+        self.units = _units(cache, None if verifier is None else verifier.digest_weights)
         self.launches = 0
 
     def _check_digests(self, digests: bool) -> None:

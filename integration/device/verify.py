@@ -108,6 +108,12 @@ class Verifier:
             if max(sizes) * per_word > 2 ** 16:
                 raise ConfigError(f"strict verify: plane of {max(sizes) * per_word} words exceeds 2^16")
 
+    @property
+    def digest_weights(self) -> list[torch.Tensor]:
+        """The digest's w_i per group, one per word of a token (read-only: a fused digest elsewhere, e.g.
+        ``triton_relocate``, must use these very draws to give these very numbers)."""
+        return list(self._weights)
+
     def select(self) -> bool:
         """Whether the next relocation is verified (counts it)."""
         self.counters.relocations += 1
