@@ -334,8 +334,70 @@ def check_triton_decode_attention_is_within_the_bound():
                 check_decode_agreement(*args, out)
 
 
+def check_the_engine_on_triton_leaves_the_torch_engines_bits_and_catches_a_flip():
+    """``TorchCopyEngine(triton=True)`` (what vLLM's connector builds on a GPU cache with ``fast_path``): a step of
+    three requests' copies, one reading what another writes (two waves or more), leaves the torch engine's bits under strict
+    verify, every copy DONE, in two launches per element width and wave; a destination digest altered as the kernel
+    returns it (a torn write) fails request b's copy alone, under quarantine."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        cache, ref = cuda_cache(dtype, seed=5), cuda_cache(dtype, seed=5)
+        chain = moves_with_chain(60, 4)
+        copies = [(chain[:30], "a"), (chain[30:], "b"),
+                  ([Move(0, chain[0].dst_block, chain[0].dst_offset, 63, 15)], "c")]  # reads what a writes
+        got = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", seed=3)), triton=True)
+        want = TorchCopyEngine(ref, Verifier(ref, VerifyConfig("strict", seed=3)))
+        handles = got.submit_batch(copies)
+        waves = len({id(got._get(h).wave) for h in handles})  # by block: c reads a block a writes, b may too
+        assert [settle(got, h) for h in handles] == [CopyStatus.DONE] * 3, dtype
+        assert [settle(want, h) for h in want.submit_batch(copies)] == [CopyStatus.DONE] * 3, dtype
+        a, b = snapshot(cache), snapshot(ref)
+        assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a), dtype
+        assert waves >= 2 and got.launches == 2 * waves * len(got.relocator.units), (waves, got.launches)
+    cache = cuda_cache(torch.float16, seed=6)
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", on_mismatch="quarantine", seed=3,
+                                                              evidence_dir=tempfile.mkdtemp())), triton=True)
+    real = eng.relocator.relocate
+
+    def torn(moves, wave_ends=None, *, digests=False, disjoint=False):
+        out = real(moves, wave_ends, digests=digests, disjoint=disjoint)
+        out[1].per_group[0][10, 0] += 1  # as if move 10 (b's third) landed torn
+        return out
+
+    eng.relocator.relocate = torn
+    a = [Move(i, i, 0, 16 + i, 0) for i in range(8)]
+    b = [Move(i, 32 + i, 1, 48 + i, 1) for i in range(8)]  # blocks apart from a's: one wave
+    statuses = [settle(eng, h) for h in eng.submit_batch([(a, "a"), (b, "b")])]
+    assert statuses == [CopyStatus.DONE, CopyStatus.FAILED] and list(eng.verifier.quarantined) == ["b"], statuses
+
+
+def check_the_gather_attention_of_a_gpu_cache_decodes_in_triton():
+    """``gather_attention.attention`` on a GPU cache (fp32, GQA 4:1): the decode queries run in ``decode_attention``
+    (its bits), a prompt chunk in torch, and the whole step agrees with the reference within V5's bound."""
+    from vtoken.integration.device.gather_attention import PAD, attention, check_agreement
+    from vtoken.integration.device.triton_attention import decode_attention
+    cache, rng = cuda_cache(torch.float32, seed=12), random.Random(12)
+    R, N = 3, 300
+    slots = torch.zeros((R, N), dtype=torch.int64)
+    ids = torch.full((R, N), PAD, dtype=torch.int64)
+    for r, n in enumerate((300, 120, 1)):
+        slots[r, :n] = torch.tensor(rng.sample(range(NB * S), n))
+        ids[r, :n] = torch.tensor(sorted(rng.sample(range(2 * N), n)))
+    qreq = torch.tensor([0, 1, 1, 1, 2])
+    qpos = torch.stack([ids[0, 299], ids[1, 117], ids[1, 118], ids[1, 119], ids[2, 0]])
+    q = torch.randn(5, 4 * H, D, generator=torch.Generator().manual_seed(1)).cuda()
+    args = (cache, "layer3", q, slots.cuda(), ids.cuda(), qreq.cuda(), qpos.cuda(), D ** -0.5)
+    out, _ = attention(*args)
+    decode = torch.tensor([0, 4], device="cuda")
+    direct = decode_attention(cache, "layer3", q[decode], args[3][args[5][decode]], args[4][args[5][decode]],
+                              args[6][decode], D ** -0.5)
+    assert torch.equal(out[decode], direct)
+    check_agreement(*args, (out, None), None, ["a", "b", "c"])
+
+
 CHECKS += [check_triton_relocation_is_bit_exact_and_its_digests_are_verifiers,
-           check_triton_padded_relocation_replays_in_a_cuda_graph, check_triton_decode_attention_is_within_the_bound]
+           check_triton_padded_relocation_replays_in_a_cuda_graph, check_triton_decode_attention_is_within_the_bound,
+           check_the_engine_on_triton_leaves_the_torch_engines_bits_and_catches_a_flip,
+           check_the_gather_attention_of_a_gpu_cache_decodes_in_triton]
 
 
 def triton_bench(out: str | None, quick: bool) -> dict:

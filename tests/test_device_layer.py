@@ -383,6 +383,25 @@ def test_only_the_sampled_copies_of_a_batch_are_hashed_and_a_mismatch_finds_its_
     assert eng.verifier.counters.bytes_hashed == 2 * 3 * per_token  # a's and c's moves, source and destination
 
 
+@pytest.mark.parametrize("chosen", [[True], [True, False]], ids=["strict, alone", "sampled, beside one unverified"])
+def test_a_verified_copy_of_no_moves_fails_nothing(chosen):
+    """Regression: a wave whose verified copies move nothing hashed no tokens, and the digest of none raised, which
+    failed every copy of the wave (a sampled step's real copies too). Now it is DONE, and so are the others."""
+    cache, _ = mixed_cache()
+    want = snapshot(cache)
+    eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict")))
+    picks = iter(chosen)
+    eng.verifier.select = lambda: next(picks)
+    copies = [([], "a"), ([Move(0, 1, 0, 5, 0)], "b")][:len(chosen)]
+    handles = eng.submit_batch(copies)
+    assert [eng.poll(h) for h in handles] == [CopyStatus.DONE] * len(copies)
+    if len(copies) == 2:
+        want = {n: t.clone() for n, t in want.items()}
+        for n in want:
+            want[n][5 * S] = want[n][1 * S]
+    assert all(torch.equal(snapshot(cache)[n], want[n]) for n in want)
+
+
 def test_layers_sharing_a_buffer_are_moved_once():
     cache, (k0, _, _, _) = mixed_cache(shared=True)
     assert cache.aliases == {"l3": "l0"} and "l3.K" not in cache.plane_names()

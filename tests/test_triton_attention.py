@@ -334,3 +334,41 @@ def test_the_kernels_compile_for_a_hopper_gpu(hopper_build):
         pytest.skip("VTOKEN_TRITON_GPU_BUILD=1 not set, or this triton has no NVIDIA backend (ptxas)")
     out, err = hopper_build.communicate(timeout=300)
     assert hopper_build.returncode == 0 and out.strip() == "built", err[-3000:]
+
+
+# ---- wired into the gather path's attention (``gather_attention.attention``) --------------------------------------
+@pytest.mark.parametrize("layout, dtype", [("vllm cpu", torch.float32), ("flash stacked", torch.float16)])
+def test_the_gather_paths_attention_sends_decode_queries_to_the_kernel(layout, dtype):
+    """``attention(..., triton=True)`` (a GPU cache's default): the queries alone in their request and not sent to
+    torch run in ``decode_attention`` (the same bits as calling it on their rows), a prompt chunk and a query torch
+    is asked to compute run where they ran before; the weights asked for are the reference's. fp32: V5
+    (``check_agreement``) holds for the whole step. Without ``triton`` on a CPU cache, nothing runs in Triton."""
+    rng, g = random.Random(7), torch.Generator().manual_seed(7)
+    cache = make_cache(layout, 2, 16, dtype, 7)
+    slots, ids, _ = make_requests(rng, g, [9, 7, 5, 6], 0, early=0.0)
+    slots[ids == GA.PAD] = 0  # the torch paths read padding's slots (the gather backend's plans pad with slot 0)
+    # queries: request 0 decodes, request 1 a chunk of 3 at its last ids, request 2 decodes in torch, request 3 decodes
+    qreq = torch.tensor([0, 1, 1, 1, 2, 3])
+    qpos = torch.stack([ids[0, 8], ids[1, 4], ids[1, 5], ids[1, 6], ids[2, 4], ids[3, 5]])
+    q = torch.randn(6, 4, 16, generator=g).to(dtype)
+    in_torch = torch.tensor([False, False, False, False, True, False])
+    weights_of = torch.tensor([0, 4])
+    args = (cache, "l", q, slots, ids, qreq, qpos, 0.25)
+    out, w = GA.attention(*args, True, weights_of, in_torch, triton=True)
+    decode = torch.tensor([0, 5])
+    direct = TA.decode_attention(cache, "l", q[decode], slots[qreq[decode]], ids[qreq[decode]], qpos[decode], 0.25)
+    assert torch.equal(out[decode], direct)
+    rest = torch.tensor([1, 2, 3, 4])
+    before, _ = GA.attention(cache, "l", q[rest], slots, ids, qreq[rest], qpos[rest], 0.25, True, None, in_torch[rest],
+                             triton=False)
+    assert torch.equal(out[rest], before)
+    _, want_w = GA.reference_attention(*args, False, weights_of)
+    assert torch.equal(w, want_w)
+    if dtype == torch.float32:
+        GA.check_agreement(*args, (out, w), weights_of, ["a", "b", "c", "d"])
+        plain, _ = GA.attention(*args, True, weights_of, in_torch)
+        assert not torch.equal(plain[decode], direct)  # the C kernel's (or torch's) sums, not the Triton kernel's
+        GA.check_agreement(*args, (plain, w), weights_of, ["a", "b", "c", "d"])
+    else:
+        TA.check_decode_agreement(cache, "l", q[decode], slots[qreq[decode]], ids[qreq[decode]], qpos[decode], 0.25,
+                                  out[decode])

@@ -32,7 +32,7 @@ from vtoken.core.errors import BlockOutOfRangeError, DestinationError, InvalidAr
 from vtoken.core.token_table import Move  # noqa: E402
 from vtoken.integration.device import triton_relocate as tr  # noqa: E402
 from vtoken.integration.device.copy_engine import TorchCopyEngine, waves  # noqa: E402
-from vtoken.integration.device.verify import Verifier, VerifyConfig  # noqa: E402
+from vtoken.integration.device.verify import RelocationMismatch, Verifier, VerifyConfig  # noqa: E402
 
 if not isinstance(tr._read_tokens, InterpretedFunction):  # imported earlier, without the interpreter
     tr = importlib.reload(tr)
@@ -56,9 +56,6 @@ def reference(copies, dtype):
     """The torch path under strict verify: the bits it leaves, and its per-wave digests (taken as part of each
     wave's work, so read before the first poll compares and drops them), per group [n, planes]."""
     cache, _ = mixed_cache(dtype, seed=3)
-    if not any(moves for moves, _ in copies):  # NOTE: Verifier's digest of no tokens at all raises (a view of 0)
-        empty = [torch.zeros((0, len(g.segments)), dtype=torch.int64) for g in cache.groups]
-        return snapshot(cache), empty, empty, 1
     eng = TorchCopyEngine(cache, Verifier(cache, VerifyConfig("strict", seed=SEED)))
     handles = eng.submit_batch(copies)
     wave_list = []
@@ -352,3 +349,69 @@ def test_the_error_messages_name_moves_as_the_caller_numbered_them():
     with pytest.raises(DestinationError, match=re.escape(named)):
         mover.relocate(moves)
     mover.relocate(moves, [2, 3])  # in two waves the later write wins, as in the torch path
+
+
+# ---- the copy engine on the kernels (``TorchCopyEngine(triton=True)``) -------------------------------------------
+def engine_step(copies, dtype, triton, mode="strict", on_mismatch="raise", seed=SEED):
+    """A copy engine on a fresh ``mixed_cache`` submits ``copies`` as one step: (the bits it leaves, each copy's
+    status at its first poll, the waves' digests as the engine holds them before that poll, the engine)."""
+    cache, _ = mixed_cache(dtype, seed=3)
+    config = VerifyConfig(mode, sample_every=2, on_mismatch=on_mismatch, seed=seed)
+    eng = TorchCopyEngine(cache, Verifier(cache, config), triton=triton)
+    handles = eng.submit_batch(copies)
+    held = []
+    for h in handles:
+        w = eng._get(h).wave
+        if w.src_digests is not None and all(w is not x for x in held):
+            held.append(w)
+    digests = [(w.src_digests.per_group, w.dst_digests.per_group) for w in held]
+    statuses = [eng.poll(h) for h in handles]
+    return snapshot(cache), statuses, digests, eng
+
+
+@pytest.mark.parametrize("mode", ["off", "sampled", "strict"])
+def test_the_engine_on_the_kernels_leaves_the_torch_engines_bits_statuses_and_digests(mode):
+    """50 random steps per verify mode, fp16 and fp32: ``TorchCopyEngine(triton=True)`` leaves the bits the torch
+    engine leaves, reports the same statuses, and holds per wave the same digests of the same verified copies (a
+    sampled step verifies some copies of a wave, one in two drawn by its seed: the fused digests are cut to their
+    rows). Its launches are the
+    kernels': two per element width per wave."""
+    rng = random.Random(f"triton-engine-{mode}")
+    partial = 0
+    for case in range(50):
+        copies = random_copies(rng)
+        dtype = (torch.float16, torch.float32)[case % 2]
+        want, want_status, want_digests, ref = engine_step(copies, dtype, False, mode, seed=case)
+        got, status, digests, eng = engine_step(copies, dtype, True, mode, seed=case)
+        assert bits_equal(got, want), f"bits differ: {copies}"
+        assert status == want_status == [CopyStatus.DONE] * len(copies)
+        assert len(digests) == len(want_digests)
+        for (src, dst), (want_src, want_dst) in zip(digests, want_digests):
+            assert all(torch.equal(a, b) for a, b in zip(src, want_src)), f"source digests differ: {copies}"
+            assert all(torch.equal(a, b) for a, b in zip(dst, want_dst)), f"destination digests differ: {copies}"
+        moves, starts = tr.copy_moves(copies, S)
+        assert eng.launches == 2 * len(eng.relocator.units) * len(tr.wave_ends(moves, S, starts))
+        assert eng.verifier.counters.relocations == ref.verifier.counters.relocations == len(copies)
+        partial += mode == "sampled" and any(0 < len(s[0]) < moves.shape[0] for s, _ in digests)
+    assert mode != "sampled" or partial >= 3
+
+
+def test_a_digest_mismatch_on_the_kernels_fails_its_own_copy_under_quarantine(monkeypatch, tmp_path):
+    """A source digest of request b's second move altered as the kernel returns it (a torn read): b's copy is
+    FAILED, a's and c's are DONE, and b alone is quarantined with its evidence; under ``raise`` it raises."""
+    copies = [([Move(0, 1, 0, 4, 0)], "a"), ([Move(0, 2, 1, 5, 0), Move(1, 2, 2, 5, 1)], "b"),
+              ([Move(0, 3, 0, 6, 3)], "c")]
+    real = tr.TritonRelocator.relocate
+
+    def torn(self, moves, wave_ends=None, *, digests=False, disjoint=False):
+        got = real(self, moves, wave_ends, digests=digests, disjoint=disjoint)
+        got[0].per_group[0][2, 0] += 1  # move 2 of the wave: b's second
+        return got
+
+    monkeypatch.setattr(tr.TritonRelocator, "relocate", torn)
+    monkeypatch.chdir(tmp_path)
+    _, statuses, _, eng = engine_step(copies, torch.float32, True, on_mismatch="quarantine")
+    assert statuses == [CopyStatus.DONE, CopyStatus.FAILED, CopyStatus.DONE]
+    assert list(eng.verifier.quarantined) == ["b"]
+    with pytest.raises(RelocationMismatch, match="'b'"):
+        engine_step(copies, torch.float32, True)

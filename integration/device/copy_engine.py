@@ -14,6 +14,10 @@ makes the compute stream wait on the event: GPU-side, the host never blocks on t
 ``wait`` (the force-sync ablation) synchronizes the event. CPU: the same calls; copies finish inside
 ``submit`` and are reported DONE at the first ``poll``.
 
+The same waves run in other hands where the engine is given them, torch's gather and scatter staying their
+reference: on the CPU the compiled mover (``mover``), on a GPU the Triton kernels (``triton``: one launch per
+element width and phase, the digests fused in).
+
 Strict verify (``Verifier``): both digests are part of the copy's own work. Source digests are taken
 from the gathered values; destination digests right after the scatter, on the relocation stream, before
 the copy's event is recorded (on CPU: right after the scatter, inside ``submit``). They are compared
@@ -141,14 +145,23 @@ def warm_pinned_memory(largest: int = 1 << 20, per_size: int = 4) -> None:
 
 
 class TorchCopyEngine(CopyRegistry):
-    def __init__(self, cache: PagedKVCache, verifier: Verifier | None = None, mover=None) -> None:
-        """``mover(moves)``: a compiled move of a wave's tokens (its packed moves) on the CPU
-        (``fastpath.relocate.host_mover``) in place of torch's gather and scatter, which stay the reference (and read
-        the sources a verified copy's digests are taken from)."""
+    def __init__(self, cache: PagedKVCache, verifier: Verifier | None = None, mover=None, triton: bool = False
+                 ) -> None:
+        """Torch's gather and scatter move a wave's tokens unless one of these does, and stay the reference:
+
+          * ``mover(moves)``: a compiled move of a wave's packed moves on the CPU (``fastpath.relocate.host_mover``);
+            torch still reads the sources a verified copy's digests are taken from;
+          * ``triton``: the Triton kernels (``triton_relocate.TritonRelocator``), every wave and its digests (the
+            verifier's, fused into the copy) in one launch per element width. On a GPU; on the CPU only in
+            Triton's interpreter (the tests'). It takes the place of ``mover``."""
         super().__init__()
         self.cache = cache
-        self.mover = mover if cache.device.type == "cpu" else None
         self.verifier = verifier or Verifier(cache)
+        self.relocator = None
+        if triton:
+            from .triton_relocate import TritonRelocator  # Triton is loaded only where it is asked for
+            self.relocator = TritonRelocator(cache, self.verifier)
+        self.mover = mover if cache.device.type == "cpu" and self.relocator is None else None
         self.cuda = cache.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=cache.device) if self.cuda else None
         if self.cuda:
@@ -247,6 +260,8 @@ class TorchCopyEngine(CopyRegistry):
         device: the first submit would block the host behind the running forward (268 ms on an H200)."""
         slot = torch.zeros(1, dtype=torch.int64).pin_memory().to(self.cache.device)
         with torch.cuda.stream(self.stream):
+            if self.relocator is not None:  # Triton compiles a kernel at its first launch: seconds, not now
+                self.relocator.relocate(torch.zeros(1, 2, dtype=torch.int64, device=self.cache.device), digests=True)
             values = self.cache.gather(slot)
             self.cache.scatter(slot, values)  # slot 0 onto itself: changes nothing
             digests = self.verifier.source_digests(values)
@@ -293,6 +308,9 @@ class TorchCopyEngine(CopyRegistry):
         """One gather and one scatter per storage group; with verified copies, their digests (``rows``: the
         verified moves' rows, None for all)."""
         verify = any(c.verify for c in w.copies)
+        if self.relocator is not None:
+            self._relocate(w, src, verify, rows)
+            return
         if not self.cuda:
             values = self.cache.gather(src) if verify or self.mover is None else None
             if self.mover is None:
@@ -319,6 +337,32 @@ class TorchCopyEngine(CopyRegistry):
             c.event = event
         w.keep = [src_d, *values]
         self.launches += 2 * len(values)
+
+    def _relocate(self, w: _Wave, src: torch.Tensor, verify: bool, rows: list[int] | None) -> None:
+        """``_launch`` in the Triton kernels: the wave's moves as one [n, 2] tensor of slots (all reads before all
+        writes, as torch's gather and scatter), the digests of the verified moves (``rows``, None for all) fused."""
+        moves = torch.stack((src, w.dst_slots), dim=1)
+        before = self.relocator.launches
+        if not self.cuda:
+            digests = self.relocator.relocate(moves, digests=verify)
+        else:
+            dev = self.cache.device
+            self.stream.wait_stream(torch.cuda.current_stream(dev))  # the forward that wrote the sources
+            with torch.cuda.stream(self.stream):
+                moves = moves.pin_memory().to(dev, non_blocking=True)
+                digests = self.relocator.relocate(moves, digests=verify)
+                event = torch.cuda.Event()
+                event.record(self.stream)  # covers the digests: complete means digested
+            for c in w.copies:
+                c.event = event
+            w.keep = [moves]
+        self.launches += self.relocator.launches - before
+        if verify:
+            src_d, dst_d = digests
+            if rows is not None:
+                idx = torch.tensor(rows, dtype=torch.int64).to(moves.device, non_blocking=True)
+                src_d, dst_d = (Digests([d[idx] for d in x.per_group]) for x in (src_d, dst_d))
+            w.src_digests, w.dst_digests = src_d, dst_d
 
     def _digest(self, w: _Wave, values: list[torch.Tensor], rows: list[int] | None) -> None:
         """Both digests of the wave's verified moves, as part of its work (call right after its scatter, on the

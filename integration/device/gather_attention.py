@@ -2,7 +2,7 @@
 
 Every query of a step at once: a query attends the live tokens of its request at or before it by logical id
 (per KV head, its query heads score those keys, take a softmax and sum the values). Decode queries and prefill
-chunks are the same call. Two implementations of this one function, and the bound on how far they may differ:
+chunks are the same call. Implementations of this one function, and the bound on how far they may differ:
 
   * the kernel (``gather_attention.c``): it reads K and V in place through the planes' strided views, with no
     gathered copy, per (query, KV head) on the OpenMP threads torch uses. The caller may send some queries to
@@ -11,6 +11,8 @@ chunks are the same call. Two implementations of this one function, and the boun
     prompts past 256 tokens, below which its aligned shapes cost more than they save), else in the reference. Float32 CPU caches whose layout is
     affine per head (every vLLM CPU layout), head sizes a multiple of 8. Built on first use with the C compiler
     (``$CC``, else ``cc``) into ``$VTOKEN_CACHE_DIR`` (else ``~/.cache/vtoken``); ``CC=false`` turns it off.
+  * on a GPU cache, the Triton decode kernel (``triton_attention.decode_attention``) for the queries alone in their
+    request (decode); prompt chunks run in torch there.
   * the reference, in torch: the queries alone in their request in one batch (one K and one V gather through
     ``PagedKVCache.read``, two batched products), the others request by request. Whatever the kernel does not
     cover (another dtype, device or layout; no compiler) runs here.
@@ -19,7 +21,7 @@ chunks are the same call. Two implementations of this one function, and the boun
 runs the reference beside whatever computed a step's attention (the kernel, ``prefill_attention``) and checks the
 bound every step (V5, docs/spec.md).
 
-NOTE: both are functions of each request's live tokens in logical order (the order of ``slots``) only, so lazy
+NOTE: all are functions of each request's live tokens in logical order (the order of ``slots``) only, so lazy
 compaction stays bit-identical to Naive-Evict on the gather path: the two place the same tokens at different
 slots, and the result does not depend on where a token lies.
 """
@@ -100,7 +102,8 @@ def kernel():
 def attention(cache: PagedKVCache, layer: str, q: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor,
               query_request: torch.Tensor, query_pos: torch.Tensor, scale: float, values: bool = True,
               weights_of: torch.Tensor | None = None, in_torch: torch.Tensor | None = None,
-              fused: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+              fused: torch.Tensor | None = None, triton: bool | None = None
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Attention of ``q`` (``[Q, H, D]``) over the live slots of each query's request: (outputs ``[Q, H, D]``, or
     None when not ``values``; the softmax weights ``[len(weights_of), H, N]`` of the queries ``weights_of`` names,
     or None). ``slots``, ``ids``: int64 ``[R, N]``, each row a request's live slots and their logical ids in
@@ -108,15 +111,27 @@ def attention(cache: PagedKVCache, layer: str, q: torch.Tensor, slots: torch.Ten
     logical position (it attends the ids at or before it). ``in_torch``: bool ``[Q]``, queries torch computes, and
     ``fused`` (bool ``[Q]``, within ``in_torch``) those of them torch's fused attention computes (``prefill_attention``;
     the rest, the reference): the caller's rules, which must not depend on how a request's tokens were chunked or
-    cached, or outputs would change with them. Runs the kernel where it applies, else the reference."""
+    cached, or outputs would change with them. Runs the kernel where it applies, else the reference.
+
+    ``triton``: whether the queries alone in their request (decode) and not ``in_torch`` run in the Triton decode
+    kernel (``triton_attention.decode_attention``; prompt chunks stay in torch); default: where the cache is on a
+    GPU. On the CPU it runs only in Triton's interpreter (the tests')."""
     args = (cache, layer, q, slots, ids, query_request, query_pos, scale, values, weights_of)
     if len(query_request) and not 0 <= int(query_request.min()) <= int(query_request.max()) < slots.shape[0]:
         raise InvalidArgumentError(f"attention of {layer!r}: a query's request is not one of the {slots.shape[0]} "
                                    f"rows")
-    if in_torch is not None and bool(in_torch.any()):
-        fused = torch.zeros_like(in_torch) if fused is None else fused & in_torch
-        return _split(args, ((fused, prefill_attention), (in_torch & ~fused, reference_attention),
-                             (~in_torch, attention)))
+    torch_part = torch.zeros_like(query_request, dtype=torch.bool) if in_torch is None else in_torch
+    if (cache.device.type == "cuda" if triton is None else triton) and values:
+        alone = torch.bincount(query_request, minlength=slots.shape[0])[query_request] == 1
+        decode = alone & ~torch_part
+        if bool(decode.any()):
+            fused = torch.zeros_like(decode) if fused is None else fused & torch_part
+            return _split(args, ((decode, triton_decode), (fused, prefill_attention),
+                                 (torch_part & ~fused, reference_attention), (~decode & ~torch_part, attention)))
+    if bool(torch_part.any()):
+        fused = torch.zeros_like(torch_part) if fused is None else fused & torch_part
+        return _split(args, ((fused, prefill_attention), (torch_part & ~fused, reference_attention),
+                             (~torch_part, attention)))
     job = _job(*args)
     if job is None:
         return reference_attention(*args)
@@ -139,8 +154,8 @@ def _split(args, parts):
     masks partition the queries); each part computed alone, the results put back in query order."""
     cache, layer, q, slots, ids, query_request, query_pos, scale, values, weights_of = args
     (Q, H, D), N = q.shape, slots.shape[1]
-    out = torch.empty(Q, H, D, dtype=q.dtype) if values else None
-    weights = None if weights_of is None else torch.empty(len(weights_of), H, N, dtype=q.dtype)
+    out = torch.empty(Q, H, D, dtype=q.dtype, device=q.device) if values else None
+    weights = None if weights_of is None else torch.empty(len(weights_of), H, N, dtype=q.dtype, device=q.device)
     for rows, run in ((mask.nonzero().flatten(), run) for mask, run in parts):
         if not len(rows):
             continue
@@ -151,6 +166,22 @@ def _split(args, parts):
             out[rows] = o
         if weights_of is not None:
             weights[mine] = w
+    return out, weights
+
+
+def triton_decode(cache: PagedKVCache, layer: str, q: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor,
+                  query_request: torch.Tensor, query_pos: torch.Tensor, scale: float, values: bool = True,
+                  weights_of: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``attention`` of queries each alone in its request, in the Triton decode kernel: each query's request's
+    slot row handed to it as its own row. The weights asked for are the reference's (the kernel keeps none: an
+    online softmax). Imported here, not above: Triton is loaded only where a GPU (or a test) asks for it."""
+    from .triton_attention import decode_attention
+    rows = query_request
+    out = decode_attention(cache, layer, q, slots[rows], ids[rows], query_pos, scale) if values else None
+    weights = None
+    if weights_of is not None:
+        weights = reference_attention(cache, layer, q[weights_of], slots, ids, query_request[weights_of],
+                                      query_pos[weights_of], scale, False, torch.arange(len(weights_of), device=q.device))[1]
     return out, weights
 
 
@@ -168,7 +199,7 @@ def prefill_attention(cache: PagedKVCache, layer: str, q: torch.Tensor, slots: t
     (masked) to a multiple of KEY_BLOCK. ``tests/test_gather_attention.py`` checks it on the pinned torch, and that
     it fails without the alignment."""
     (R, N), (Q, H, D) = slots.shape, q.shape
-    out = torch.empty(Q, H, D, dtype=q.dtype) if values else None
+    out = torch.empty(Q, H, D, dtype=q.dtype, device=q.device) if values else None
     lengths = (ids != PAD).sum(dim=1)
     for r in (torch.unique(query_request).tolist() if values else []):
         rows = (query_request == r).nonzero().flatten()
@@ -179,14 +210,14 @@ def prefill_attention(cache: PagedKVCache, layer: str, q: torch.Tensor, slots: t
         width = -(-n // KEY_BLOCK) * KEY_BLOCK
         k = cache.read(f"{layer}.K", slots[r, :n])
         kvh = k.shape[1] // D
-        keys, vals = torch.zeros(width, kvh, D, dtype=q.dtype), torch.zeros(width, kvh, D, dtype=q.dtype)
+        keys, vals = (torch.zeros(width, kvh, D, dtype=q.dtype, device=q.device) for _ in range(2))
         keys[:n] = k.view(n, kvh, D)
         vals[:n] = cache.read(f"{layer}.V", slots[r, :n]).view(n, kvh, D)
-        key_ids = torch.full((width,), PAD, dtype=torch.int64)
+        key_ids = torch.full((width,), PAD, dtype=torch.int64, device=q.device)
         key_ids[:n] = ids[r, :n]
-        queries = torch.zeros(hi - lo, H, D, dtype=q.dtype)  # rows no query fills attend too, and are dropped
+        queries = torch.zeros(hi - lo, H, D, dtype=q.dtype, device=q.device)  # rows no query fills attend too, and are dropped
         queries[pos - lo] = q[rows]
-        seen = key_ids.view(1, -1) <= torch.arange(lo, hi).view(-1, 1)  # causal by logical id; padding never
+        seen = key_ids.view(1, -1) <= torch.arange(lo, hi, device=q.device).view(-1, 1)  # causal by logical id; padding never
         o = F.scaled_dot_product_attention(queries.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
                                            vals.transpose(0, 1).unsqueeze(0), attn_mask=seen, scale=scale,
                                            enable_gqa=True)
@@ -194,7 +225,7 @@ def prefill_attention(cache: PagedKVCache, layer: str, q: torch.Tensor, slots: t
     weights = None
     if weights_of is not None:
         weights = reference_attention(cache, layer, q[weights_of], slots, ids, query_request[weights_of],
-                                      query_pos[weights_of], scale, False, torch.arange(len(weights_of)))[1]
+                                      query_pos[weights_of], scale, False, torch.arange(len(weights_of), device=q.device))[1]
     return out, weights
 
 
@@ -234,12 +265,12 @@ def reference_attention(cache: PagedKVCache, layer: str, q: torch.Tensor, slots:
     """``attention`` in torch: the queries alone in their request (decode) in one batch, one K (and V) gather of
     their requests' slots and one batched product each; the others (prefill chunks) request by request."""
     (R, N), (Q, H, D) = slots.shape, q.shape
-    out = torch.empty(Q, H, D, dtype=q.dtype) if values else None
+    out = torch.empty(Q, H, D, dtype=q.dtype, device=q.device) if values else None
     weights = wrow = None
     if weights_of is not None:  # only the weights asked for are kept: a long chunk's would be [Q, H, N]
-        weights = torch.zeros(len(weights_of), H, N, dtype=q.dtype)
-        wrow = torch.full((Q,), -1, dtype=torch.int64)
-        wrow[weights_of] = torch.arange(len(weights_of))
+        weights = torch.zeros(len(weights_of), H, N, dtype=q.dtype, device=q.device)
+        wrow = torch.full((Q,), -1, dtype=torch.int64, device=q.device)
+        wrow[weights_of] = torch.arange(len(weights_of), device=q.device)
     counts = torch.bincount(query_request, minlength=R)
     alone = (counts[query_request] == 1).nonzero().flatten()
     groups = [alone] if len(alone) else []

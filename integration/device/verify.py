@@ -148,8 +148,8 @@ class Verifier:
 
     def _plane_sums(self, terms: torch.Tensor, gi: int) -> torch.Tensor:
         g = self.cache.groups[gi]
-        if self._equal_planes[gi]:
-            return terms.view(terms.shape[0], len(g.segments), -1).sum(-1)
+        if self._equal_planes[gi]:  # NOTE: the plane width, not -1: a view of no tokens cannot infer it
+            return terms.view(terms.shape[0], len(g.segments), terms.shape[1] // len(g.segments)).sum(-1)
         out = torch.zeros(terms.shape[0], len(g.segments), dtype=torch.int64, device=terms.device)
         return out.index_add_(1, self._segment_ids[gi], terms)
 

@@ -47,6 +47,7 @@ before schedule k can hand it out (``manager_hooks.uncache``).
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -291,15 +292,21 @@ class VTokenConnector(KVConnectorBase_V1):
         s = self.settings
         self.tp_group = _tp_group(self.vllm_config)
         self.rank = None if self.tp_group is None else self.tp_group.rank_in_group
-        mover = None
-        if s.fast_path:  # the compiled relocation on the CPU (any read path, policy or rank count); torch's otherwise
+        # the compiled relocation (any read path, policy or rank count): numba's on a CPU cache, Triton's on a GPU;
+        # torch's otherwise, the reference
+        mover, triton = None, False
+        if s.fast_path and cache.device.type == "cuda":
+            triton = importlib.util.find_spec("triton") is not None
+            if not triton:
+                logger.warning("vtoken: tokens move with torch's gather and scatter: Triton is not installed")
+        elif s.fast_path:
             from vtoken.integration.fastpath import unavailable
             if unavailable() is None:
                 from vtoken.integration.fastpath.relocate import host_mover
                 mover = host_mover(cache)
         self.engine = TorchCopyEngine(cache, Verifier(cache, VerifyConfig(
             s.strict_verify, sample_every=s.sample_every, on_mismatch=s.on_mismatch,
-            evidence_dir=s.evidence_dir, seed=s.seed), rank=self.rank), mover=mover)
+            evidence_dir=s.evidence_dir, seed=s.seed), rank=self.rank), mover=mover, triton=triton)
         self._layer_names = list(kv_caches)
 
     def bind_model_runner(self, runner) -> None:
