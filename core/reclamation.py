@@ -866,12 +866,14 @@ class ReclamationManager:
         index: dict[int, int | None] = {}  # index_of once per block
         dsts = []
         for m, src in zip(moves, sources):
-            if src != m.src_block * S + m.src_offset:
+            # NOTE: offsets inside their block, not only the slot numbers they make: (b - 1, S + 3) is slot (b, 3),
+            # and apply_moves would refuse it after the splice, a commit stopped half-way
+            if src != m.src_block * S + m.src_offset or not 0 <= m.src_offset < S:
                 fail(f"move {m} reads a slot token {m.token_id} does not hold")
             dst = m.dst_block * S + m.dst_offset
             b = m.dst_block
             i = (index[b] if b in index else index.setdefault(b, index_of(b))) if is_int(b) else None
-            if i is None or i * S + m.dst_offset >= cursor:
+            if i is None or i * S + m.dst_offset >= cursor or not 0 <= m.dst_offset < S:
                 fail(f"move {m} writes outside {listed} or at or after its cursor {cursor}")
             if dst in claimed:
                 fail(f"move {m} writes slot {dst}, which is claimed")

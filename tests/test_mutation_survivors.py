@@ -108,11 +108,21 @@ M9_AT_CURSOR = Move(9, 2, 1, 3, 2)  # block 3 is staged at index 4: position 4 *
 M9_UNLISTED = Move(9, 2, 1, 5, 0)  # block 5 is neither listed nor a destination
 M9_SAME_DST = Move(9, 2, 1, 4, 2)  # token 8 already writes (4, 2) = slot 18
 M9_ONTO_12 = Move(9, 2, 1, 3, 0)  # slot 12 holds live token 12, which does not move
+M7_OFFSET_PAST = Move(7, 0, 7, 4, 1)  # (0, 7) is slot 7, token 7's, but offset 7 lies outside a block of 4
+M9_DST_OFFSET = Move(9, 2, 1, 4, 5)  # staged position 0 * 4 + 5 < 18, yet offset 5 lies outside block 4
 
 COMMIT_DEFECTS = {
     "reads a slot its token does not hold": (
         dict(moves=(COMPACT_MOVES[0], M7_WRONG_SRC) + COMPACT_MOVES[2:]),
         f"move {M7_WRONG_SRC} reads a slot token 7 does not hold"),
+    # regression (found by tests/test_fastpath_gather.py): slot numbers alone passed, and apply_moves refused the
+    # offset after the splice, a commit stopped half-way
+    "reads its token's slot through an offset outside its block": (
+        dict(moves=(COMPACT_MOVES[0], M7_OFFSET_PAST) + COMPACT_MOVES[2:]),
+        f"move {M7_OFFSET_PAST} reads a slot token 7 does not hold"),
+    "writes through an offset outside its block": (
+        dict(moves=COMPACT_MOVES[:3] + (M9_DST_OFFSET,)),
+        f"move {M9_DST_OFFSET} writes outside the staged block list or at or after its cursor 18"),
     "writes at the staged cursor": (
         dict(moves=COMPACT_MOVES[:3] + (M9_AT_CURSOR,)),
         f"move {M9_AT_CURSOR} writes outside the staged block list or at or after its cursor 18"),

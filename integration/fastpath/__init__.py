@@ -7,7 +7,8 @@ path with densify: one structure of arrays for all requests (``layout.FastLayout
 plain array ABI that validate before they mutate (``kernels``), and a table with the core's interface and errors
 over them (``table.FastTable``), and the dense path's runtime on that table (``runtime.FastRuntime``), whose plans'
 moves travel packed (``moves.MoveArray``); on the workers' side, a compiled mover for CPU KV caches
-(``relocate.HostMover``). The two are proved equal operation by operation (tests/test_fastpath_table.py: the same
+(``relocate.HostMover``); and, for the gather path, the compaction planner, its commit and Naive-Evict's release
+(``gather.FastGather`` over ``gather_kernels``: issue #46, not yet driven by a runtime). The two are proved equal operation by operation (tests/test_fastpath_table.py: the same
 random operations into the core's ``TokenTable`` and a ``FastTable``, every request's state compared after each one)
 and step by step
 (``shadow.ShadowedRuntime``: the core's runtime beside the fast one, compared after every call; inside vLLM under

@@ -24,7 +24,9 @@ another shape (names as the core's where they mean the same):
 The core keeps token -> slot; here token -> position, so a slot is read through the block list
 (``blocks[p // S] * S + p % S``) and the inverse map needs no pool-wide index: a shared block's offsets are read
 from each holder's own ``pos_token``, a private one's likewise. NOTE: the dense path never shifts the blocks
-before the cursor (densify only drops tail blocks), so a live token's position changes only when it is moved.
+before the cursor (densify only drops tail blocks), so there a live token's position changes only when it is moved;
+the gather path's compaction does shift them (its destinations join before the first source, the sources leave), and
+its commit rewrites the positions of every block from the first source on (``gather_kernels._rewrite_list``).
 """
 
 from __future__ import annotations

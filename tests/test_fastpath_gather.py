@@ -1,0 +1,652 @@
+"""Issue #46, part 1: the gather path's compaction kernels (``integration/fastpath/gather_kernels.py``) are the core's.
+
+A Hypothesis state machine drives the same operations into the core (a ``TokenTable`` with a real
+``ReclamationManager`` over a ``BlockPool`` and an in-memory copy engine, its V3 self-check on) and into a
+``FastTable`` with ``FastGather`` below, a thin adapter that plans and commits through the kernels over the fast
+table's layout with its own ``BlockPool``: syncs with fresh blocks, shared prefix blocks, prefix-cached blocks,
+evictions (also while a plan is in flight), compact plans at random ``max_sources``, with and without packing, at
+the pools' destination budget (random headroom) and, through the gate and the fill alone, at random budgets,
+Naive-Evict's release plans, commits (the manager's launch and settle), tampered commits (a stale version, a
+mismatched source, a source left live, ...), ``TokenTable.remove_blocks`` (refused or not) and removals; a compact
+plan is tried when the trigger's waste ratio F is over a random theta_F (both sides' F compared). After every
+operation: the same candidates, the same
+gate answer (NoPlan reason and detail), the same plans (moves in order, sources, destinations), the same commit
+outcome (committed, aborted, or the same error class and message), the same released blocks (both pools equal),
+and every request's state (``TokenTable.state()``'s shape) and the fast table's recounted views (``check_views``).
+Then every refusal of a commit reached on purpose from one crafted plan (``COMPACT_CASES``, ``RELEASE_CASES``), and
+one place where the core's commit stops half-way and the kernel does not (a move's offset outside its block:
+``test_a_move_offset_outside_its_block_is_refused_before_anything_changes``). The planted-bug tests at the end patch
+one kernel each and show the machine catches it.
+
+Deterministic: the machine runs derandomized (Hypothesis' seed is fixed by the test's name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, Phase, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
+
+pytest.importorskip("numba")
+
+from vtoken.core.block_pool import BlockPool, Purpose  # noqa: E402
+from vtoken.core.compact import choose_ranked, compact_plan  # noqa: E402
+from vtoken.core.errors import InvariantViolation, VTokenError  # noqa: E402
+from vtoken.core.plan import Plan  # noqa: E402
+from vtoken.core.reclamation import ReclaimConfig, ReclamationManager  # noqa: E402
+from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore  # noqa: E402
+from vtoken.core.token_table import TokenTable  # noqa: E402
+from vtoken.integration.fastpath import gather_kernels as G  # noqa: E402
+from vtoken.integration.fastpath.gather import ABORTED, COMMITTED, FastGather  # noqa: E402
+from vtoken.integration.fastpath.layout import M_LAYOUT_VERSION, M_NBLOCKS, M_WRITE_POS  # noqa: E402
+from vtoken.integration.fastpath.table import FastTable  # noqa: E402
+
+NUM_BLOCKS, S, ROWS, TOKENS = 40, 4, 5, 48
+STALE_REASON = "layout changed since the snapshot (I4)"
+
+
+def outcome(call):
+    """A call's answer, or its refusal as (class, message)."""
+    try:
+        return call()
+    except (VTokenError, InvariantViolation) as e:
+        return type(e), str(e)
+
+
+def same_plan(got, want) -> None:
+    if not want:
+        assert not got and (got.reason, got.detail) == (want.reason, want.detail), (got, want)
+    else:
+        assert got == want and tuple(got.moves) == tuple(want.moves), (got, want)
+
+
+THEN = ("settle", "settle", "tamper", "wait")
+TAMPERS = ("stale", "src_offset", "drop_move", "dup_dst", "dst_is_source", "reversed_sources", "token_out_of_range",
+           "dst_of_another", "move_twice", "dst_past_cursor", "dst_in_own_block", "release_a_live_block")
+
+
+class Lockstep(RuleBasedStateMachine):
+    @initialize(data=st.data(), headroom=st.sampled_from([0, 1, 2, 5]), theta=st.sampled_from([0.0, 0.1, 0.3]))
+    def first(self, data, headroom, theta):
+        self.core = TokenTable(NUM_BLOCKS, S)
+        self.cpool = BlockPool(NUM_BLOCKS, S, headroom)
+        self.mgr = ReclamationManager(self.cpool, self.core, InMemoryCopyEngine(TagStore(NUM_BLOCKS, S)),
+                                      ReclaimConfig(theta_f=theta))
+        self.mgr.verify_fast_paths = True  # the core's own V3: its maintained path against its reference planner
+        self.fast = FastTable(NUM_BLOCKS, S, ROWS, TOKENS)
+        self.gather = FastGather(self.fast, BlockPool(NUM_BLOCKS, S, headroom))
+        self.next_id = 0
+        self.iteration = 0
+        for _ in range(data.draw(st.integers(1, 3), label="requests")):  # a few requests, holey: material to compact
+            self.admit()
+            r = self.next_id - 1
+            total = data.draw(st.integers(0, TOKENS - S), label="tokens")
+            new = self.allocate(-(-total // S))
+            if new is None:
+                continue
+            assert self.fast.sync_new_tokens(r, new, total) == self.core.sync_new_tokens(r, new, total)
+            if total:
+                ids = data.draw(st.sets(st.integers(0, total - 1), max_size=total), label="evicted")
+                assert self.fast.evict_tokens(r, sorted(ids)) == self.core.evict_tokens(r, sorted(ids))
+
+    # ---- helpers ---------------------------------------------------------------------------------------------
+    def pick(self, data, among=None):
+        ids = self.core.request_ids() if among is None else among
+        return data.draw(st.sampled_from(sorted(ids)), label="request")
+
+    def idle(self) -> list:
+        return [r for r in self.core.request_ids() if r not in self.mgr.inflight]
+
+    def allocate(self, n: int) -> list[int] | None:
+        if not self.cpool.can_allocate(n, Purpose.ADMISSION):
+            return None
+        new = self.cpool.allocate(n, Purpose.ADMISSION)
+        assert self.gather.pool.allocate(n, Purpose.ADMISSION) == new
+        return new
+
+    # ---- the table's operations ---------------------------------------------------------------------------------
+    @precondition(lambda self: len(self.core.request_ids()) < ROWS)
+    @rule()
+    def admit(self):
+        r = self.next_id
+        self.next_id += 1
+        self.core.add_request(r)
+        self.fast.add_request(r)
+
+    @rule(data=st.data(), n=st.integers(0, 3 * S), ahead=st.integers(0, 1))
+    def sync(self, data, n, ahead):
+        r = self.pick(data)
+        total = self.core.total_len(r) + n
+        nb = self.core.num_blocks_of(r)
+        need = max(-(-(self.core.write_pos(r) + n) // S) - nb, 0) + ahead
+        if total > TOKENS or nb + need > -(-TOKENS // S) + 1:
+            return
+        new = self.allocate(need)
+        if new is None:
+            return
+        assert self.fast.sync_new_tokens(r, new, total) == self.core.sync_new_tokens(r, new, total)
+
+    @precondition(lambda self: len(self.core.request_ids()) < ROWS)
+    @rule(data=st.data(), extra=st.integers(0, S + 1))
+    def share_a_prefix(self, data, extra):
+        """A new request whose first blocks are full blocks of another's list (a prefix-cache hit)."""
+        holders = [h for h in self.core.request_ids() if self.core.write_pos(h) >= S]
+        if not holders:
+            return
+        holder = self.pick(data, holders)
+        k = data.draw(st.integers(1, min(3, self.core.write_pos(holder) // S)), label="shared blocks")
+        fresh = self.allocate(-(-extra // S))
+        if fresh is None:
+            return
+        prefix = self.core.block_ids(holder)[:k]
+        for b in prefix:
+            self.cpool.share(b)
+            self.gather.pool.share(b)
+        r = self.next_id
+        self.admit()
+        blocks, total = prefix + fresh, k * S + extra
+        want = outcome(lambda: self.core.sync_new_tokens(r, blocks, total))
+        assert outcome(lambda: self.fast.sync_new_tokens(r, blocks, total)) == want
+        if isinstance(want, tuple):  # refused (a holder's cursor went back over the block): the references go back
+            self.cpool.free(blocks)
+            self.gather.pool.free(blocks)
+        event(f"shared a prefix{' (refused)' if isinstance(want, tuple) else ''}")
+
+    @rule(data=st.data())
+    def cache_a_block(self, data):
+        """A block becomes prefix-cached: compaction leaves it in place unless it packs."""
+        held = [b for b in range(NUM_BLOCKS) if self.cpool.ref_count(b)]
+        if held:
+            b = data.draw(st.sampled_from(held), label="cached")
+            self.cpool.cache(b)
+            self.gather.pool.cache(b)
+
+    @rule(data=st.data())
+    def evict(self, data):
+        live = [r for r in self.core.request_ids() if self.core.num_live(r)]
+        if not live:
+            return
+        r = self.pick(data, live)
+        ids = data.draw(st.lists(st.sampled_from(self.core.live_token_ids(r)), min_size=1, max_size=3 * S,
+                                 unique=True), label="victims")
+        assert self.fast.evict_tokens(r, ids) == self.core.evict_tokens(r, ids)
+        if r in self.mgr.inflight:
+            event("evicted while a plan is in flight")
+
+    @precondition(lambda self: len(self.core.request_ids()) > 2)
+    @rule(data=st.data())
+    def remove(self, data):
+        r = self.pick(data)
+        blocks = self.core.remove_request(r)
+        assert self.fast.remove_request(r) == blocks
+        self.mgr.on_request_removed(r, blocks)
+        self.gather.on_request_removed(r, blocks)
+
+    # ---- compaction ---------------------------------------------------------------------------------------------
+    @rule(data=st.data(), max_sources=st.integers(1, 6), pack=st.booleans(), then=st.sampled_from(THEN))
+    def plan_compact(self, data, max_sources, pack, then):
+        """The manager's compact plan (``plan_request``) at the pool's destination budget, when the trigger's waste
+        ratio is over theta (both sides read the same F); ``then``: settled at once, a tampered commit, or left in
+        flight."""
+        assert self.gather.waste_ratio() == self.mgr.waste_ratio()
+        self.iteration += 1
+        if not self.mgr.should_reclaim(self.iteration) or not self.idle():
+            return
+        r = self.pick(data, self.idle())
+        movable = self.mgr._private if pack else self.mgr._movable
+        assert self.gather.candidates(r, max_sources, pack) == self.core.compact_candidates(r, max_sources, movable)
+        assert self.gather.destination_budget() == self.mgr.destination_budget()
+        self.mgr.config = dataclasses.replace(self.mgr.config, max_sources=max_sources)
+        want = self.mgr.plan_request(r, pack=pack)
+        got = self.gather.plan_compact(r, max_sources, pack)
+        same_plan(got, want.plan if want else want)
+        event(f"compact: {want.reason.name if not want else 'planned'}")
+        if want:
+            self.then(data, r, then)
+
+    def then(self, data, r, then: str) -> None:
+        if then == "settle":
+            self.settle()
+        elif then == "tamper":
+            self.tampered_commit(data, data.draw(st.sampled_from(TAMPERS), label="tamper"), r)
+
+    @rule(data=st.data(), max_sources=st.integers(1, 6), pack=st.booleans(), budget=st.integers(0, 5))
+    def gate_and_fill(self, data, max_sources, pack, budget):
+        """The gate at a random destination budget, then the fill into free block ids; nothing changes."""
+        r = self.pick(data)
+        movable = self.mgr._private if pack else self.mgr._movable
+        ranked = self.core.compact_candidates(r, max_sources, movable)
+        assert self.gather.candidates(r, max_sources, pack) == ranked
+        want = choose_ranked(r, ranked, lambda i: self.core.block_at(r, i), S, budget)
+        got = self.gather.choose(r, max_sources, pack, budget)
+        assert got == want
+        event(f"gate: {want.reason.name if not want else 'chosen'}")
+        free = self.cpool.free_block_ids()
+        if want and len(free) >= want.num_dst:
+            dsts = data.draw(st.permutations(free), label="destinations")[:want.num_dst]
+            version = (self.core.layout_version(r), self.core.total_len(r))
+            plan = compact_plan(r, version, S, want, self.core.live_in_blocks(r, want.src_blocks), dsts)
+            same_plan(self.gather.fill(r, got, dsts), plan)
+
+    @rule(data=st.data(), use_among=st.booleans(), then=st.sampled_from(THEN))
+    def plan_release(self, data, use_among, then):
+        """Naive-Evict: the wholly dead private blocks (``plan_release``), among some list indices or all."""
+        if not self.idle():
+            return
+        r = self.pick(data, self.idle())
+        n = self.core.num_blocks_of(r)
+        among = data.draw(st.lists(st.integers(-1, n + 1), max_size=n + 2), label="among") if use_among else None
+        want = self.mgr.plan_release(r, among)
+        got = self.gather.plan_release(r, among)
+        same_plan(got, want.plan if want else want)
+        event(f"release: {'planned' if want else 'none'}")
+        if want:
+            self.then(data, r, then)
+
+    @rule()
+    def settle(self):
+        """The manager's launch and settle: every plan in flight commits (its copy is done), in order."""
+        self.mgr.launch()
+        want = [(rec.plan.req_id, rec.state.value) for rec in self.mgr.settle()]
+        assert self.gather.settle() == want
+        if want:
+            event(f"settled {len(want)}")
+
+    @rule(data=st.data(), kind=st.sampled_from(TAMPERS))
+    def tampered_commit(self, data, kind, r=None):
+        """A plan in flight committed after one field was changed: the same commit, abort or refusal (class and
+        message) on both sides; a refused plan is put back as it was."""
+        ids = sorted(self.mgr.inflight)
+        if not ids:
+            return
+        r = self.pick(data, ids) if r is None else r
+        rec = self.mgr.inflight[r]
+        original, theirs = rec.plan, self.gather.inflight[r]
+        bad = self.tamper(data, original, kind)
+        if bad is None:
+            return
+        rec.plan, self.gather.inflight[r] = bad, bad
+        want = outcome(lambda: self.mgr._commit(rec) or rec.state.value)
+        got = outcome(lambda: self.gather.commit(r))
+        assert got == want
+        assert want != ABORTED or rec.abort_reason == STALE_REASON
+        if r in self.mgr.inflight:
+            rec.plan, self.gather.inflight[r] = original, theirs
+        event(f"tampered {kind}: {want if isinstance(want, str) else want[0].__name__}")
+
+    def tamper(self, data, plan: Plan, kind: str) -> Plan | None:
+        moves, r = list(plan.moves), plan.req_id
+        blocks = self.core.block_ids(r)
+        change = dataclasses.replace
+        if kind == "stale":
+            return change(plan, version=(plan.version[0] + data.draw(st.sampled_from([-1, 1])), plan.version[1]))
+        if kind == "release_a_live_block":
+            live = [b for b in blocks if self.core.block_live_counts(r)[b] and b not in plan.src_blocks]
+            if not live:
+                return None
+            src = sorted(plan.src_blocks + (data.draw(st.sampled_from(live)),), key=blocks.index)
+            return change(plan, src_blocks=tuple(src))
+        if kind == "reversed_sources":
+            return change(plan, src_blocks=plan.src_blocks[::-1]) if len(plan.src_blocks) > 1 else None
+        if not moves:
+            return None
+        j = data.draw(st.integers(0, len(moves) - 1), label="move")
+        m = moves[j]
+        if kind == "src_offset":
+            moves[j] = m._replace(src_offset=(m.src_offset + data.draw(st.integers(1, S - 1))) % S)
+        elif kind == "drop_move":
+            del moves[j]
+        elif kind == "dup_dst":
+            if len(moves) < 2:
+                return None
+            k = data.draw(st.integers(0, len(moves) - 1).filter(lambda k: k != j), label="other")
+            moves[k] = moves[k]._replace(dst_block=m.dst_block, dst_offset=m.dst_offset)
+        elif kind == "dst_is_source":
+            src = data.draw(st.sampled_from(plan.src_blocks))
+            moves = [x._replace(dst_block=src) if x.dst_block == m.dst_block else x for x in moves]
+            return change(plan, moves=tuple(moves),
+                          dst_blocks=tuple(src if b == m.dst_block else b for b in plan.dst_blocks))
+        elif kind == "token_out_of_range":
+            moves[j] = m._replace(token_id=data.draw(st.sampled_from([-1, self.core.total_len(r)])))
+        elif kind == "dst_of_another":
+            if not self.core.is_live(r, m.token_id):
+                return None  # NOTE: unreceiving, it would be freed as unused: the core frees another's block then
+            others = [b for o in self.core.request_ids() if o != r for b in self.core.block_ids(o) if b not in blocks]
+            if not others:
+                return None
+            b = data.draw(st.sampled_from(others))
+            moves = [x._replace(dst_block=b) if x.dst_block == m.dst_block else x for x in moves]
+            return change(plan, moves=tuple(moves),
+                          dst_blocks=tuple(b if d == m.dst_block else d for d in plan.dst_blocks))
+        elif kind == "move_twice":
+            moves.append(m._replace(dst_offset=(m.dst_offset + 1) % S))
+        elif kind == "dst_past_cursor":
+            pos = self.core.write_pos(r)
+            if pos // S >= len(blocks):
+                return None
+            moves[j] = m._replace(dst_block=blocks[pos // S], dst_offset=data.draw(st.integers(pos % S, S - 1)))
+        elif kind == "dst_in_own_block":  # a hole of a block the request keeps: may be a valid commit
+            holes = [(b, o) for i, b in enumerate(blocks[:self.core.write_pos(r) // S]) if b not in plan.src_blocks
+                     for o in range(S) if not self.core.block_mask(r, b) >> o & 1]
+            if not holes:
+                return None
+            b, o = data.draw(st.sampled_from(holes))
+            moves[j] = m._replace(dst_block=b, dst_offset=o)
+        return change(plan, moves=tuple(moves))
+
+    @rule(data=st.data())
+    def remove_blocks(self, data):
+        """``TokenTable.remove_blocks`` of random indices at a random cursor (refused or not, as the core's)."""
+        idle = self.idle()
+        if not idle:
+            return
+        r = self.pick(data, idle)
+        n, pos = self.core.num_blocks_of(r), self.core.write_pos(r)
+        dead = [i for i, b in enumerate(self.core.block_ids(r)) if not self.core.block_mask(r, b)]
+        indices = data.draw(st.one_of(st.lists(st.sampled_from(dead), unique=True).map(sorted) if dead else st.just([]),
+                                      st.lists(st.integers(-1, n), max_size=3)), label="indices")
+        write_pos = data.draw(st.sampled_from([pos - len(indices) * S, pos, pos - S, n * S + 1]), label="cursor")
+        want = outcome(lambda: self.core.remove_blocks(r, indices, write_pos))
+        got = outcome(lambda: self.gather.remove_blocks(r, indices, write_pos))
+        if want is None:  # removed: the blocks go back to both pools
+            removed = got
+            assert isinstance(removed, list)
+            self.cpool.free(removed)
+            self.gather.pool.free(removed)
+            event("removed blocks")
+        else:
+            assert got == want
+            event(f"remove_blocks refused: {want[0].__name__}")
+
+    # ---- after every operation --------------------------------------------------------------------------------
+    @invariant()
+    def same_state(self):
+        if not hasattr(self, "core"):
+            return
+        assert self.fast.state() == self.core.state()
+        for r in self.core.request_ids():
+            assert self.fast.block_live_counts(r) == self.core.block_live_counts(r)
+        assert self.gather.pool.snapshot() == self.cpool.snapshot()
+        assert list(self.gather.inflight) == list(self.mgr.inflight)
+        for r, rec in self.mgr.inflight.items():
+            assert self.gather.inflight[r] == rec.plan
+        self.fast.check_views()
+
+
+Lockstep.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None, derandomize=True,
+                                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestLockstep = Lockstep.TestCase
+
+
+# ---- every refusal of a commit, reached on purpose: the same answer as the core's ------------------------------------
+class Sides:
+    """The core (a table, a pool and a manager) beside the fast table and ``FastGather`` with a pool of its own."""
+
+    def __init__(self, headroom: int = 0) -> None:
+        self.core, self.cpool = TokenTable(NUM_BLOCKS, S), BlockPool(NUM_BLOCKS, S, headroom)
+        self.mgr = ReclamationManager(self.cpool, self.core, InMemoryCopyEngine(TagStore(NUM_BLOCKS, S)),
+                                      ReclaimConfig(max_sources=8))
+        self.mgr.verify_fast_paths = True
+        self.fast = FastTable(NUM_BLOCKS, S, ROWS, TOKENS)
+        self.gather = FastGather(self.fast, BlockPool(NUM_BLOCKS, S, headroom))
+
+    def request(self, r, total: int, ahead: int = 0, evicted=()) -> list[int]:
+        self.core.add_request(r)
+        self.fast.add_request(r)
+        n = -(-total // S) + ahead
+        blocks = self.cpool.allocate(n, Purpose.ADMISSION)
+        assert self.gather.pool.allocate(n, Purpose.ADMISSION) == blocks
+        assert self.fast.sync_new_tokens(r, blocks, total) == self.core.sync_new_tokens(r, blocks, total)
+        self.evict(r, evicted)
+        return blocks
+
+    def evict(self, r, ids) -> None:
+        assert self.fast.evict_tokens(r, list(ids)) == self.core.evict_tokens(r, list(ids))
+
+    def plan(self, r, release: bool = False) -> Plan:
+        want = self.mgr.plan_release(r) if release else self.mgr.plan_request(r)
+        got = self.gather.plan_release(r) if release else self.gather.plan_compact(r, 8, False)
+        assert want and got == want.plan
+        return want.plan
+
+    def commit(self, r, plan: Plan):
+        """Both sides commit ``plan`` in place of the request's plan in flight; equal answers, equal states."""
+        rec = self.mgr.inflight[r]
+        rec.plan = self.gather.inflight[r] = plan
+        want = outcome(lambda: self.mgr._commit(rec) or rec.state.value)
+        got = outcome(lambda: self.gather.commit(r))
+        assert got == want
+        assert self.fast.state() == self.core.state() and self.gather.pool.snapshot() == self.cpool.snapshot()
+        self.fast.check_views()
+        return want
+
+
+def _compact_case():
+    """Request 0: 18 tokens in blocks [0, 4] and block 5 listed (4 and 5: cursor and ahead), blocks 0-2 one live token
+    each (3, 7, 11); request 1 lists blocks 6-7. The plan moves 3, 7, 11 into block 8."""
+    sides = Sides()
+    sides.request(0, 18, ahead=1, evicted=[0, 1, 2, 4, 5, 6, 8, 9, 10])
+    sides.request(1, 8)
+    plan = sides.plan(0)
+    assert plan.src_blocks == (0, 1, 2) and plan.dst_blocks == (8,) and [m.token_id for m in plan.moves] == [3, 7, 11]
+    return sides, plan
+
+
+def _moves(plan: Plan, j: int, **fields) -> tuple:
+    moves = list(plan.moves)
+    moves[j] = moves[j]._replace(**fields)
+    return tuple(moves)
+
+
+_change = dataclasses.replace
+COMPACT_CASES = {  # a change of the plan -> what the core answers (a fragment of it) [, tokens evicted in flight]
+    "as planned": (lambda p: p, COMMITTED),
+    "stale": (lambda p: _change(p, version=(p.version[0] + 1, p.version[1])), ABORTED),
+    "token out of range": (lambda p: _change(p, moves=_moves(p, 1, token_id=18)), "outside its synced tokens"),
+    "sources out of order": (lambda p: _change(p, src_blocks=(1, 0, 2)), "are not in its block list, in order"),
+    "a destination listed here": (lambda p: _change(p, moves=tuple(m._replace(dst_block=0) for m in p.moves),
+                                                    dst_blocks=(0,)), "repeats a block or names one outside"),
+    "a destination listed by another": (lambda p: dataclasses.replace(
+        p, moves=tuple(m._replace(dst_block=6) for m in p.moves), dst_blocks=(6,)), "block 6 cannot join"),
+    "a mismatched source": (lambda p: _change(p, moves=_moves(p, 0, src_offset=2)), "reads a slot token 3"),
+    "past the staged cursor": (lambda p: _change(p, moves=_moves(p, 0, dst_block=4, dst_offset=2)),
+                               "at or after its cursor 22"),
+    "a slot written twice": (lambda p: _change(p, moves=_moves(p, 2, dst_offset=0)), "which is claimed"),
+    "a live slot written": (lambda p: _change(p, moves=_moves(p, 0, dst_block=3, dst_offset=0)),
+                            "writes slot 12, which is claimed"),
+    "a token moved twice": (lambda p: _change(p, moves=p.moves + (p.moves[0]._replace(dst_offset=3),)),
+                            "a token moves twice"),
+    "a source left live": (lambda p: _change(p, moves=p.moves[:2]), "block 2 holds live tokens"),
+    "a source written": (lambda p: _change(p, moves=_moves(p, 0, dst_block=0, dst_offset=0)),
+                         "block 0 holds live tokens"),
+    "into a hole of a kept block": (lambda p: _change(p, moves=_moves(p, 2, dst_block=3, dst_offset=1)),
+                                    COMMITTED, [13]),
+    "into the hole of a token evicted in flight": (lambda p: _change(p, moves=_moves(p, 0, dst_block=1,
+                                                                                                 dst_offset=3)),
+                                                   "block 1 holds live tokens", [7]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPACT_CASES))
+def test_a_changed_compact_plan_commits_as_the_cores(case):
+    """Each of ``_check_compact_commit``'s refusals (and the abort of a stale plan) reached on purpose, from a
+    compact plan in flight changed in one field: the fast side answers with the core's outcome, error class and
+    message, and a refusal changes nothing on either side."""
+    sides, plan = _compact_case()
+    change, expected, *evicted = COMPACT_CASES[case]
+    if evicted:  # evicted while the copy ran
+        sides.evict(0, evicted[0])
+    before = sides.fast.state()
+    got = sides.commit(0, change(plan))
+    if isinstance(got, tuple):
+        assert expected in got[1], got
+        assert sides.fast.state() == before
+    else:
+        assert got == expected
+
+
+def test_a_destination_freed_twice_is_refused_as_the_core_refuses_it():
+    """Every token of the plan evicted in flight: no destination is kept, so a plan whose destination is its own
+    source would free that block twice (the pool's references, checked after the kernel's checks)."""
+    sides, plan = _compact_case()
+    sides.evict(0, [3, 7, 11])
+    bad = dataclasses.replace(plan, moves=tuple(m._replace(dst_block=0) for m in plan.moves), dst_blocks=(0,))
+    got = sides.commit(0, bad)
+    assert got[0] is InvariantViolation and "block 0 would be freed 2 time(s) with 1 reference(s)" in got[1]
+    assert sides.commit(0, plan) == COMMITTED  # the plan as made: nothing moves, its destination goes back
+    assert sides.core.block_ids(0) == [3, 4, 5] and sides.cpool.ref_count(8) == 0
+
+
+def test_a_commit_after_appends_and_evictions_in_flight_is_the_cores():
+    """Tokens appended (a new block) and one moving token evicted while the copy ran: the move is dropped, the
+    cursor shifts by whole blocks from where the appends left it."""
+    sides, plan = _compact_case()
+    new = sides.cpool.allocate(1, Purpose.ADMISSION)
+    assert sides.gather.pool.allocate(1, Purpose.ADMISSION) == new
+    total = sides.core.total_len(0) + 6
+    assert sides.fast.sync_new_tokens(0, new, total) == sides.core.sync_new_tokens(0, new, total)
+    sides.evict(0, [7])
+    assert sides.commit(0, plan) == COMMITTED
+    assert sides.core.block_ids(0) == [8, 3, 4, 5, new[0]] and sides.core.write_pos(0) == 24 - 8
+
+
+RELEASE_CASES = {
+    "as planned": (lambda p: p, COMMITTED),
+    "a live block released": (lambda p: _change(p, src_blocks=p.src_blocks + (1,)), "block 1 holds live"),
+    "the cursor's block released": (lambda p: _change(p, src_blocks=p.src_blocks + (2,)),
+                                     "would hold live tokens at or after cursor 2"),
+    "the cursor's and the ahead block released": (lambda p: _change(p, src_blocks=(0, 2, 3)),
+                                                  "cursor -2 outside its 1 blocks"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RELEASE_CASES))
+def test_a_changed_release_plan_commits_as_the_cores(case):
+    """Naive-Evict's plan (block 0 wholly dead, before the cursor's block 2) and changes of it: the same outcome."""
+    sides = Sides()
+    sides.request(0, 10, ahead=1, evicted=[0, 1, 2, 3, 8, 9])
+    plan = sides.plan(0, release=True)
+    assert plan.src_blocks == (0,)
+    change, expected = RELEASE_CASES[case]
+    got = sides.commit(0, change(plan))
+    assert (expected in got[1]) if isinstance(got, tuple) else got == expected, got
+
+
+@pytest.mark.parametrize("field", ["src", "dst"])
+def test_a_move_offset_outside_its_block_is_refused_before_anything_changes(field):
+    """A move naming offset S + 3 of block b - 1 for slot (b, 3) (source), or offset 5 of a destination: both refuse
+    it, the same message, nothing changed. Regression: the core's ``_check_commit_moves`` compared slot numbers
+    only, so its commit spliced the destinations in and then ``apply_moves`` refused the offset, a commit stopped
+    half-way (an InvariantViolation's promise, "nothing was changed", broken); found by this lockstep."""
+    sides, plan = _compact_case()
+    bad = dataclasses.replace(plan, moves=_moves(plan, 1, src_block=0, src_offset=7) if field == "src"
+                              else _moves(plan, 1, dst_offset=5))
+    rec = sides.mgr.inflight[0]
+    rec.plan = sides.gather.inflight[0] = bad
+    before = sides.fast.state()
+    got = outcome(lambda: sides.gather.commit(0))
+    assert got[0] is InvariantViolation and sides.fast.state() == before == sides.core.state()
+    assert ("reads a slot token 7 does not hold" if field == "src" else "at or after its cursor 22") in got[1]
+    want = outcome(lambda: sides.mgr._commit(rec))
+    assert want == got and sides.core.state() == before
+
+
+# ---- planted kernel bugs: the lockstep catches each ---------------------------------------------------------------
+def _candidate_above_the_cutoff(real):
+    """compact_candidates: a full block (live count S) is a candidate too (the count cutoff off by one)."""
+    def compact_candidates(*args):
+        code, n, b = real(*args)
+        blocks, counts, meta, (row, k, movable, idx, cnt) = args[2], args[3], args[4], args[13:]
+        end = min(meta[row, M_WRITE_POS] // S, meta[row, M_NBLOCKS])
+        full = [i for i in range(end) if counts[row, i] == S and movable[blocks[row, i]]]
+        if full and n < k:
+            idx[n], cnt[n] = full[0], S
+            n += 1
+        return code, n, b
+    return compact_candidates
+
+
+def _pops_the_emptiest(real):
+    """compact_gate: the set shrinks emptiest first (the candidates read in reverse)."""
+    def compact_gate(idx, cnt, n, size, budget, out):
+        return real(idx[:n][::-1].copy(), cnt[:n][::-1].copy(), n, size, budget, out)
+    return compact_gate
+
+
+def _destination_is_a_source(real):
+    """compact_fill: the first destination's moves land in the first source block instead."""
+    def compact_fill(*args):
+        code, m, b = real(*args)
+        blocks, (row, sources, _, dsts, moves) = args[2], args[13:]
+        if code == G.PLANNED and m:
+            moves[:m, 3][moves[:m, 3] == dsts[0]] = blocks[row, sources[0]]
+        return code, m, b
+    return compact_fill
+
+
+def _drops_the_last_token(real):
+    """compact_fill: the last token in logical order is not moved."""
+    def compact_fill(*args):
+        code, m, b = real(*args)
+        return code, max(m - 1, 0), b
+    return compact_fill
+
+
+def _releases_a_live_block(real):
+    """dead_blocks: a block holding a live token of the row is released with the dead ones."""
+    def dead_blocks(*args):
+        code, n, b = real(*args)
+        blocks, counts, meta, (row, private, _, _, out) = args[2], args[3], args[4], args[13:]
+        end = min(meta[row, M_WRITE_POS] // S, meta[row, M_NBLOCKS])
+        live = [blocks[row, i] for i in range(end) if counts[row, i] and private[blocks[row, i]]]
+        if live:
+            out[n] = live[0]
+            n += 1
+        return code, n, b
+    return dead_blocks
+
+
+def _count_stale_after_a_move(real):
+    """commit_compact: the block the last move lands in keeps its count from before the move."""
+    def commit_compact(*args):
+        code, a, b = real(*args)
+        blocks, counts, meta, (row, _, _, _, moves, apply, _) = args[2], args[3], args[4], args[13:]
+        if code == G.OK and apply and moves.shape[0]:
+            listed = blocks[row, :meta[row, M_NBLOCKS]].tolist()
+            if moves[-1, 3] in listed:
+                counts[row, listed.index(moves[-1, 3])] -= 1
+        return code, a, b
+    return commit_compact
+
+
+def _stale_plan_committed(real):
+    """commit_compact: the plan's layout version is not compared with the row's (a stale plan commits)."""
+    def commit_compact(*args):
+        args = list(args)
+        args[14] = args[4][args[13], M_LAYOUT_VERSION]
+        return real(*args)
+    return commit_compact
+
+
+PLANTED = {"candidate_above_the_cutoff": ("compact_candidates", _candidate_above_the_cutoff),
+           "pops_the_emptiest": ("compact_gate", _pops_the_emptiest),
+           "destination_is_a_source": ("compact_fill", _destination_is_a_source),
+           "drops_the_last_token": ("compact_fill", _drops_the_last_token),
+           "releases_a_live_block": ("dead_blocks", _releases_a_live_block),
+           "count_stale_after_a_move": ("commit_compact", _count_stale_after_a_move),
+           "stale_plan_committed": ("commit_compact", _stale_plan_committed)}
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_a_planted_kernel_bug_is_caught(monkeypatch, bug):
+    kernel, plant = PLANTED[bug]
+    monkeypatch.setattr(G, kernel, plant(getattr(G, kernel)))
+    with pytest.raises(AssertionError):
+        # no shrinking: finding the bug is the claim, and the first failing example says where
+        run_state_machine_as_test(Lockstep, settings=settings(max_examples=300, stateful_step_count=60, deadline=None,
+                                                               derandomize=True, phases=(Phase.generate,),
+                                                               suppress_health_check=list(HealthCheck)))
