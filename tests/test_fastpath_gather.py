@@ -8,7 +8,9 @@ evictions (also while a plan is in flight), compact plans at random ``max_source
 the pools' destination budget (random headroom) and, through the gate and the fill alone, at random budgets,
 Naive-Evict's release plans, commits (the manager's launch and settle), tampered commits (a stale version, a
 mismatched source, a source left live, ...), ``TokenTable.remove_blocks`` (refused or not) and removals; a compact
-plan is tried when the trigger's waste ratio F is over a random theta_F (both sides' F compared). After every
+plan is tried when the trigger says so (both sides' ``should_reclaim`` at a random theta_F, cadence K and burst
+threshold: the same answer, F, burst state and counts), and so is a round without packing (``plan_round``: the
+requests in a drawn order, most excess first, at most ``max_plans_per_round``). After every
 operation: the same candidates, the same
 gate answer (NoPlan reason and detail), the same plans (moves in order, sources, destinations), the same commit
 outcome (committed, aborted, or the same error class and message), the same released blocks (both pools equal),
@@ -16,7 +18,7 @@ and every request's state (``TokenTable.state()``'s shape) and the fast table's 
 Then every refusal of a commit reached on purpose from one crafted plan (``COMPACT_CASES``, ``RELEASE_CASES``), and
 one place where the core's commit stops half-way and the kernel does not (a move's offset outside its block:
 ``test_a_move_offset_outside_its_block_is_refused_before_anything_changes``). The planted-bug tests at the end patch
-one kernel each and show the machine catches it.
+one kernel each (and one the round's tie order) and show the machine catches it.
 
 Deterministic: the machine runs derandomized (Hypothesis' seed is fixed by the test's name).
 """
@@ -70,15 +72,18 @@ TAMPERS = ("stale", "src_offset", "drop_move", "dup_dst", "dst_is_source", "reve
 
 
 class Lockstep(RuleBasedStateMachine):
-    @initialize(data=st.data(), headroom=st.sampled_from([0, 1, 2, 5]), theta=st.sampled_from([0.0, 0.1, 0.3]))
-    def first(self, data, headroom, theta):
+    @initialize(data=st.data(), headroom=st.sampled_from([0, 1, 2, 5]), theta=st.sampled_from([0.0, 0.1, 0.3]),
+                check_every=st.integers(1, 3), burst_df=st.sampled_from([None, 0.02, 0.1]),
+                max_plans=st.integers(1, 3))
+    def first(self, data, headroom, theta, check_every, burst_df, max_plans):
         self.core = TokenTable(NUM_BLOCKS, S)
         self.cpool = BlockPool(NUM_BLOCKS, S, headroom)
-        self.mgr = ReclamationManager(self.cpool, self.core, InMemoryCopyEngine(TagStore(NUM_BLOCKS, S)),
-                                      ReclaimConfig(theta_f=theta))
+        config = ReclaimConfig(theta_f=theta, check_every=check_every, burst_df=burst_df,
+                               max_plans_per_round=max_plans)
+        self.mgr = ReclamationManager(self.cpool, self.core, InMemoryCopyEngine(TagStore(NUM_BLOCKS, S)), config)
         self.mgr.verify_fast_paths = True  # the core's own V3: its maintained path against its reference planner
         self.fast = FastTable(NUM_BLOCKS, S, ROWS, TOKENS)
-        self.gather = FastGather(self.fast, BlockPool(NUM_BLOCKS, S, headroom))
+        self.gather = FastGather(self.fast, BlockPool(NUM_BLOCKS, S, headroom), config)
         self.next_id = 0
         self.iteration = 0
         for _ in range(data.draw(st.integers(1, 3), label="requests")):  # a few requests, holey: material to compact
@@ -192,21 +197,46 @@ class Lockstep(RuleBasedStateMachine):
         """The manager's compact plan (``plan_request``) at the pool's destination budget, when the trigger's waste
         ratio is over theta (both sides read the same F); ``then``: settled at once, a tampered commit, or left in
         flight."""
-        assert self.gather.waste_ratio() == self.mgr.waste_ratio()
-        self.iteration += 1
-        if not self.mgr.should_reclaim(self.iteration) or not self.idle():
+        if not self.trigger() or not self.idle():
             return
         r = self.pick(data, self.idle())
         movable = self.mgr._private if pack else self.mgr._movable
         assert self.gather.candidates(r, max_sources, pack) == self.core.compact_candidates(r, max_sources, movable)
         assert self.gather.destination_budget() == self.mgr.destination_budget()
-        self.mgr.config = dataclasses.replace(self.mgr.config, max_sources=max_sources)
+        self.mgr.config = self.gather.config = dataclasses.replace(self.mgr.config, max_sources=max_sources)
         want = self.mgr.plan_request(r, pack=pack)
         got = self.gather.plan_compact(r, max_sources, pack)
         same_plan(got, want.plan if want else want)
         event(f"compact: {want.reason.name if not want else 'planned'}")
         if want:
             self.then(data, r, then)
+
+    def trigger(self) -> bool:
+        """The next iteration's trigger, both sides (their F, burst state and counts equal)."""
+        assert self.gather.waste_ratio() == self.mgr.waste_ratio()
+        self.iteration += 1
+        due = self.mgr.should_reclaim(self.iteration)
+        assert self.gather.should_reclaim(self.iteration) == due
+        assert (self.gather.burst, self.gather.stats.bursts, self.gather.stats.burst_rounds) == \
+            (self.mgr.burst, self.mgr.stats.bursts, self.mgr.stats.burst_rounds)
+        return due
+
+    @rule(data=st.data(), then=st.sampled_from(THEN))
+    def plan_round(self, data, then):
+        """A round without packing when the trigger says so: the requests in a drawn order, most excess first (ties
+        in that order), at most ``max_plans_per_round`` plans; the same plans in the same order."""
+        if not self.trigger():
+            return
+        ids = data.draw(st.permutations(self.core.request_ids()), label="order")
+        want = [rec.plan for rec in self.mgr.plan_round(ids)]
+        got = self.gather.plan_round(ids)
+        assert len(got) == len(want) and self.gather.burst == self.mgr.burst
+        for g, w in zip(got, want):
+            same_plan(g, w)
+        assert self.gather.stats.rounds == self.mgr.stats.rounds
+        event(f"round: {len(want)} plan(s)")
+        if want and then == "settle":
+            self.settle()
 
     def then(self, data, r, then: str) -> None:
         if then == "settle":
@@ -647,6 +677,17 @@ def test_a_planted_kernel_bug_is_caught(monkeypatch, bug):
     monkeypatch.setattr(G, kernel, plant(getattr(G, kernel)))
     with pytest.raises(AssertionError):
         # no shrinking: finding the bug is the claim, and the first failing example says where
+        run_state_machine_as_test(Lockstep, settings=settings(max_examples=300, stateful_step_count=60, deadline=None,
+                                                               derandomize=True, phases=(Phase.generate,),
+                                                               suppress_health_check=list(HealthCheck)))
+
+
+def test_a_round_that_breaks_ties_against_the_given_order_is_caught(monkeypatch):
+    """Planted in the round (Python, not a kernel): requests of equal excess planned in reverse order, so with
+    ``max_plans_per_round`` reached or one plan's destinations taking another's budget the plans differ."""
+    real = FastGather.plan_round
+    monkeypatch.setattr(FastGather, "plan_round", lambda self, req_ids: real(self, list(req_ids)[::-1]))
+    with pytest.raises(AssertionError):
         run_state_machine_as_test(Lockstep, settings=settings(max_examples=300, stateful_step_count=60, deadline=None,
                                                                derandomize=True, phases=(Phase.generate,),
                                                                suppress_health_check=list(HealthCheck)))

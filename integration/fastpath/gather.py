@@ -8,8 +8,10 @@ a ``Plan``, a ``NoPlan`` with its reason and detail, a commit, an abort (a stale
 core's error with its message. ``tests/test_fastpath_gather.py`` drives both with the same random operations and
 compares every answer and the whole state after each.
 
-Not yet here (part 2 of #46): the round (``plan_round``'s order, ``max_plans_per_round``, the trigger and its burst
-tracking), the pressure pack, copies through an engine, and a runtime that calls these per step.
+Also the manager's trigger (``should_reclaim``, with its burst tracking) and its round without packing
+(``plan_round``: the order, ``max_plans_per_round``). Not yet here (part 2 of #46): the pressure round's pack (a
+densify plan committed later, which needs densify's plan and commit as two kernels), copies through an engine, and a
+runtime that calls these per step.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from vtoken.core.compact import SourceChoice
 from vtoken.core.errors import (BlockListTooShortError, BlockNotOwnedError, DestinationError, InvariantViolation,
                                 PlanConflictError, TokenOutOfRangeError)
 from vtoken.core.plan import NoPlan, NoPlanReason, Plan, PlanKind
+from vtoken.core.reclamation import ReclaimConfig, ReclaimStats
 from vtoken.core.token_table import Move
 
 from . import gather_kernels as K
-from .layout import M_LAYOUT_VERSION, M_NBLOCKS, M_TOTAL_LEN, P_LIVE_SLOTS
+from .layout import M_LAYOUT_VERSION, M_NBLOCKS, M_NUM_LIVE, M_TOTAL_LEN, P_LIVE_SLOTS
 from .moves import MoveArray
 from .table import FastTable
 
@@ -40,9 +43,13 @@ class FastGather:
     ``NoPlan`` with the core's reason and detail, a commit, an abort (a stale plan: every destination freed), or the
     core's error with its message. Plans in flight are kept by request, in the order made (the manager's)."""
 
-    def __init__(self, fast: FastTable, pool: BlockPool) -> None:
+    def __init__(self, fast: FastTable, pool: BlockPool, config: ReclaimConfig | None = None) -> None:
         self.fast, self.pool, self.S = fast, pool, fast.block_size
+        self.config = config or ReclaimConfig()
         self.inflight: dict[object, Plan] = {}
+        self.burst = False  # the adaptive trigger's state, as the manager's (``should_reclaim``)
+        self._f_prev: float | None = None
+        self.stats = ReclaimStats()  # rounds, bursts and burst rounds only, so far
 
     # -- the pool's per-block flags (``_movable``, ``_private``) and Stage 2's budget --
     def movable(self, pack: bool) -> np.ndarray:
@@ -61,6 +68,56 @@ class FastGather:
     def waste_ratio(self) -> float:
         allocated = self.pool.num_allocated
         return 0.0 if not allocated else 1.0 - int(self.fast.layout.pool[P_LIVE_SLOTS]) / (allocated * self.S)
+
+    # -- the trigger and the round --
+    def should_reclaim(self, iteration: int) -> bool:
+        """``ReclamationManager.should_reclaim``: every K-th iteration when F > theta_F (and free blocks at most the
+        low watermark); with ``burst_df``, also every iteration of a burst (F rose by burst_df in one iteration)
+        until F is back at theta_F. Call it once per iteration, as the manager's."""
+        c = self.config
+        if c.burst_df is None:
+            if iteration % c.check_every:
+                return False
+            if c.low_watermark is not None and self.pool.num_free > c.low_watermark:
+                return False
+            return self.waste_ratio() > c.theta_f
+        f = self.waste_ratio()
+        if self._f_prev is not None and f - self._f_prev >= c.burst_df and f > c.theta_f and not self.burst:
+            self.burst = True
+            self.stats.bursts += 1
+        self._f_prev = f
+        if self.burst and f <= c.theta_f:
+            self.burst = False
+        if c.low_watermark is not None and self.pool.num_free > c.low_watermark:
+            return False
+        if f <= c.theta_f:
+            return False
+        on_cadence = iteration % c.check_every == 0
+        if not on_cadence and self.burst:
+            self.stats.burst_rounds += 1
+        return on_cadence or self.burst
+
+    def plan_round(self, req_ids: list) -> list[Plan]:
+        """``ReclamationManager.plan_round`` without packing: the requests without a plan in flight, most excess
+        blocks (over ceil(live / S)) first, ties in the given order, each planned by ``plan_compact`` at the
+        config's ``max_sources``, at most ``max_plans_per_round`` plans; the first request with no excess ends the
+        round (sorted: none after it has any). Returns the new plans. The excesses are read off the layout for all
+        the requests at once."""
+        self.stats.rounds += 1
+        idle = [r for r in req_ids if r not in self.inflight]
+        meta = self.fast.layout.meta[self.fast.rows_of(idle)] if idle else None
+        made: list[Plan] = []
+        if idle:
+            excess = meta[:, M_NBLOCKS] - -(-meta[:, M_NUM_LIVE] // self.S)
+            for k in np.argsort(-excess, kind="stable").tolist():  # NOTE: stable: ties keep the given order
+                if len(made) >= self.config.max_plans_per_round or excess[k] <= 0:
+                    break
+                plan = self.plan_compact(idle[k], self.config.max_sources, False)
+                if plan:
+                    made.append(plan)
+        if self.burst and not made and not self.inflight:
+            self.burst = False  # nothing left to gain: back to the cadence
+        return made
 
     # -- planning --
     def candidates(self, req_id, max_sources: int, pack: bool) -> list[tuple[int, int]]:
@@ -117,6 +174,8 @@ class FastGather:
             self.pool.free(dsts)
             raise
         self.inflight[req_id] = plan
+        if self._f_prev is not None:  # the manager's ``_record``: a plan's own destinations are no burst
+            self._f_prev = self.waste_ratio()
         return plan
 
     def plan_release(self, req_id, among: list[int] | None = None) -> Plan | NoPlan:
