@@ -98,6 +98,29 @@ def test_a_planted_fast_path_bug_is_caught(bug):
                                                                  phases=(Phase.generate,)))  # found, not shrunk
 
 
+def test_a_step_handed_out_of_admission_order_commits_in_admission_order():
+    """vLLM's running order need not be the admission order: two requests, both due and both densifying every step,
+    handed over as [1, 0]. The plans commit (and their copies go out) in admission order, 0 then 1, as the core's
+    settle commits them; the shadow compares every call. Kills ``step_record``'s sort mutants (mutation run:
+    fuzz/mutation_kernels.json), which no caller in admission order reached."""
+    pool = BlockPool(48, S)
+    names: dict = {}
+    rt = ShadowedRuntime(pool, ShadowEngine(), StreamingLLM(sinks=1), 6, 6, 64, evict_every=1, names=names)
+    for r in (0, 1):
+        names[r] = f"arrival-{r}"
+        rt.admit(r)
+        rt.sync_many([(r, pool.allocate(3, Purpose.ADMISSION), 10)])
+    for step in range(3):
+        items = []
+        for r in (1, 0):
+            need = max(0, -(-(rt.write_pos(r) + 1) // S) - rt.num_blocks_of(r))
+            items.append((r, pool.allocate(need, Purpose.ADMISSION) if need else [], rt.total_len(r) + 1))
+        rt.sync_many(items)
+        victims = rt.evict_and_reclaim([1, 0])
+        assert sorted(victims) == [0, 1] and all(victims.values())
+        assert [p.req_id for p in rt.take_commits().all_plans()] == [0, 1], step
+
+
 def test_step_commits_count_what_the_scheduler_counts_and_list_only_the_plans_that_change_a_block_list():
     """``StepCommits.of_plans`` (the core's answer to ``take_commits``): a compact plan's destinations its request
     keeps are not released blocks; ``touched`` names the plans after which vLLM's block list must be mirrored (any

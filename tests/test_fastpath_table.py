@@ -535,3 +535,36 @@ def test_a_steps_sync_grows_its_record_and_leaves_odd_items_to_the_cores_checks_
         core.sync_new_tokens("a", [], 39)
     assert str(got.value) == str(want.value) and "below the synced length 40" in str(got.value)
     assert fast.state() == before == core.state()
+
+
+# ---- found by the kernels' mutation run (fuzz/mutation_kernels.json) --------------------------------------------------
+def test_densify_refuses_to_write_a_shared_new_cursor_block_as_the_core_does():
+    """a and b share block 0 (full); a evicts its last two tokens and everything after: densify's new cursor falls
+    inside block 0, which its next appends would overwrite. Both refuse with the same NoPlan, detail included (the
+    kernel finds the first such block, the table words it as the core does), and nothing changes. Kills
+    ``densify__mutmut_109`` (that line was never reached)."""
+    core, fast = TokenTable(16, 4), FastTable(16, 4, 4, 64)
+    for t in (core, fast):
+        t.add_request("a")
+        t.sync_new_tokens("a", [0, 1], 6)
+        t.add_request("b")
+        t.sync_new_tokens("b", [0, 2], 6)
+        t.evict_tokens("a", [2, 3, 4, 5])
+    before = fast.state()
+    want = plan_densify(core.snapshot("a", frozenset(core.shared_blocks("a"))))
+    assert want.reason is NoPlanReason.SHARED_BLOCK and want.detail == "request 'a': blocks [0]"
+    assert fast.densify("a") == want and fast.state() == before == core.state()
+
+
+@pytest.mark.parametrize("hint", [[1, 1], [1, 3], [1, 5, 7]], ids=["repeated", "a live position", "too many"])
+def test_densify_plans_as_without_a_hint_when_the_evicted_positions_given_are_wrong(hint):
+    """``densify``'s evicted positions are a hint for the O(evicted) search of the holes: a list with a repeated or
+    live position, or more positions than holes, is not the holes, and the scan below n_live decides, as with no
+    hint. Kills ``densify__mutmut_43`` (the repeat check weakened: a wrong plan)."""
+    tables = [FastTable(16, 4, 4, 64) for _ in range(2)]
+    for t in tables:
+        t.add_request("a")
+        t.sync_new_tokens("a", [0, 1, 2], 12)
+        t.evict_tokens("a", [1, 5])
+    got, want = tables[0].densify("a", hint), tables[1].densify("a", None)
+    assert got == want and tuple(got.moves) == tuple(want.moves) and tables[0].state() == tables[1].state()

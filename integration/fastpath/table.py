@@ -346,7 +346,8 @@ class FastTable:
         assert used > 0, "step_record's record outgrew the bound fit() sized it for"
         # NOTE: the moves' fields, the record's tail and most of a burst's words, are copied as bytes, not as ints
         fields = used - 5 * buf.move_start.item(m)
-        return EvictStep(req_ids, buf.out[:fields].tolist(), array("q", buf.out[fields:used].tobytes()))
+        return EvictStep(req_ids, buf.out[:fields].tolist(), array("q", buf.out[fields:used].tobytes()),
+                         self.shared_detail)
 
     # ---- views -------------------------------------------------------------------------
     def num_live(self, req_id: object) -> int:
@@ -542,7 +543,23 @@ class FastTable:
               n_live: int) -> Plan | NoPlan:
         """A densify kernel's answer for one request as the core's planner gives it: the ``Plan``, its moves a
         ``MoveArray`` packed from ``moves`` (``_fields``' rows), or the ``NoPlan``."""
-        return _plan(status, req_id, version, array("q", moves.tobytes()), released.tolist(), n_live)
+        return _plan(status, req_id, version, array("q", moves.tobytes()), released.tolist(), n_live,
+                     self.shared_detail)
+
+    def shared_detail(self, req_id: object) -> str:
+        """``NoPlan(SHARED_BLOCK)``'s detail as the core's planner words it (``plan_densify``): every block another
+        request lists that densifying this one would write (a hole, the new cursor's block), read (a mover's) or free
+        (the tail), sorted. Read off the layout in Python, O(positions before the cursor): the kernel stops at the
+        first such block, and the refusal is rare (a prefix shared with a request evicting inside it)."""
+        row, S, lay = self._row(req_id), self.block_size, self.layout
+        n, pos, nb = (int(lay.meta[row, c]) for c in (M_NUM_LIVE, M_WRITE_POS, M_NBLOCKS))
+        blocks, at = lay.blocks[row, :nb].tolist(), lay.pos_token[row, :pos].tolist()
+        touched = {blocks[p // S] for p in range(n) if at[p] == NO_POS}  # the holes'
+        touched.update(blocks[p // S] for p in range(n, pos) if at[p] != NO_POS)  # the movers'
+        touched.update(blocks[-(-n // S):-(-pos // S)])  # the tail's
+        if n % S and n // S < nb:
+            touched.add(blocks[n // S])
+        return f"request {req_id!r}: blocks {sorted(b for b in touched if lay.listed[b] > 1)}"
 
     def _name(self, row: int) -> object:
         return next(k for k, r in self._rows.items() if r == row)
@@ -625,9 +642,11 @@ class EvictStep:
     at any later time, and only for a commit someone reads."""
 
     __slots__ = ("req_ids", "due", "status", "commit_of", "lost", "victims", "commits", "refused", "copy_rows",
-                 "copy_starts", "fields", "moves", "released", "_rec")
+                 "copy_starts", "fields", "moves", "released", "_rec", "_shared_detail")
 
-    def __init__(self, req_ids: list, rec: list, fields: array) -> None:
+    def __init__(self, req_ids: list, rec: list, fields: array, shared_detail) -> None:
+        """``shared_detail(request)``: a SHARED_BLOCK refusal's detail (``FastTable.shared_detail``), read when a
+        refused row's ``plan`` is asked for: the table has not changed that row since."""
         m, n_lost, n_commit, n_refused, n_copies, self.moves, self.released, n_victims = rec[:K.HEAD]
         w = K.HEAD
         self.status, self.commit_of = rec[w:w + m], rec[w + m:w + 2 * m]
@@ -642,6 +661,7 @@ class EvictStep:
         self.copy_starts = rec[w:w + n_copies + 1]
         self.fields = fields
         self._rec = rec
+        self._shared_detail = shared_detail
 
     def __len__(self) -> int:
         """Commits."""
@@ -678,21 +698,23 @@ class EvictStep:
         """Commit j's ``Plan``, as the core's planner gives it."""
         k, version, total, cursor = self.commits[8 * j:8 * j + 4]
         return _plan(K.PLANNED, self.due[k], (version, total), array("q", self.fields_of(j)), self.released_by(j),
-                     cursor)
+                     cursor, self._shared_detail)
 
     def plan(self, k: int) -> Plan | NoPlan:
         """Due row k's plan or NoPlan as the core's planner gives it (``FastTable._plan``'s)."""
         j = self.commit_of[k]
-        return self.plan_of(j) if j >= 0 else _plan(self.status[k], self.due[k], (0, 0), array("q"), [], 0)
+        return self.plan_of(j) if j >= 0 else _plan(self.status[k], self.due[k], (0, 0), array("q"), [], 0,
+                                                    self._shared_detail)
 
 
 def _plan(status: int, req_id: object, version: tuple[int, int], moves: array, released: list[int],
-          n_live: int) -> Plan | NoPlan:
+          n_live: int, shared_detail) -> Plan | NoPlan:
     """A densify kernel's answer for one request as the core's planner gives it: the ``Plan`` (its moves a
-    ``MoveArray`` over ``moves``, an ``array('q')`` of five fields per move), or the ``NoPlan``."""
+    ``MoveArray`` over ``moves``, an ``array('q')`` of five fields per move), or the ``NoPlan`` (a SHARED_BLOCK
+    refusal's detail from ``shared_detail(req_id)``: ``FastTable.shared_detail``)."""
     if status == K.PLANNED:
         return Plan(PlanKind.DENSIFY, req_id, version, MoveArray(moves), tuple(released), (), n_live)
     if status == K.ALREADY_DENSE:
         return NoPlan(NoPlanReason.ALREADY_DENSE, f"request {req_id!r}")
     assert status == K.SHARED_BLOCK, status
-    return NoPlan(NoPlanReason.SHARED_BLOCK, f"request {req_id!r}")
+    return NoPlan(NoPlanReason.SHARED_BLOCK, shared_detail(req_id))
