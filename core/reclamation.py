@@ -381,19 +381,32 @@ class ReclamationManager:
         return self.pool.ref_count(block_id) == 1 and not self.pool.is_cached(block_id)
 
     def _plan_densify(self, req_id: object, evicted_positions: list[int] | None) -> Plan | NoPlan:
-        """Densify's plan: from the step's evictions when they are the request's only holes (``_densify_tail``,
-        O(evicted)), else from a full snapshot (``plan_densify``, O(L))."""
+        """Densify's plan: none for a dense request (cursor at n_live, O(1): ``plan_densify``'s ALREADY_DENSE, which
+        a pressure round asks of every request with an excess block allocated ahead); from the step's evictions when
+        they are the request's only holes (``_densify_tail``, O(evicted)); else from a full snapshot
+        (``plan_densify``, O(L))."""
+        if self.table.write_pos(req_id) == self.table.num_live(req_id):
+            return NoPlan(NoPlanReason.ALREADY_DENSE, f"request {req_id!r}")
         plan = self._densify_tail(req_id, evicted_positions) if evicted_positions is not None else None
         return plan if plan is not None else plan_densify(self.table.snapshot(req_id, self._shared_blocks(req_id)))
 
     def _densify_tail(self, req_id: object, evicted_positions: list[int]) -> Plan | NoPlan | None:
         """``plan_densify_tail``'s plan, or None when the step's evictions are not the request's only holes or
-        the positions from n_live to the cursor were not all appended since its last layout change."""
+        the positions from n_live to the cursor were not all appended since its last layout change.
+
+        NOTE: the positions are a hint (the runtime passes its own step's evictions), trusted only when they are
+        cursor - n_live distinct dead positions before the cursor, which makes them exactly the request's holes;
+        otherwise (another step's positions, a repeat, a live one) the full search plans. Trusted blindly, a wrong
+        hint planned moves onto live slots, and the copy overwrote live K/V before the commit could refuse."""
         t, S = self.table, self.pool.block_size
         n, pos = t.num_live(req_id), t.write_pos(req_id)
         if pos - n != len(evicted_positions) or t.append_run_start(req_id) > n:
             return None
         block = t.block_at  # what is read of the block list: O(evicted) entries
+        if not all(is_int(p) and 0 <= p < pos for p in evicted_positions) \
+                or len(set(evicted_positions)) != len(evicted_positions) \
+                or any(t.block_mask(req_id, block(req_id, p // S)) >> (p % S) & 1 for p in evicted_positions):
+            return None
         movers = []
         for p in range(n, pos):
             tok = t.token_at(req_id, p)

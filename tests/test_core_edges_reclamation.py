@@ -341,3 +341,21 @@ def test_commit_names_I2_when_the_live_token_ids_change(monkeypatch):
         s.manager.settle()
     assert info.value.invariant == "I2"
     assert str(info.value) == "I2: request 'a': committing plan changed its ordered live token ids"
+
+
+@pytest.mark.parametrize("hint", [[3], [5], ["x"], [8], [1]],
+                         ids=["a live position", "another live one", "not an int", "past the cursor", "the hole"])
+def test_a_wrong_evicted_positions_hint_plans_as_the_full_search_and_overwrites_nothing(hint):
+    """Regression (found by the fast path's lockstep, tests/test_fastpath_gather.py): a pack's evicted-positions
+    hint of the right count but wrong (another step's, a live position) was trusted, so the plan moved token 7 onto
+    token 3's live slot and the launched copy overwrote its K/V before the commit refused; the record stayed in
+    flight. Now such a hint is checked in O(evicted) and the full search plans: token 7 into the real hole, 1."""
+    s = System(num_blocks=8, headroom=0)
+    assert s.append("a", 8) == list(range(8))
+    s.table.evict_token("a", 1)
+    rec = s.manager.plan_round(["a"], pack=True, evicted_positions={"a": hint})
+    assert [r.plan.moves for r in rec] == [(Move(7, 1, 3, 0, 1),)]
+    s.manager.launch()
+    s.engine.complete(rec[0].handle)
+    assert [r.state for r in s.manager.settle()] == [PlanState.COMMITTED]
+    assert s.check() >= 0 and s.table.slot_of("a", 3) == 3 and s.table.slot_of("a", 7) == 1

@@ -10,15 +10,24 @@ Naive-Evict's release plans, commits (the manager's launch and settle), tampered
 mismatched source, a source left live, ...), ``TokenTable.remove_blocks`` (refused or not) and removals; a compact
 plan is tried when the trigger says so (both sides' ``should_reclaim`` at a random theta_F, cadence K and burst
 threshold: the same answer, F, burst state and counts), and so is a round without packing (``plan_round``: the
-requests in a drawn order, most excess first, at most ``max_plans_per_round``). After every
+requests in a drawn order, most excess first, at most ``max_plans_per_round``), and a pressure round that packs
+(``plan_round(pack=True)``, on the trigger or forced as the runtime's pressure forces it, with evicted positions
+taken from the real evictions since each request's last layout change, or none): most excess then most holes first,
+compact with prefix-cached blocks, else a DENSIFY plan (``plan_pack``, also planned alone) left in flight across
+syncs (stale: aborted), evictions (their moves dropped) and other plans, committed at a settle or tampered with
+(a stale version or length, a moved cursor, a source list that is not the tail, ...). After every
 operation: the same candidates, the same
 gate answer (NoPlan reason and detail), the same plans (moves in order, sources, destinations), the same commit
 outcome (committed, aborted, or the same error class and message), the same released blocks (both pools equal),
-and every request's state (``TokenTable.state()``'s shape) and the fast table's recounted views (``check_views``).
-Then every refusal of a commit reached on purpose from one crafted plan (``COMPACT_CASES``, ``RELEASE_CASES``), and
+every request's state (``TokenTable.state()``'s shape), the fast table's recounted views (``check_views``) and the
+manager's counts (``ReclaimStats``: plans made, packs, NoPlans by reason, commits, aborts by reason, moves committed
+and dropped, blocks released, ...).
+Then every refusal of a commit reached on purpose from one crafted plan (``COMPACT_CASES``, ``RELEASE_CASES``,
+``DENSIFY_CASES``), and
 one place where the core's commit stops half-way and the kernel does not (a move's offset outside its block:
 ``test_a_move_offset_outside_its_block_is_refused_before_anything_changes``). The planted-bug tests at the end patch
-one kernel each (and one the round's tie order) and show the machine catches it.
+one kernel each (and one the round's tie order) and show the machine catches it: among them a pack that breaks
+logical order, a densify commit that leaves the cursor where it was, and a stale densify plan committed.
 
 Deterministic: the machine runs derandomized (Hypothesis' seed is fixed by the test's name).
 """
@@ -38,13 +47,14 @@ pytest.importorskip("numba")
 from vtoken.core.block_pool import BlockPool, Purpose  # noqa: E402
 from vtoken.core.compact import choose_ranked, compact_plan  # noqa: E402
 from vtoken.core.errors import InvariantViolation, VTokenError  # noqa: E402
-from vtoken.core.plan import Plan  # noqa: E402
+from vtoken.core.plan import Plan, PlanKind  # noqa: E402
 from vtoken.core.reclamation import ReclaimConfig, ReclamationManager  # noqa: E402
 from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore  # noqa: E402
 from vtoken.core.token_table import TokenTable  # noqa: E402
 from vtoken.integration.fastpath import gather_kernels as G  # noqa: E402
 from vtoken.integration.fastpath.gather import ABORTED, COMMITTED, FastGather  # noqa: E402
-from vtoken.integration.fastpath.layout import M_LAYOUT_VERSION, M_NBLOCKS, M_WRITE_POS  # noqa: E402
+from vtoken.integration.fastpath.layout import (M_LAYOUT_VERSION, M_NBLOCKS, M_RUN_POS, M_TOTAL_LEN,  # noqa: E402
+                                                M_WRITE_POS)
 from vtoken.integration.fastpath.table import FastTable  # noqa: E402
 
 NUM_BLOCKS, S, ROWS, TOKENS = 40, 4, 5, 48
@@ -67,8 +77,11 @@ def same_plan(got, want) -> None:
 
 
 THEN = ("settle", "settle", "tamper", "wait")
-TAMPERS = ("stale", "src_offset", "drop_move", "dup_dst", "dst_is_source", "reversed_sources", "token_out_of_range",
-           "dst_of_another", "move_twice", "dst_past_cursor", "dst_in_own_block", "release_a_live_block")
+# NOTE: "stale" twice: a densify plan goes stale two ways (its layout version, or its length: an append)
+TAMPERS = ("stale", "stale", "src_offset", "drop_move", "dup_dst", "dst_is_source", "reversed_sources",
+           "token_out_of_range", "dst_of_another", "move_twice", "dst_past_cursor", "dst_in_own_block",
+           "release_a_live_block", "cursor", "swap_dsts")
+TARGETS = ("any", "any", "plan", "pack")  # which request an append or an eviction goes to (``Lockstep.busy``)
 
 
 class Lockstep(RuleBasedStateMachine):
@@ -86,6 +99,7 @@ class Lockstep(RuleBasedStateMachine):
         self.gather = FastGather(self.fast, BlockPool(NUM_BLOCKS, S, headroom), config)
         self.next_id = 0
         self.iteration = 0
+        self.holes: dict = {}  # request -> (layout version, positions evicted since it became that version)
         for _ in range(data.draw(st.integers(1, 3), label="requests")):  # a few requests, holey: material to compact
             self.admit()
             r = self.next_id - 1
@@ -96,7 +110,9 @@ class Lockstep(RuleBasedStateMachine):
             assert self.fast.sync_new_tokens(r, new, total) == self.core.sync_new_tokens(r, new, total)
             if total:
                 ids = data.draw(st.sets(st.integers(0, total - 1), max_size=total), label="evicted")
-                assert self.fast.evict_tokens(r, sorted(ids)) == self.core.evict_tokens(r, sorted(ids))
+                positions = self.core.evict_tokens(r, sorted(ids))
+                assert self.fast.evict_tokens(r, sorted(ids)) == positions
+                self.evicted(r, positions)
 
     # ---- helpers ---------------------------------------------------------------------------------------------
     def pick(self, data, among=None):
@@ -105,6 +121,24 @@ class Lockstep(RuleBasedStateMachine):
 
     def idle(self) -> list:
         return [r for r in self.core.request_ids() if r not in self.mgr.inflight]
+
+    def evicted(self, r, positions: list[int]) -> None:
+        """Remember where the request's evictions were since its last layout change: all of them still holes (only a
+        move fills a hole, and a move changes the layout version)."""
+        version = self.core.layout_version(r)
+        before = self.holes.get(r)
+        self.holes[r] = (version, (before[1] if before and before[0] == version else []) + list(positions))
+
+    def evicted_positions(self, data, ids) -> dict:
+        """The step's evicted positions for some of ``ids``: where their evictions since the last layout change were
+        (every hole made since, so that a request dense before them plans in O(evicted)), or their last part."""
+        out = {}
+        for r in ids:
+            version, positions = self.holes.get(r, (None, []))
+            if version == self.core.layout_version(r) and data.draw(st.integers(0, 3), label="positions given"):
+                out[r] = positions[-data.draw(st.integers(1, max(1, len(positions))), label="last"):] \
+                    if positions and not data.draw(st.integers(0, 3), label="all") else list(positions)
+        return out
 
     def allocate(self, n: int) -> list[int] | None:
         if not self.cpool.can_allocate(n, Purpose.ADMISSION):
@@ -122,9 +156,21 @@ class Lockstep(RuleBasedStateMachine):
         self.core.add_request(r)
         self.fast.add_request(r)
 
-    @rule(data=st.data(), n=st.integers(0, 3 * S), ahead=st.integers(0, 1))
-    def sync(self, data, n, ahead):
-        r = self.pick(data)
+    def busy(self, target: str, among=None) -> list | None:
+        """The requests (of ``among``, default all) with a plan in flight (``goes_to`` "plan") or a pack in flight
+        ("pack"), if there are any; else None (any request)."""
+        ids = self.core.request_ids() if among is None else among
+        busy = [r for r in ids if r in self.mgr.inflight and (
+            target == "plan" or target == "pack" and self.mgr.inflight[r].plan.kind is PlanKind.DENSIFY)]
+        return busy or None
+
+    @rule(data=st.data(), n=st.integers(0, 3 * S), ahead=st.integers(0, 1), goes_to=st.sampled_from(TARGETS))
+    def sync(self, data, n, ahead, goes_to):
+        """Tokens appended (and blocks, ``ahead``: one more than they need); ``goes_to``: to a request with a plan (a
+        pack) in flight if there is one (a pack goes stale)."""
+        r = self.pick(data, self.busy(goes_to))
+        if r in self.mgr.inflight and n:
+            event(f"appended while a {self.mgr.inflight[r].plan.kind.value} plan is in flight")
         total = self.core.total_len(r) + n
         nb = self.core.num_blocks_of(r)
         need = max(-(-(self.core.write_pos(r) + n) // S) - nb, 0) + ahead
@@ -144,6 +190,14 @@ class Lockstep(RuleBasedStateMachine):
             return
         holder = self.pick(data, holders)
         k = data.draw(st.integers(1, min(3, self.core.write_pos(holder) // S)), label="shared blocks")
+        rec = self.mgr.inflight.get(holder)
+        if rec is not None and rec.plan.kind is PlanKind.DENSIFY and (
+                rec.plan.dense_write_pos < k * S or set(self.core.block_ids(holder)[:k]) & (
+                    set(rec.plan.src_blocks) | {b for m in rec.plan.moves for b in (m.src_block, m.dst_block)})):
+            # NOTE: the runtime's admit refuses this share (PlanConflictError): the pack in flight writes a hole of a
+            # prefix block, which the new request's tokens fill, and the commit is refused (an InvariantViolation)
+            event("share refused: a pack in flight writes the prefix")
+            return
         fresh = self.allocate(-(-extra // S))
         if fresh is None:
             return
@@ -170,17 +224,21 @@ class Lockstep(RuleBasedStateMachine):
             self.cpool.cache(b)
             self.gather.pool.cache(b)
 
-    @rule(data=st.data())
-    def evict(self, data):
+    @rule(data=st.data(), goes_to=st.sampled_from(TARGETS))
+    def evict(self, data, goes_to):
+        """Some live tokens of a request die (``goes_to``: of one with a plan, or a pack, in flight if there is one)."""
         live = [r for r in self.core.request_ids() if self.core.num_live(r)]
+        live = self.busy(goes_to, live) or live
         if not live:
             return
         r = self.pick(data, live)
         ids = data.draw(st.lists(st.sampled_from(self.core.live_token_ids(r)), min_size=1, max_size=3 * S,
                                  unique=True), label="victims")
-        assert self.fast.evict_tokens(r, ids) == self.core.evict_tokens(r, ids)
+        positions = self.core.evict_tokens(r, ids)
+        assert self.fast.evict_tokens(r, ids) == positions
+        self.evicted(r, positions)
         if r in self.mgr.inflight:
-            event("evicted while a plan is in flight")
+            event(f"evicted while a {self.mgr.inflight[r].plan.kind.value} plan is in flight")
 
     @precondition(lambda self: len(self.core.request_ids()) > 2)
     @rule(data=st.data())
@@ -238,6 +296,53 @@ class Lockstep(RuleBasedStateMachine):
         if want and then == "settle":
             self.settle()
 
+    @rule(data=st.data(), forced=st.booleans(), then=st.sampled_from(THEN))
+    def pack_round(self, data, forced, then):
+        """The pressure round (``plan_round(pack=True)``): when the trigger says so, or forced as the runtime's
+        pressure forces a round whatever F says (``pressure_rounds``, counted on both sides as the runtime counts
+        it). Most excess, then most holes before the cursor first; compact with cached blocks too, else densify in
+        place with the step's evicted positions; the same plans in the same order. ``then``: settled, one of its
+        plans tampered with, or left in flight."""
+        due = self.trigger()
+        if not due and not forced:
+            return
+        self.mgr.stats.pressure_rounds += not due
+        self.gather.stats.pressure_rounds += not due
+        ids = data.draw(st.permutations(self.core.request_ids()), label="order")
+        evicted = self.evicted_positions(data, ids)
+        want = [rec.plan for rec in self.mgr.plan_round(ids, pack=True, evicted_positions=evicted)]
+        got = self.gather.plan_round(ids, pack=True, evicted_positions=evicted)
+        assert len(got) == len(want) and self.gather.burst == self.mgr.burst
+        for g, w in zip(got, want):
+            same_plan(g, w)
+        packs = sum(p.kind is PlanKind.DENSIFY for p in want)
+        event(f"pack round: {len(want)} plan(s), {packs} pack(s)")
+        if want and then == "settle":
+            self.settle()
+        elif want and then == "tamper":
+            r = data.draw(st.sampled_from([p.req_id for p in want]), label="tampered")
+            self.tampered_commit(data, data.draw(st.sampled_from(TAMPERS), label="tamper"), r)
+
+    @rule(data=st.data(), then=st.sampled_from(THEN))
+    def plan_pack(self, data, then):
+        """``plan_pack`` of one request (densify in place, recorded in flight), with the step's evicted positions or
+        without: the same plan or NoPlan (reason and detail: ALREADY_DENSE, SHARED_BLOCK naming every shared block
+        it would touch)."""
+        if not self.idle():
+            return
+        r = self.pick(data, self.idle())
+        positions = self.evicted_positions(data, [r]).get(r)
+        c = self.core
+        tail = positions is not None and len(positions) == c.write_pos(r) - c.num_live(r) \
+            and c.append_run_start(r) <= c.num_live(r)  # the core plans from them alone (``_densify_tail``)
+        want = self.mgr.plan_pack(r, positions)
+        got = self.gather.plan_pack(r, positions)
+        same_plan(got, want.plan if want else want)
+        event(f"pack: {want.reason.name if not want else 'planned'}"
+              f"{'' if positions is None else ' (the O(evicted) search)' if tail else ' (evicted positions given)'}")
+        if want:
+            self.then(data, r, then)
+
     def then(self, data, r, then: str) -> None:
         if then == "settle":
             self.settle()
@@ -281,16 +386,21 @@ class Lockstep(RuleBasedStateMachine):
     def settle(self):
         """The manager's launch and settle: every plan in flight commits (its copy is done), in order."""
         self.mgr.launch()
-        want = [(rec.plan.req_id, rec.state.value) for rec in self.mgr.settle()]
-        assert self.gather.settle() == want
-        if want:
-            event(f"settled {len(want)}")
+        kinds = {r: rec.plan.kind.value for r, rec in self.mgr.inflight.items()}
+        dropped = self.mgr.stats.moves_dropped
+        want = outcome(lambda: [(rec.plan.req_id, rec.state.value) for rec in self.mgr.settle()])
+        assert outcome(self.gather.settle) == want
+        for r, state in want:
+            event(f"settled a {kinds[r]} plan: {state}")
+        if self.mgr.stats.moves_dropped > dropped:
+            event("settled with moves dropped (tokens evicted in flight)")
 
-    @rule(data=st.data(), kind=st.sampled_from(TAMPERS))
-    def tampered_commit(self, data, kind, r=None):
-        """A plan in flight committed after one field was changed: the same commit, abort or refusal (class and
-        message) on both sides; a refused plan is put back as it was."""
-        ids = sorted(self.mgr.inflight)
+    @rule(data=st.data(), kind=st.sampled_from(TAMPERS), goes_to=st.sampled_from(TARGETS))
+    def tampered_commit(self, data, kind, r=None, goes_to="plan"):
+        """A plan in flight (``goes_to`` "pack": a densify plan, if one is in flight) committed after one field was
+        changed: the same commit, abort or refusal (class and message) on both sides; a refused plan is put back as
+        it was."""
+        ids = self.busy("pack" if goes_to == "pack" else "plan")
         if not ids:
             return
         r = self.pick(data, ids) if r is None else r
@@ -306,14 +416,22 @@ class Lockstep(RuleBasedStateMachine):
         assert want != ABORTED or rec.abort_reason == STALE_REASON
         if r in self.mgr.inflight:
             rec.plan, self.gather.inflight[r] = original, theirs
-        event(f"tampered {kind}: {want if isinstance(want, str) else want[0].__name__}")
+        event(f"tampered {bad.kind.value} {kind}: {want if isinstance(want, str) else want[0].__name__}")
 
     def tamper(self, data, plan: Plan, kind: str) -> Plan | None:
         moves, r = list(plan.moves), plan.req_id
         blocks = self.core.block_ids(r)
         change = dataclasses.replace
+        dense = plan.kind is PlanKind.DENSIFY
         if kind == "stale":
-            return change(plan, version=(plan.version[0] + data.draw(st.sampled_from([-1, 1])), plan.version[1]))
+            step = data.draw(st.sampled_from([-1, 1]))
+            if dense and data.draw(st.booleans(), label="appended"):  # densify is stale once the request appends
+                return change(plan, version=(plan.version[0], plan.version[1] + step))
+            return change(plan, version=(plan.version[0] + step, plan.version[1]))
+        if kind == "cursor":  # densify's cursor after commit (= n_live when planned)
+            if not dense:
+                return None
+            return change(plan, dense_write_pos=plan.dense_write_pos + data.draw(st.sampled_from([-S, -1, 1, S])))
         if kind == "release_a_live_block":
             live = [b for b in blocks if self.core.block_live_counts(r)[b] and b not in plan.src_blocks]
             if not live:
@@ -335,6 +453,11 @@ class Lockstep(RuleBasedStateMachine):
                 return None
             k = data.draw(st.integers(0, len(moves) - 1).filter(lambda k: k != j), label="other")
             moves[k] = moves[k]._replace(dst_block=m.dst_block, dst_offset=m.dst_offset)
+        elif kind == "dst_is_source" and dense:  # into a block it releases
+            if not plan.src_blocks:
+                return None
+            moves[j] = m._replace(dst_block=data.draw(st.sampled_from(plan.src_blocks)),
+                                  dst_offset=data.draw(st.integers(0, S - 1)))
         elif kind == "dst_is_source":
             src = data.draw(st.sampled_from(plan.src_blocks))
             moves = [x._replace(dst_block=src) if x.dst_block == m.dst_block else x for x in moves]
@@ -354,6 +477,13 @@ class Lockstep(RuleBasedStateMachine):
                           dst_blocks=tuple(b if d == m.dst_block else d for d in plan.dst_blocks))
         elif kind == "move_twice":
             moves.append(m._replace(dst_offset=(m.dst_offset + 1) % S))
+        elif kind == "swap_dsts":  # the tokens land out of logical order: no check refuses it
+            if len(moves) < 2:
+                return None
+            k = data.draw(st.integers(0, len(moves) - 1).filter(lambda k: k != j), label="other")
+            a, b = moves[j], moves[k]
+            moves[j] = a._replace(dst_block=b.dst_block, dst_offset=b.dst_offset)
+            moves[k] = b._replace(dst_block=a.dst_block, dst_offset=a.dst_offset)
         elif kind == "dst_past_cursor":
             pos = self.core.write_pos(r)
             if pos // S >= len(blocks):
@@ -404,6 +534,7 @@ class Lockstep(RuleBasedStateMachine):
         assert list(self.gather.inflight) == list(self.mgr.inflight)
         for r, rec in self.mgr.inflight.items():
             assert self.gather.inflight[r] == rec.plan
+        assert self.gather.stats == self.mgr.stats, (self.gather.stats, self.mgr.stats)
         self.fast.check_views()
 
 
@@ -443,6 +574,11 @@ class Sides:
         assert want and got == want.plan
         return want.plan
 
+    def pack(self, r, evicted=None) -> Plan:
+        want, got = self.mgr.plan_pack(r, evicted), self.gather.plan_pack(r, evicted)
+        assert want and got == want.plan and tuple(got.moves) == tuple(want.plan.moves)
+        return want.plan
+
     def commit(self, r, plan: Plan):
         """Both sides commit ``plan`` in place of the request's plan in flight; equal answers, equal states."""
         rec = self.mgr.inflight[r]
@@ -451,6 +587,7 @@ class Sides:
         got = outcome(lambda: self.gather.commit(r))
         assert got == want
         assert self.fast.state() == self.core.state() and self.gather.pool.snapshot() == self.cpool.snapshot()
+        assert self.gather.stats == self.mgr.stats
         self.fast.check_views()
         return want
 
@@ -566,6 +703,129 @@ def test_a_changed_release_plan_commits_as_the_cores(case):
     assert (expected in got[1]) if isinstance(got, tuple) else got == expected, got
 
 
+def _densify_case():
+    """Request 0: 14 tokens in blocks [0, 3] and block 4 ahead, tokens 1, 2, 5 evicted (n_live 11, cursor 14);
+    request 1 lists blocks 5-6. The pack moves 11 (block 2, offset 3), 12 and 13 (block 3) into the holes 1, 2, 5 and
+    releases block 3: its list becomes [0, 1, 2, 4], its cursor 11."""
+    sides = Sides()
+    sides.request(0, 14, ahead=1, evicted=[1, 2, 5])
+    sides.request(1, 8)
+    plan = sides.pack(0)
+    assert plan.kind is PlanKind.DENSIFY and plan.src_blocks == (3,) and plan.dense_write_pos == 11
+    assert [tuple(m) for m in plan.moves] == [(11, 2, 3, 0, 1), (12, 3, 0, 0, 2), (13, 3, 1, 1, 1)]
+    return sides, plan
+
+
+DENSIFY_CASES = {  # a change of the plan -> what the core answers (a fragment of it) [, tokens evicted in flight]
+    "as planned": (lambda p: p, COMMITTED),
+    "stale": (lambda p: _change(p, version=(p.version[0] + 1, p.version[1])), ABORTED),
+    "appended": (lambda p: _change(p, version=(p.version[0], p.version[1] - 1)), ABORTED),
+    "token out of range": (lambda p: _change(p, moves=_moves(p, 1, token_id=14)), "outside its synced tokens"),
+    "a mismatched source": (lambda p: _change(p, moves=_moves(p, 0, src_offset=2)), "reads a slot token 11"),
+    "into another's block": (lambda p: _change(p, moves=_moves(p, 0, dst_block=5)),
+                             "writes outside the block list or at or after its cursor 14"),
+    "past the cursor": (lambda p: _change(p, moves=_moves(p, 0, dst_block=3, dst_offset=2)), "its cursor 14"),
+    "into the block ahead": (lambda p: _change(p, moves=_moves(p, 0, dst_block=4, dst_offset=0)), "its cursor 14"),
+    "a slot written twice": (lambda p: _change(p, moves=_moves(p, 2, dst_block=0, dst_offset=1)),
+                             "writes slot 1, which is claimed"),
+    "a live slot written": (lambda p: _change(p, moves=_moves(p, 0, dst_offset=0)), "writes slot 0, which is claimed"),
+    "a token moved twice": (lambda p: _change(p, moves=p.moves + (p.moves[0]._replace(dst_block=3, dst_offset=1),)),
+                            "a token moves twice"),
+    "a source left live": (lambda p: _change(p, moves=p.moves[::2]),
+                           "block 3 holds live tokens but would leave block list [0, 1, 2, 4]"),
+    "a source written": (lambda p: _change(p, moves=_moves(p, 0, dst_block=3, dst_offset=0)),
+                         "block 3 holds live tokens but would leave"),
+    "a token left at the cursor": (lambda p: _change(p, moves=p.moves[1:]),
+                                   "block 2 would hold live tokens at or after cursor 11"),
+    "the cursor one lower": (lambda p: _change(p, dense_write_pos=10),
+                             "block 2 would hold live tokens at or after cursor 10"),
+    "the cursor a block lower": (lambda p: _change(p, dense_write_pos=7),
+                                 "its sources [3] are not blocks [2, 3) of the list"),
+    "the cursor a block higher": (lambda p: _change(p, dense_write_pos=15),
+                                  "its sources [3] are not blocks [4, 5) of the list"),
+    "the cursor outside": (lambda p: _change(p, dense_write_pos=17), "cursor 17 outside its 4 blocks"),
+    "a negative cursor": (lambda p: _change(p, dense_write_pos=-1), "cursor -1 outside its 4 blocks"),
+    "sources not the tail": (lambda p: _change(p, src_blocks=(2,)), "its sources [2] are not blocks [3, 4)"),
+    "the empty block ahead released too": (lambda p: _change(p, src_blocks=(3, 4)), COMMITTED),
+    "a block past the tail released": (lambda p: _change(p, src_blocks=(4,)), "its sources [4] are not blocks [3, 4)"),
+    "out of logical order": (lambda p: _change(p, moves=tuple(m._replace(dst_block=d.dst_block, dst_offset=d.dst_offset)
+                                                              for m, d in zip(p.moves, p.moves[::-1]))), COMMITTED),
+    "a mover evicted in flight": (lambda p: p, COMMITTED, [12]),
+    "every mover evicted in flight": (lambda p: p, COMMITTED, [11, 12, 13]),
+    "into the hole of a token evicted in flight": (lambda p: _change(p, moves=_moves(p, 2, dst_block=1, dst_offset=0)),
+                                                   COMMITTED, [4]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DENSIFY_CASES))
+def test_a_changed_densify_plan_commits_as_the_cores(case):
+    """Each of ``_check_densify_commit``'s refusals (and the abort of a stale pack) reached on purpose, from the
+    pressure round's densify plan in flight changed in one field: the fast side answers with the core's outcome,
+    error class and message, and a refusal changes nothing on either side (the counts included)."""
+    sides, plan = _densify_case()
+    change, expected, *evicted = DENSIFY_CASES[case]
+    if evicted:
+        sides.evict(0, evicted[0])
+    before = sides.fast.state()
+    got = sides.commit(0, change(plan))
+    if isinstance(got, tuple):
+        assert expected in got[1], got
+        assert sides.fast.state() == before
+    else:
+        assert got == expected, got
+    if case == "as planned":
+        assert sides.core.block_ids(0) == [0, 1, 2, 4] and sides.core.write_pos(0) == 11
+        assert sides.cpool.ref_count(3) == 0 and sides.gather.stats.blocks_released == 1
+    if case == "every mover evicted in flight":
+        assert sides.gather.stats.moves_dropped == 3 and sides.core.write_pos(0) == 11
+
+
+def test_a_pack_goes_stale_when_the_request_appends():
+    """Tokens appended while the pack is in flight: the plan is stale (it would leave them past the cursor), aborted
+    on both sides, nothing written; the pack after moves the new tokens too (13 live: no block to release)."""
+    sides, plan = _densify_case()
+    total = sides.core.total_len(0) + 2
+    assert sides.fast.sync_new_tokens(0, [], total) == sides.core.sync_new_tokens(0, [], total)
+    assert sides.commit(0, plan) == ABORTED
+    assert sides.gather.stats.plans_aborted == {"layout changed since the snapshot (I4)": 1}
+    again = sides.pack(0)
+    assert again.version == (plan.version[0], 16) and again.src_blocks == () and again.dense_write_pos == 13
+    assert [m.token_id for m in again.moves] == [13, 14, 15]
+    assert sides.commit(0, again) == COMMITTED and sides.core.write_pos(0) == 13
+
+
+def test_a_pack_whose_released_block_lost_its_reference_is_refused():
+    """The tail block freed behind the table's back while the pack is in flight: the last check of
+    ``_check_densify_commit`` (the pool's references, read between the kernel's check and its commit) refuses it,
+    nothing changed."""
+    sides, plan = _densify_case()
+    sides.cpool.free([3])
+    sides.gather.pool.free([3])
+    before = sides.fast.state()
+    got = sides.commit(0, plan)
+    assert got[0] is InvariantViolation and "block 3 would be freed with 0 reference(s)" in got[1], got
+    assert sides.fast.state() == before
+
+
+def test_a_pack_with_the_steps_evicted_positions_is_the_full_search():
+    """A request dense before this step's evictions: the pack reads its holes from the evicted positions
+    (``_densify_tail``, O(evicted); the core's V3 compares it with the full search) and plans the same moves; a
+    shared block it would touch is named in the NoPlan, as the core names it."""
+    sides = Sides()
+    sides.request(0, 13)
+    positions = sides.core.evict_tokens(0, [2, 6])
+    assert sides.fast.evict_tokens(0, [2, 6]) == positions == [2, 6]
+    plan = sides.pack(0, positions)
+    assert [tuple(m) for m in plan.moves] == [(11, 2, 3, 0, 2), (12, 3, 0, 1, 2)] and plan.src_blocks == (3,)
+    assert sides.commit(0, plan) == COMMITTED
+    sides.cpool.share(1)
+    sides.gather.pool.share(1)
+    positions = sides.core.evict_tokens(0, [5])
+    assert sides.fast.evict_tokens(0, [5]) == positions
+    want, got = sides.mgr.plan_pack(0, positions), sides.gather.plan_pack(0, positions)
+    assert not want and (got.reason, got.detail) == (want.reason, want.detail) == (want.reason, "request 0: blocks [1]")
+
+
 @pytest.mark.parametrize("field", ["src", "dst"])
 def test_a_move_offset_outside_its_block_is_refused_before_anything_changes(field):
     """A move naming offset S + 3 of block b - 1 for slot (b, 3) (source), or offset 5 of a destination: both refuse
@@ -662,13 +922,48 @@ def _stale_plan_committed(real):
     return commit_compact
 
 
+def _movers_out_of_order(real):
+    """densify_plan: the movers fill the holes in reverse logical order (the pack breaks the order of the tokens)."""
+    def densify_plan(*args):
+        code, m, b = real(*args)
+        moves = args[16]
+        if code == G.PLANNED and m > 1:
+            moves[:m, 3:] = moves[:m, 3:][::-1].copy()
+        return code, m, b
+    return densify_plan
+
+
+def _cursor_left_behind(real):
+    """commit_densify: the cursor stays where it was (the tail is released, the cursor not rewound to n_live)."""
+    def commit_densify(*args):
+        meta, row = args[4], args[13]
+        pos = meta[row, M_WRITE_POS]
+        code, m, k = real(*args)
+        if code == G.OK and args[19]:
+            meta[row, M_WRITE_POS] = meta[row, M_RUN_POS] = min(pos, meta[row, M_NBLOCKS] * S)
+        return code, m, k
+    return commit_densify
+
+
+def _stale_pack_committed(real):
+    """commit_densify: the plan's (version, total_len) is not compared with the row's (a stale pack commits)."""
+    def commit_densify(*args):
+        args = list(args)
+        args[14], args[15] = args[4][args[13], M_LAYOUT_VERSION], args[4][args[13], M_TOTAL_LEN]
+        return real(*args)
+    return commit_densify
+
+
 PLANTED = {"candidate_above_the_cutoff": ("compact_candidates", _candidate_above_the_cutoff),
            "pops_the_emptiest": ("compact_gate", _pops_the_emptiest),
            "destination_is_a_source": ("compact_fill", _destination_is_a_source),
            "drops_the_last_token": ("compact_fill", _drops_the_last_token),
            "releases_a_live_block": ("dead_blocks", _releases_a_live_block),
            "count_stale_after_a_move": ("commit_compact", _count_stale_after_a_move),
-           "stale_plan_committed": ("commit_compact", _stale_plan_committed)}
+           "stale_plan_committed": ("commit_compact", _stale_plan_committed),
+           "movers_out_of_order": ("densify_plan", _movers_out_of_order),
+           "cursor_left_behind": ("commit_densify", _cursor_left_behind),
+           "stale_pack_committed": ("commit_densify", _stale_pack_committed)}
 
 
 @pytest.mark.parametrize("bug", sorted(PLANTED))
@@ -683,10 +978,12 @@ def test_a_planted_kernel_bug_is_caught(monkeypatch, bug):
 
 
 def test_a_round_that_breaks_ties_against_the_given_order_is_caught(monkeypatch):
-    """Planted in the round (Python, not a kernel): requests of equal excess planned in reverse order, so with
-    ``max_plans_per_round`` reached or one plan's destinations taking another's budget the plans differ."""
+    """Planted in the round (Python, not a kernel): requests of equal excess (packing: and equal holes) planned in
+    reverse order, so with ``max_plans_per_round`` reached, one plan's destinations taking another's budget, or two
+    plans made, the plans differ."""
     real = FastGather.plan_round
-    monkeypatch.setattr(FastGather, "plan_round", lambda self, req_ids: real(self, list(req_ids)[::-1]))
+    monkeypatch.setattr(FastGather, "plan_round",
+                        lambda self, req_ids, *args, **kwargs: real(self, list(req_ids)[::-1], *args, **kwargs))
     with pytest.raises(AssertionError):
         run_state_machine_as_test(Lockstep, settings=settings(max_examples=300, stateful_step_count=60, deadline=None,
                                                                derandomize=True, phases=(Phase.generate,),

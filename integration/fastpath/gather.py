@@ -8,48 +8,60 @@ a ``Plan``, a ``NoPlan`` with its reason and detail, a commit, an abort (a stale
 core's error with its message. ``tests/test_fastpath_gather.py`` drives both with the same random operations and
 compares every answer and the whole state after each.
 
-Also the manager's trigger (``should_reclaim``, with its burst tracking) and its round without packing
-(``plan_round``: the order, ``max_plans_per_round``). Not yet here (part 2 of #46): the pressure round's pack (a
-densify plan committed later, which needs densify's plan and commit as two kernels), copies through an engine, and a
-runtime that calls these per step.
+Also the manager's trigger (``should_reclaim``, with its burst tracking) and its round (``plan_round``: the order,
+``max_plans_per_round``), with the pressure round's pack (``pack=True``: a request compact cannot shrink, or with
+holes before its cursor and no excess block, is densified in place: ``plan_pack``, a DENSIFY plan made by
+``densify_plan`` and committed later by ``commit_densify``, or aborted when the request appended since). The
+manager's counts (``ReclaimStats``) are kept as its are. Not yet here: copies through an engine (a plan's copy is done
+when it commits, as with the core's in-memory engine), and a runtime that calls these per step.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections import Counter
+from typing import Mapping
 
 import numpy as np
 
 from vtoken.core.block_pool import BlockPool, Purpose
+from vtoken.core.checks import as_list, check_mapping, is_known_key
 from vtoken.core.compact import SourceChoice
-from vtoken.core.errors import (BlockListTooShortError, BlockNotOwnedError, DestinationError, InvariantViolation,
-                                PlanConflictError, TokenOutOfRangeError)
+from vtoken.core.errors import (BlockListTooShortError, BlockNotOwnedError, ConfigError, DestinationError,
+                                DuplicateRequestError, InvalidArgumentError, InvariantViolation, PlanConflictError,
+                                TokenOutOfRangeError, UnknownRequestError)
 from vtoken.core.plan import NoPlan, NoPlanReason, Plan, PlanKind
 from vtoken.core.reclamation import ReclaimConfig, ReclaimStats
 from vtoken.core.token_table import Move
 
 from . import gather_kernels as K
-from .layout import M_LAYOUT_VERSION, M_NBLOCKS, M_NUM_LIVE, M_TOTAL_LEN, P_LIVE_SLOTS
+from .layout import M_LAYOUT_VERSION, M_NBLOCKS, M_NUM_LIVE, M_TOTAL_LEN, M_WRITE_POS, NO_POS, P_LIVE_SLOTS
 from .moves import MoveArray
 from .table import FastTable
 
 COMMITTED, ABORTED = "committed", "aborted"
+STALE_REASON = "layout changed since the snapshot (I4)"  # the manager's abort reasons (``stats.plans_aborted``)
+LEFT_REASON = "request left while its plan was in flight"
 
 
 class FastGather:
-    """``ReclamationManager``'s compact and release plans and their commit, for a ``FastTable`` (through its layout's
-    arrays and ``gather_kernels``) and a pool of its own. Each kernel's answer becomes the core's: a ``Plan`` or a
-    ``NoPlan`` with the core's reason and detail, a commit, an abort (a stale plan: every destination freed), or the
-    core's error with its message. Plans in flight are kept by request, in the order made (the manager's)."""
+    """``ReclamationManager``'s compact, release and pack (densify) plans and their commit, for a ``FastTable``
+    (through its layout's arrays and ``gather_kernels``) and a pool of its own. Each kernel's answer becomes the
+    core's: a ``Plan`` or a ``NoPlan`` with the core's reason and detail, a commit, an abort (a stale plan: every
+    destination freed), or the core's error with its message. Plans in flight are kept by request, in the order made
+    (the manager's); ``stats`` counts what the manager's does (``pressure_rounds`` is the runtime's, left to it).
+    The gather path's planner is compact: a config naming another is refused."""
 
     def __init__(self, fast: FastTable, pool: BlockPool, config: ReclaimConfig | None = None) -> None:
         self.fast, self.pool, self.S = fast, pool, fast.block_size
         self.config = config or ReclaimConfig()
+        if self.config.planner is not PlanKind.COMPACT:
+            raise ConfigError(f"FastGather plans for the gather path: its planner is compact, got "
+                              f"{self.config.planner.value!r}")
         self.inflight: dict[object, Plan] = {}
         self.burst = False  # the adaptive trigger's state, as the manager's (``should_reclaim``)
         self._f_prev: float | None = None
-        self.stats = ReclaimStats()  # rounds, bursts and burst rounds only, so far
+        self.stats = ReclaimStats()
 
     # -- the pool's per-block flags (``_movable``, ``_private``) and Stage 2's budget --
     def movable(self, pack: bool) -> np.ndarray:
@@ -58,6 +70,10 @@ class FastGather:
         if not pack:
             flags[list(cached)] = False
         return flags.astype(np.uint8)
+
+    def shared(self) -> np.ndarray:
+        """The manager's ``_shared_blocks`` as a per-block flag: another reference (the pool's count > 1)."""
+        return (np.asarray(self.pool.snapshot()[0], np.int64) > 1).astype(np.uint8)
 
     def destination_budget(self) -> int:
         free, H = self.pool.num_free, self.pool.headroom
@@ -97,22 +113,44 @@ class FastGather:
             self.stats.burst_rounds += 1
         return on_cadence or self.burst
 
-    def plan_round(self, req_ids: list) -> list[Plan]:
-        """``ReclamationManager.plan_round`` without packing: the requests without a plan in flight, most excess
-        blocks (over ceil(live / S)) first, ties in the given order, each planned by ``plan_compact`` at the
-        config's ``max_sources``, at most ``max_plans_per_round`` plans; the first request with no excess ends the
-        round (sorted: none after it has any). Returns the new plans. The excesses are read off the layout for all
-        the requests at once."""
+    def plan_round(self, req_ids: list, pack: bool = False,
+                   evicted_positions: Mapping[object, list[int]] | None = None) -> list[Plan]:
+        """``ReclamationManager.plan_round``: the requests without a plan in flight, most excess blocks (over
+        ceil(live / S)) first, then (``pack``) most holes before the cursor, ties in the given order; each with excess
+        planned by ``plan_compact`` at the config's ``max_sources`` (``pack``: prefix-cached blocks too), and, packing,
+        densified in place (``plan_pack``, with its ``evicted_positions`` if the mapping has it) when that made no
+        plan or it had no excess; at most ``max_plans_per_round`` plans. The first request with no excess (packing:
+        and no hole) ends the round (sorted: none after it has any). Returns the new plans. ``req_ids`` must be known
+        requests, each once (else the manager's UnknownRequestError / DuplicateRequestError, nothing changed). The
+        excesses and holes are read off the layout for all the requests at once."""
+        req_ids = as_list("plan_round: request ids", req_ids, InvalidArgumentError)
+        seen: set[object] = set()
+        for r in req_ids:
+            if r not in self.fast:
+                raise UnknownRequestError(f"plan_round: unknown request {r!r}")
+            if r in seen:
+                raise DuplicateRequestError(f"plan_round: request {r!r} listed twice")
+            seen.add(r)
+        evicted_positions = {} if evicted_positions is None else check_mapping("evicted_positions", evicted_positions)
         self.stats.rounds += 1
         idle = [r for r in req_ids if r not in self.inflight]
-        meta = self.fast.layout.meta[self.fast.rows_of(idle)] if idle else None
         made: list[Plan] = []
         if idle:
-            excess = meta[:, M_NBLOCKS] - -(-meta[:, M_NUM_LIVE] // self.S)
-            for k in np.argsort(-excess, kind="stable").tolist():  # NOTE: stable: ties keep the given order
-                if len(made) >= self.config.max_plans_per_round or excess[k] <= 0:
+            meta = self.fast.layout.meta[self.fast.rows_of(idle)]
+            live = meta[:, M_NUM_LIVE]
+            excess = meta[:, M_NBLOCKS] - -(-live // self.S)
+            gap = meta[:, M_WRITE_POS] - live if pack else np.zeros_like(live)
+            # NOTE: lexsort is stable: ties keep the given order (the manager's sorted)
+            for k in np.lexsort((-gap, -excess)).tolist():
+                if len(made) >= self.config.max_plans_per_round:
                     break
-                plan = self.plan_compact(idle[k], self.config.max_sources, False)
+                if excess[k] <= 0 and not gap[k] > 0:
+                    break
+                r = idle[k]
+                plan = self.plan_compact(r, self.config.max_sources, pack) if excess[k] > 0 else None
+                if pack and not plan:
+                    plan = self.plan_pack(r, evicted_positions.get(r) if is_known_key(evicted_positions, r)
+                                          else None)
                 if plan:
                     made.append(plan)
         if self.burst and not made and not self.inflight:
@@ -166,15 +204,59 @@ class FastGather:
         self._check_plannable(req_id)
         choice = self.choose(req_id, max_sources, pack, self.destination_budget())
         if not choice:
-            return choice
+            return self._record(req_id, choice)
         dsts = self.pool.allocate(choice.num_dst, Purpose.EVACUATION)
         try:
             plan = self.fill(req_id, choice, dsts)
         except BaseException:
             self.pool.free(dsts)
             raise
+        return self._record(req_id, plan)
+
+    def plan_pack(self, req_id, evicted_positions: list[int] | None = None) -> Plan | NoPlan:
+        """``ReclamationManager.plan_pack``: densify the request in place, whatever the configured planner (the
+        pressure round's packing), recorded in flight and committed later (``commit``), or aborted if the request
+        appends meanwhile. ``evicted_positions``: where this step's evictions were (the holes found among them when
+        they are all of them). Counts ``stats.packs_made``."""
+        self._check_plannable(req_id)
+        plan = self.plan_densify(req_id, evicted_positions)
+        self._record(req_id, plan)
+        self.stats.packs_made += bool(plan)
+        return plan
+
+    def plan_densify(self, req_id, evicted_positions: list[int] | None = None) -> Plan | NoPlan:
+        """``plan_densify`` of the request (the manager's ``_plan_densify``: the same plan whichever search finds the
+        holes) as a ``Plan`` or the ``NoPlan``, through ``densify_plan``; records nothing."""
+        row, lay = self.fast._row(req_id), self.fast.layout
+        meta = lay.meta[row]
+        n, pos, nb = int(meta[M_NUM_LIVE]), int(meta[M_WRITE_POS]), int(meta[M_NBLOCKS])
+        evicted = np.asarray(list(evicted_positions) if evicted_positions is not None else [], np.int64)
+        moves, released, shared = np.empty((pos - n, 5), np.int64), np.empty(nb + 1, np.int64), np.empty(nb + 1,
+                                                                                                        np.int64)
+        code, a, b = K.densify_plan(*self.fast._L, row, evicted, self.shared(), moves, released, shared)
+        if code == K.DENSE_MISMATCH:
+            raise InvariantViolation("I7", f"request {req_id!r}: {a} live tokens at or above n_live {n}, {b} holes "
+                                           f"below it")
+        if code == K.ALREADY_DENSE:
+            return NoPlan(NoPlanReason.ALREADY_DENSE, f"request {req_id!r}")
+        if code == K.SHARED_BLOCK:
+            return NoPlan(NoPlanReason.SHARED_BLOCK, f"request {req_id!r}: blocks {shared[:a].tolist()}")
+        assert code == K.PLANNED, code
+        version = (int(meta[M_LAYOUT_VERSION]), int(meta[M_TOTAL_LEN]))
+        return Plan(PlanKind.DENSIFY, req_id, version, MoveArray(array("q", moves[:a].tobytes())),
+                    tuple(released[:b].tolist()), (), n)
+
+    def _record(self, req_id, plan: Plan | NoPlan) -> Plan | NoPlan:
+        """The manager's ``_record``: a NoPlan counted by reason, a plan put in flight and counted."""
+        if not plan:
+            self.stats.no_plan[plan.reason] += 1
+            return plan
         self.inflight[req_id] = plan
-        if self._f_prev is not None:  # the manager's ``_record``: a plan's own destinations are no burst
+        if plan.kind is PlanKind.RELEASE:
+            self.stats.releases_made += 1
+            return plan
+        self.stats.plans_made += 1
+        if self._f_prev is not None:  # a plan's own destinations are no burst
             self._f_prev = self.waste_ratio()
         return plan
 
@@ -189,9 +271,7 @@ class FastGather:
         if not n:
             return NoPlan(NoPlanReason.NO_CANDIDATES, f"request {req_id!r}: no wholly dead private block")
         version = (int(lay.meta[row, M_LAYOUT_VERSION]), int(lay.meta[row, M_TOTAL_LEN]))
-        plan = Plan(PlanKind.RELEASE, req_id, version, (), tuple(out[:n].tolist()))
-        self.inflight[req_id] = plan
-        return plan
+        return self._record(req_id, Plan(PlanKind.RELEASE, req_id, version, (), tuple(out[:n].tolist())))
 
     def _check_plannable(self, req_id) -> None:
         self.fast.num_live(req_id)
@@ -208,14 +288,14 @@ class FastGather:
         error, nothing changed."""
         plan, row = self.inflight[req_id], self.fast._row(req_id)
         moves = np.asarray([tuple(m) for m in plan.moves], np.int64).reshape(-1, 5)
+        if plan.kind is PlanKind.DENSIFY:
+            return self._commit_densify(req_id, row, plan, moves)
         src, dst = np.asarray(plan.src_blocks, np.int64), np.asarray(plan.dst_blocks, np.int64)
         out = np.empty(len(src) + len(dst), np.int64)
         args = (*self.fast._L, row, plan.version[0], src, dst, moves)
         code, a, b = K.commit_compact(*args, False, out)
         if code == K.STALE:
-            self.pool.free(plan.dst_blocks)
-            del self.inflight[req_id]
-            return ABORTED
+            return self._abort(req_id, plan)
         if code != K.OK:
             self._refuse(code, a, b, req_id, row, plan)
         to_free = out[:a].tolist()
@@ -223,15 +303,66 @@ class FastGather:
             if self.pool.ref_count(blk) < k:
                 self._fail(req_id, f"block {blk} would be freed {k} time(s) with {self.pool.ref_count(blk)} "
                                    f"reference(s)")
-        code, a, b = K.commit_compact(*args, True, out)
+        kept = self._kept(row, moves)
+        code, a, d = K.commit_compact(*args, True, out)
         assert code == K.OK, code
         self.pool.free(to_free)
         del self.inflight[req_id]
+        st = self.stats
+        if plan.kind is PlanKind.RELEASE:
+            st.releases_committed += 1
+        else:
+            st.plans_committed += 1
+        st.moves_dropped += len(moves) - kept
+        st.moves_committed += kept
+        st.blocks_released += len(plan.src_blocks) - d
         return COMMITTED
+
+    def _commit_densify(self, req_id, row: int, plan: Plan, moves: np.ndarray) -> str:
+        """The manager's ``_commit`` of a DENSIFY plan (``_commit_densify``): aborted when stale (the layout changed,
+        or the request appended), else the moves whose token died dropped, every check, then the commit."""
+        src = np.asarray(plan.src_blocks, np.int64)
+        cursor = plan.dense_write_pos
+        out = np.empty(len(src) + 1, np.int64)
+        args = (*self.fast._L, row, plan.version[0], plan.version[1], src, moves, cursor)
+        code, a, b = K.commit_densify(*args, False, out)
+        if code in (K.STALE, K.APPENDED):
+            return self._abort(req_id, plan)
+        if code != K.OK:
+            self._refuse_densify(code, a, b, req_id, plan)
+        for blk in plan.src_blocks:
+            if self.pool.ref_count(blk) < 1:
+                self._fail(req_id, f"block {blk} would be freed with {self.pool.ref_count(blk)} reference(s)",
+                           "densify")
+        code, kept, k = K.commit_densify(*args, True, out)
+        assert code == K.OK, code
+        self.pool.free(list(plan.src_blocks))
+        del self.inflight[req_id]
+        st = self.stats
+        st.moves_dropped += len(moves) - kept
+        st.plans_committed += 1
+        st.moves_committed += kept
+        st.blocks_released += k
+        return COMMITTED
+
+    def _kept(self, row: int, moves: np.ndarray) -> int:
+        """How many of the moves' tokens are live (the rest are dropped at commit)."""
+        if not len(moves):
+            return 0
+        return int((self.fast.layout.tok_pos[row, moves[:, 0]] != NO_POS).sum())
+
+    def _abort(self, req_id, plan: Plan, reason: str = STALE_REASON) -> str:
+        """The manager's ``_abort`` of a plan that launched nothing or whose copy is done: its destinations freed."""
+        self.pool.free(plan.dst_blocks)
+        del self.inflight[req_id]
+        self.stats.plans_aborted[reason] += 1
+        return ABORTED
 
     def on_request_removed(self, req_id, blocks: list[int]) -> None:
         """The manager's, for a copy already settled (the in-memory engine completes copies when submitted)."""
         plan = self.inflight.pop(req_id, None)
+        if plan is not None:
+            self.stats.plans_aborted[LEFT_REASON] += 1
         self.pool.free(blocks + (list(plan.dst_blocks) if plan else []))
 
     def remove_blocks(self, req_id, indices: list[int], write_pos: int) -> list[int]:
@@ -255,9 +386,35 @@ class FastGather:
 
     # -- the core's refusals, with its messages --
     @staticmethod
-    def _fail(req_id, message: str) -> None:
-        raise InvariantViolation("I4", f"request {req_id!r}: committing its compact plan would break the table: "
+    def _fail(req_id, message: str, kind: str = "compact") -> None:
+        """The manager's commit checks' refusal (a release plan's reads "compact", as the manager's does)."""
+        raise InvariantViolation("I4", f"request {req_id!r}: committing its {kind} plan would break the table: "
                                        f"{message}; nothing was changed")
+
+    def _refuse_densify(self, code: int, a: int, b: int, req_id, plan: Plan) -> None:
+        """``commit_densify``'s refusal as ``_check_densify_commit``'s (or ``slots_of``'s) error."""
+        if code == K.TOKEN_OUT_OF_RANGE:
+            raise TokenOutOfRangeError(f"request {req_id!r}: token {a!r} outside its synced tokens [0, {b})")
+        moves = [Move(*map(int, m)) for m in plan.moves]
+
+        def without_sources() -> list[int]:  # the list once the tail [ceil(cursor / S), + sources) is spliced out
+            blocks, at = self.fast.block_ids(req_id), -(-plan.dense_write_pos // self.S)
+            return blocks[:at] + blocks[at + len(plan.src_blocks):]
+
+        message = {
+            K.MOVE_SOURCE_MISMATCH: lambda: f"move {moves[a]} reads a slot token {moves[a].token_id} does not hold",
+            K.MOVE_OUTSIDE: lambda: f"move {moves[a]} writes outside the block list or at or after its cursor {b}",
+            K.MOVE_CLAIMED: lambda: f"move {moves[a]} writes slot {b}, which is claimed",
+            K.MOVED_TWICE: lambda: "a token moves twice",
+            K.CURSOR_OUTSIDE: lambda: f"cursor {a!r} outside its {b} blocks",
+            K.SOURCES_NOT_TAIL: lambda: f"its sources {list(plan.src_blocks)} are not blocks [{a}, {a + b}) of the "
+                                        f"list",
+            K.SOURCE_LIVE: lambda: f"block {a} holds live tokens but would leave block list {without_sources()}",
+            K.LIVE_AFTER_CURSOR: lambda: f"block {a} would hold live tokens at or after cursor {b}",
+        }.get(code)
+        if message is None:
+            raise InvariantViolation("V6", f"request {req_id!r}: a gather kernel answered code {code} ({a}, {b})")
+        self._fail(req_id, message(), "densify")
 
     def _refuse(self, code: int, a: int, b: int, req_id, row: int, plan: Plan) -> None:
         if code == K.TOKEN_OUT_OF_RANGE:

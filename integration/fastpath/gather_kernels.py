@@ -12,6 +12,11 @@ The core's pieces, one kernel each (``L`` is ``FastLayout.arrays()``, as in ``ke
                        destinations before the first source), ``apply_moves`` and ``remove_blocks`` (the sources)
   dead_blocks          ``TokenTable.dead_blocks``: what ``plan_release`` (Naive-Evict) releases
   remove_blocks        ``TokenTable.remove_blocks``
+  densify_plan         ``densify.plan_densify`` (or ``plan_densify_tail``, the same plan) without its commit: the
+                       pressure round's pack (``ReclamationManager.plan_pack``), made now and committed later
+  commit_densify       ``ReclamationManager._commit`` of that DENSIFY plan: the staleness test (the layout version and
+                       the total length: an append since planning), the moves whose token died dropped,
+                       ``_check_densify_commit``'s checks, then ``apply_moves`` and the tail's ``splice``
 
 The dense path never shifts a block before the cursor, so ``kernels`` keeps a live token's position (index in the
 block list x S + offset) fixed unless the token moves. Compaction does shift them: the destinations join before the
@@ -30,11 +35,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .kernels import OK, OVER_BLOCKS, PLANNED, TOKEN_OUT_OF_RANGE, _claim, _listed_by, _release
-from .layout import M_LAYOUT_VERSION, M_NBLOCKS, M_RUN_POS, M_RUN_TOKEN, M_TOTAL_LEN, M_WRITE_POS, NO_POS, P_EPOCH
+from .kernels import (ALREADY_DENSE, DENSE_MISMATCH, OK, OVER_BLOCKS, PLANNED, SHARED_BLOCK, TOKEN_OUT_OF_RANGE,
+                      _claim, _listed_by, _release)
+from .layout import (M_LAYOUT_VERSION, M_NBLOCKS, M_NUM_LIVE, M_RUN_POS, M_RUN_TOKEN, M_TOTAL_LEN, M_WRITE_POS, NO_POS,
+                     P_EPOCH)
 
-# NOTE: OK, PLANNED, TOKEN_OUT_OF_RANGE and OVER_BLOCKS are kernels' codes, imported here so that a caller reads
-# every code of these kernels from this module
+# NOTE: OK, PLANNED, ALREADY_DENSE, SHARED_BLOCK, DENSE_MISMATCH, TOKEN_OUT_OF_RANGE and OVER_BLOCKS are kernels' codes,
+# imported here so that a caller reads every code of these kernels from this module
 # ---- the gate's answers (not errors: the core's NoPlan reasons) ---------------------------------------------------
 NO_CANDIDATES = 110  # NoPlanReason.NO_CANDIDATES
 NOT_ENOUGH_HEADROOM = 111  # a: the budget                               NoPlanReason.NOT_ENOUGH_HEADROOM
@@ -55,6 +62,10 @@ SOURCE_LIVE = 129  # a: the block that would leave with live tokens
 LIVE_AFTER_CURSOR = 130  # a: the block, b: the cursor
 # ---- remove_blocks' own refusal (its others: CURSOR_OUTSIDE, SOURCE_LIVE, LIVE_AFTER_CURSOR) ---------------------
 BAD_INDICES = 131  # the indices are not ascending, distinct indices of the list     BlockListTooShortError
+# ---- commit_densify's own answers (its others: STALE, TOKEN_OUT_OF_RANGE, MOVE_*, MOVED_TWICE, CURSOR_OUTSIDE,
+# SOURCE_LIVE, LIVE_AFTER_CURSOR, as commit_compact's) ------------------------------------------------------------
+APPENDED = 132  # a: the row's total_len, b: the plan's                 abort "layout changed since the snapshot"
+SOURCES_NOT_TAIL = 133  # a: ceil(cursor / S), b: sources     its sources are not blocks [a, a + b) of the list
 
 
 # ---- compact's planner --------------------------------------------------------------------------------------------
@@ -511,6 +522,242 @@ def commit_compact(tok_pos, pos_token, blocks, counts, meta, holders, block_live
     meta[row, M_RUN_TOKEN] = total
     return OK, w, d
 
+# ---- densify's plan and its deferred commit: the pressure round's pack ------------------------------------------
+# NOTE: ``kernels.densify`` plans and commits in one call (the dense path's), its planning inline; sharing it would
+# mean editing kernels.py, so ``densify_plan`` repeats its search (the movers at [n_live, cursor), the holes among the
+# step's evicted positions or by a scan below n_live) and differs in what it writes: ``Move``'s five fields, and every
+# shared block touched (the core's NoPlan names them all), from the pool's references (``shared``: the core's
+# ``_shared_blocks``) where ``kernels.densify`` reads the listings
+@njit(cache=True, nogil=True)
+def densify_plan(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                 live_bits, word_live, group_live, row, evicted, shared, out_moves, out_released, out_shared):
+    """``plan_densify`` of the row, committing nothing: the live tokens at positions [n_live, cursor), in logical
+    order, into the holes below n_live, ascending (``out_moves[j]``: ``Move``'s five fields); the blocks
+    [ceil(n_live / S), ceil(cursor / S)) of the list are released at commit (``out_released``) and the cursor becomes
+    n_live. ``evicted``: where the step's evictions were; when they are every dead position before the cursor
+    (cursor - n_live distinct holes) the holes are read from them, O(evicted) (``plan_densify_tail``'s search, the same
+    plan), else by a scan below n_live. ``shared[b] != 0``: block b has another reference (the pool's count > 1): no
+    such block may hold a hole or a mover, be released, or hold position n_live inside it (the cursor's block).
+    ``out_moves`` holds cursor - n_live rows, ``out_released`` and ``out_shared`` the row's blocks. Changes nothing.
+    Returns (PLANNED, moves, released), (ALREADY_DENSE, 0, 0), (SHARED_BLOCK, blocks, first) with the shared blocks
+    touched ascending in ``out_shared``, or (DENSE_MISMATCH, movers, holes): a table bug (I7)."""
+    S = holders.shape[0] // block_live.shape[0]
+    n, pos, nb = meta[row, M_NUM_LIVE], meta[row, M_WRITE_POS], meta[row, M_NBLOCKS]
+    if pos == n:  # no dead position before the cursor (live tokens lie at distinct positions below it, T2)
+        return ALREADY_DENSE, 0, 0
+    movers = np.empty(pos - n, np.int64)  # live tokens at positions [n, pos)
+    m = 0
+    for p in range(n, pos):
+        if pos_token[row, p] != NO_POS:
+            movers[m] = pos_token[row, p]
+            m += 1
+    movers = np.sort(movers[:m])
+    holes = np.empty(m, np.int64)
+    h = 0
+    cand = np.sort(evicted)
+    given = cand.shape[0] == pos - n  # the step's evictions, if they are every dead position before the cursor
+    for j in range(cand.shape[0]):
+        if cand[j] < 0 or cand[j] >= pos or pos_token[row, cand[j]] != NO_POS or j and cand[j] == cand[j - 1]:
+            given = False
+            break
+    if given:
+        for j in range(cand.shape[0]):
+            if cand[j] < n:
+                if h == m:
+                    return DENSE_MISMATCH, m, h + 1
+                holes[h] = cand[j]
+                h += 1
+    else:
+        for p in range(n):
+            if pos_token[row, p] == NO_POS:
+                if h == m:
+                    return DENSE_MISMATCH, m, h + 1
+                holes[h] = p
+                h += 1
+    if h != m:
+        return DENSE_MISMATCH, m, h
+    keep, written = -(-n // S), -(-pos // S)
+    # every block the plan touches: the holes', the movers', the released, the new cursor's (its tail is rewritten)
+    touched = np.empty(2 * m + written - keep + 1, np.int64)
+    c = 0
+    for j in range(m):
+        touched[c] = blocks[row, holes[j] // S]
+        touched[c + 1] = blocks[row, tok_pos[row, movers[j]] // S]
+        c += 2
+    for i in range(keep, written):
+        touched[c] = blocks[row, i]
+        c += 1
+    if n % S and n // S < nb:
+        touched[c] = blocks[row, n // S]
+        c += 1
+    k = 0
+    for j in range(c):
+        if shared[touched[j]]:
+            touched[k] = touched[j]
+            k += 1
+    if k:
+        both = np.sort(touched[:k])
+        w = 0
+        for j in range(k):
+            if j == 0 or both[j] != both[j - 1]:
+                out_shared[w] = both[j]
+                w += 1
+        return SHARED_BLOCK, w, out_shared[0]
+    for j in range(m):
+        t, q, p = movers[j], tok_pos[row, movers[j]], holes[j]
+        out_moves[j, 0] = t
+        out_moves[j, 1] = blocks[row, q // S]
+        out_moves[j, 2] = q % S
+        out_moves[j, 3] = blocks[row, p // S]
+        out_moves[j, 4] = p % S
+    for i in range(keep, written):
+        out_released[i - keep] = blocks[row, i]
+    return PLANNED, m, written - keep
+
+
+@njit(cache=True, nogil=True)
+def _live_after(pos_token, seen, epoch, landing, row, p):
+    """Whether position p of the row holds a live token once the checked moves are made: a token there that does not
+    move (a moving token's ``seen`` is ``epoch``), or a move landing there (``landing``: their positions, sorted)."""
+    t = pos_token[row, p]
+    if t != NO_POS and seen[t] != epoch:
+        return True
+    q = np.searchsorted(landing, p)
+    return q < landing.shape[0] and landing[q] == p
+
+
+@njit(cache=True, nogil=True)
+def commit_densify(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                   live_bits, word_live, group_live, row, version, total_len, src_blocks, moves, cursor, apply,
+                   out_released):
+    """``ReclamationManager._commit`` of a DENSIFY plan planned at (``version``, ``total_len``) with its ``moves``
+    (m x 5 ``Move`` fields), released blocks ``src_blocks`` and cursor ``cursor`` (its ``dense_write_pos``): refused
+    as STALE when the row's layout version moved, APPENDED when its total length did (``is_stale``: the core aborts;
+    nothing is written but holes); the moves whose token died since planning are dropped; then
+    ``_check_densify_commit``'s checks in its order: each kept move reads its token's slot, writes a slot of the list
+    below the row's cursor, unclaimed once the moves' sources are vacated, no token twice; the cursor within the list
+    less the sources; the sources are blocks [ceil(cursor / S), + sources) of the list; once the moves are made they
+    hold no live token and no block from the cursor's on holds one at or after it (``check_splice``). With ``apply``:
+    the moves (``apply_moves``), the sources spliced out (``splice``), the cursor set, the layout version counting
+    each of the two calls that changes something as the core's do. The pool's references of the released blocks are
+    the caller's to check between a pass without ``apply`` and one with. ``out_released``: the sources. Returns (OK,
+    kept moves, released), or a code and nothing changed: (STALE, version now, plan's), (APPENDED, total_len now,
+    plan's), (TOKEN_OUT_OF_RANGE, token, total_len), (MOVE_SOURCE_MISMATCH, move, 0), (MOVE_OUTSIDE, move, cursor
+    now), (MOVE_CLAIMED, move, slot), (MOVED_TWICE, token, 0), (CURSOR_OUTSIDE, cursor, blocks it would have),
+    (SOURCES_NOT_TAIL, ceil(cursor / S), sources), (SOURCE_LIVE, block, 0), (LIVE_AFTER_CURSOR, block, cursor).
+    O(blocks + moves log moves + S x blocks from the cursor's on); the core's is O(moves + released blocks)."""
+    S = holders.shape[0] // block_live.shape[0]
+    if meta[row, M_LAYOUT_VERSION] != version:
+        return STALE, meta[row, M_LAYOUT_VERSION], version
+    total = meta[row, M_TOTAL_LEN]
+    if total != total_len:
+        return APPENDED, total, total_len
+    n = moves.shape[0]
+    for j in range(n):  # the core reads every move's slot first (``slots_of``): the first bad token is refused
+        if moves[j, 0] < 0 or moves[j, 0] >= total:
+            return TOKEN_OUT_OF_RANGE, moves[j, 0], total
+    keep = np.empty(n, np.int64)
+    m = 0
+    for j in range(n):
+        if tok_pos[row, moves[j, 0]] != NO_POS:  # evicted in flight: the move is dropped, the token stays dead
+            keep[m] = j
+            m += 1
+    keep = keep[:m]
+    nb, pos = meta[row, M_NBLOCKS], meta[row, M_WRITE_POS]
+    NB = listed.shape[0]
+    # -- the moves (``_check_commit_moves`` against the list as it is, below the row's cursor) --
+    pool[P_EPOCH] += 1
+    epoch = pool[P_EPOCH]
+    index = np.empty(NB, np.int64)  # each listed block's index (``index_in_list``), valid where seen is this epoch
+    for i in range(nb):
+        seen[blocks[row, i]] = epoch
+        index[blocks[row, i]] = i
+    src_slot = np.empty(m, np.int64)
+    dst_slot = np.empty(m, np.int64)
+    dst_idx = np.empty(m, np.int64)
+    for j in range(m):
+        mv = moves[keep[j]]
+        p = tok_pos[row, mv[0]]
+        src_slot[j] = blocks[row, p // S] * S + p % S
+        dst_slot[j] = mv[3] * S + mv[4]
+        b = mv[3]
+        dst_idx[j] = index[b] if 0 <= b < NB and seen[b] == epoch else -1
+    order = np.argsort(dst_slot, kind="mergesort")
+    first_dup = m
+    for j in range(1, m):
+        if dst_slot[order[j]] == dst_slot[order[j - 1]]:
+            first_dup = min(first_dup, order[j])  # stable: the later of two equal slots in the plan's order
+    landing = np.empty(m, np.int64)
+    for j in range(m):
+        mv = moves[keep[j]]
+        if not (0 <= mv[2] < S) or mv[1] * S + mv[2] != src_slot[j]:
+            return MOVE_SOURCE_MISMATCH, keep[j], 0
+        if dst_idx[j] < 0 or not (0 <= mv[4] < S) or dst_idx[j] * S + mv[4] >= pos:
+            return MOVE_OUTSIDE, keep[j], pos
+        if j == first_dup:
+            return MOVE_CLAIMED, keep[j], dst_slot[j]
+        landing[j] = dst_idx[j] * S + mv[4]
+    vacated = np.sort(src_slot)
+    for j in range(m):
+        v = dst_slot[j]
+        h = np.int64(holders[v])
+        q = np.searchsorted(vacated, v)
+        if q < m and vacated[q] == v:
+            h -= 1
+        if h:
+            return MOVE_CLAIMED, keep[j], v
+    pool[P_EPOCH] += 1
+    epoch = pool[P_EPOCH]
+    for j in range(m):  # NOTE: a token named twice reads one slot: the checks above passed both moves
+        t = moves[keep[j], 0]
+        if seen[t] == epoch:
+            return MOVED_TWICE, t, 0
+        seen[t] = epoch
+    # -- the splice of the tail: [at, at + k) leaves, the cursor becomes ``cursor`` (``check_splice``) --
+    k = src_blocks.shape[0]
+    length = nb - k
+    if cursor < 0 or cursor > length * S:
+        return CURSOR_OUTSIDE, cursor, length
+    at = -(-cursor // S)
+    for j in range(k):  # NOTE: at + j < nb: at <= length = nb - k (the cursor's check)
+        if blocks[row, at + j] != src_blocks[j]:
+            return SOURCES_NOT_TAIL, at, k
+    landing = np.sort(landing)
+    for j in range(k):
+        i = at + j
+        for o in range(S):
+            if _live_after(pos_token, seen, epoch, landing, row, i * S + o):
+                return SOURCE_LIVE, blocks[row, i], 0
+    for f in range(cursor // S, length):  # block f of the list after the splice: index f, or f + k past the sources
+        i = f if f < at else f + k
+        for o in range(max(0, cursor - f * S), S):
+            if _live_after(pos_token, seen, epoch, landing, row, i * S + o):
+                return LIVE_AFTER_CURSOR, blocks[row, i], cursor
+    for j in range(k):
+        out_released[j] = src_blocks[j]
+    if not apply:
+        return OK, m, k
+    # -- checked; mutate: the moves' sources vacated, their destinations claimed, the tail spliced out --
+    for j in range(m):
+        q = tok_pos[row, moves[keep[j], 0]]
+        pos_token[row, q] = NO_POS
+        counts[row, q // S] -= 1
+        _release(holders, block_live, pool, src_slot[j], S)
+    for j in range(m):
+        t, p = moves[keep[j], 0], dst_idx[j] * S + moves[keep[j], 4]
+        pos_token[row, p] = t
+        tok_pos[row, t] = p
+        counts[row, dst_idx[j]] += 1
+        _claim(holders, block_live, pool, dst_slot[j], S)
+    if k:
+        gone = np.arange(at, at + k).astype(np.int64)
+        _rewrite_list(tok_pos, pos_token, blocks, counts, listed, meta, row, at, gone[:0], gone, S)
+    meta[row, M_WRITE_POS] = cursor
+    meta[row, M_LAYOUT_VERSION] += (1 if m else 0) + 1  # apply_moves (when it moves) and the splice
+    meta[row, M_RUN_POS] = cursor
+    meta[row, M_RUN_TOKEN] = total
+    return OK, m, k
+
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) every kernel here on a tiny layout."""
@@ -532,3 +779,10 @@ def warm_up() -> None:
     assert commit_compact(*L, 0, 0, np.array([0, 1], np.int64), np.array([5], np.int64), moves, True, out)[0] == OK
     assert dead_blocks(*L, 0, movable, out[:0], False, out)[0] == OK
     assert remove_blocks(*L, 0, out[:0], lay.meta[0, 1], out)[0] == OK
+    assert K.evict(*L, 0, np.array([3], np.int64), out)[0] == OK  # token 3 left a hole below n_live
+    fields, shared = np.empty((12, 5), np.int64), np.zeros(8, np.uint8)
+    code, m, k = densify_plan(*L, 0, out[:0], shared, fields, out, out.copy())
+    assert code == PLANNED
+    meta = lay.meta[0]
+    assert commit_densify(*L, 0, meta[M_LAYOUT_VERSION], meta[M_TOTAL_LEN], out[:k].copy(), fields[:m].copy(),
+                          meta[M_NUM_LIVE], True, out)[0] == OK
