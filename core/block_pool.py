@@ -200,9 +200,7 @@ class BlockPool:
         drops = Counter(ids)
         for b, k in drops.items():
             if self._ref[b] < k:
-                raise DoubleFreeError(
-                    f"block {b} freed {k} time(s) but holds {self._ref[b]} reference(s)"
-                )
+                raise DoubleFreeError(f"block {b} freed {k} time(s) but holds {self._ref[b]} reference(s)")
         for b in ids:
             self._ref[b] -= 1
             if self._ref[b] == 0:

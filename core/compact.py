@@ -60,7 +60,5 @@ def compact_plan(req_id: object, version: tuple[int, int], block_size: int, choi
     if len(tokens) != choice.num_live:
         raise InvariantViolation("I4", f"request {req_id!r}: compact would move {len(tokens)} of "
                                        f"{choice.num_live} live tokens into {dsts}, which must be fresh blocks")
-    moves = tuple(
-        Move(t, s // S, s % S, dsts[i // S], i % S) for i, (t, s) in enumerate(tokens)
-    )
+    moves = tuple(Move(t, s // S, s % S, dsts[i // S], i % S) for i, (t, s) in enumerate(tokens))
     return Plan(PlanKind.COMPACT, req_id, version, moves, choice.src_blocks, dsts)

@@ -55,9 +55,7 @@ def plan_densify(snap: RequestSnapshot) -> Plan | NoPlan:
     shared = sorted(touched & snap.shared_blocks)
     if shared:
         return NoPlan(NoPlanReason.SHARED_BLOCK, f"request {snap.req_id!r}: blocks {shared}")
-    moves = tuple(
-        Move(t, s // S, s % S, snap.blocks[p // S], p % S) for (t, s), p in zip(movers, holes)
-    )
+    moves = tuple(Move(t, s // S, s % S, snap.blocks[p // S], p % S) for (t, s), p in zip(movers, holes))
     return Plan(PlanKind.DENSIFY, snap.req_id, snap.version, moves, src_blocks, (), n)
 
 

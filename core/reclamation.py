@@ -400,12 +400,10 @@ class ReclamationManager:
         hint planned moves onto live slots, and the copy overwrote live K/V before the commit could refuse."""
         t, S = self.table, self.pool.block_size
         n, pos = t.num_live(req_id), t.write_pos(req_id)
-        if pos - n != len(evicted_positions) or t.append_run_start(req_id) > n:
-            return None
         block = t.block_at  # what is read of the block list: O(evicted) entries
-        if not all(is_int(p) and 0 <= p < pos for p in evicted_positions) \
-                or len(set(evicted_positions)) != len(evicted_positions) \
-                or any(t.block_mask(req_id, block(req_id, p // S)) >> (p % S) & 1 for p in evicted_positions):
+        if pos - n != len(evicted_positions) or t.append_run_start(req_id) > n or not all(
+                is_int(p) and 0 <= p < pos and not t.block_mask(req_id, block(req_id, p // S)) >> (p % S) & 1
+                for p in evicted_positions) or len(set(evicted_positions)) != pos - n:
             return None
         movers = []
         for p in range(n, pos):

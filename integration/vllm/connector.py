@@ -304,9 +304,16 @@ class VTokenConnector(KVConnectorBase_V1):
             if unavailable() is None:
                 from vtoken.integration.fastpath.relocate import host_mover
                 mover = host_mover(cache)
-        self.engine = TorchCopyEngine(cache, Verifier(cache, VerifyConfig(
-            s.strict_verify, sample_every=s.sample_every, on_mismatch=s.on_mismatch,
-            evidence_dir=s.evidence_dir, seed=s.seed), rank=self.rank), mover=mover, triton=triton)
+        verifier = Verifier(cache, VerifyConfig(s.strict_verify, sample_every=s.sample_every, on_mismatch=s.on_mismatch,
+                                                evidence_dir=s.evidence_dir, seed=s.seed), rank=self.rank)
+        try:
+            self.engine = TorchCopyEngine(cache, verifier, mover=mover, triton=triton)
+        except Exception as e:  # NOTE: the kernels compile at their first launch, in the engine's warm-up
+            if not triton:
+                raise
+            logger.warning("vtoken: tokens move with torch's gather and scatter: the Triton kernels failed to "
+                           "build (%s: %s)", type(e).__name__, e)
+            self.engine = TorchCopyEngine(cache, verifier, mover=mover)
         self._layer_names = list(kv_caches)
 
     def bind_model_runner(self, runner) -> None:
