@@ -36,7 +36,7 @@ import numpy as np
 from numba import njit
 
 from .kernels import (ALREADY_DENSE, DENSE_MISMATCH, OK, OVER_BLOCKS, PLANNED, SHARED_BLOCK, TOKEN_OUT_OF_RANGE,
-                      _claim, _listed_by, _release)
+                      _claim, _listed_by, _movers_and_holes, _release)
 from .layout import (M_LAYOUT_VERSION, M_NBLOCKS, M_NUM_LIVE, M_RUN_POS, M_RUN_TOKEN, M_TOTAL_LEN, M_WRITE_POS, NO_POS,
                      P_EPOCH)
 
@@ -66,6 +66,30 @@ BAD_INDICES = 131  # the indices are not ascending, distinct indices of the list
 # SOURCE_LIVE, LIVE_AFTER_CURSOR, as commit_compact's) ------------------------------------------------------------
 APPENDED = 132  # a: the row's total_len, b: the plan's                 abort "layout changed since the snapshot"
 SOURCES_NOT_TAIL = 133  # a: ceil(cursor / S), b: sources     its sources are not blocks [a, a + b) of the list
+
+
+@njit(cache=True, nogil=True)
+def _claimed_or_moved_twice(holders, pool, seen, moves, keep, src_slot, dst_slot, m):
+    """The commits' last move checks (``_check_commit_moves``'): no destination holds a token that does not leave it
+    in this batch, and no token moves twice. ``keep``: the moves kept (their token live), ``src_slot``/``dst_slot``
+    theirs. Changes nothing but ``seen``. Returns (OK, 0, 0), (MOVE_CLAIMED, move, slot) or (MOVED_TWICE, token, 0)."""
+    vacated = np.sort(src_slot)
+    for j in range(m):
+        v = dst_slot[j]
+        h = np.int64(holders[v])
+        q = np.searchsorted(vacated, v)
+        if q < m and vacated[q] == v:
+            h -= 1
+        if h:
+            return MOVE_CLAIMED, keep[j], v
+    pool[P_EPOCH] += 1
+    epoch = pool[P_EPOCH]
+    for j in range(m):  # NOTE: a token named twice reads one slot: the checks above passed both moves
+        t = moves[keep[j], 0]
+        if seen[t] == epoch:
+            return MOVED_TWICE, t, 0
+        seen[t] = epoch
+    return OK, 0, 0
 
 
 # ---- compact's planner --------------------------------------------------------------------------------------------
@@ -392,22 +416,10 @@ def _check_compact_commit(tok_pos, pos_token, blocks, counts, meta, holders, lis
         if j == first_dup:
             return MOVE_CLAIMED, keep[j], dst_slot[j]
         dst_final[j] = at + jd if jd >= 0 else (-1 if _is_source(src_at, i) else _final_index(src_at, at, d, i))
-    vacated = np.sort(src_slot)
-    for j in range(m):
-        v = dst_slot[j]
-        h = np.int64(holders[v])
-        q = np.searchsorted(vacated, v)
-        if q < m and vacated[q] == v:
-            h -= 1
-        if h:
-            return MOVE_CLAIMED, keep[j], v
-    pool[P_EPOCH] += 1
-    epoch = pool[P_EPOCH]
-    for j in range(m):  # NOTE: a token named twice reads one slot: the checks above passed both moves
-        t = moves[keep[j], 0]
-        if seen[t] == epoch:
-            return MOVED_TWICE, t, 0
-        seen[t] = epoch
+    code, a, b = _claimed_or_moved_twice(holders, pool, seen, moves, keep, src_slot, dst_slot, m)
+    if code != OK:
+        return code, a, b
+    epoch = pool[P_EPOCH]  # NOTE: the moving tokens' mark in ``seen``, read below
     # -- the final layout: the cursor, the sources emptied, nothing live at or after the cursor --
     length = nb + d - k
     final_pos = pos + (d - k) * S
@@ -523,11 +535,10 @@ def commit_compact(tok_pos, pos_token, blocks, counts, meta, holders, block_live
     return OK, w, d
 
 # ---- densify's plan and its deferred commit: the pressure round's pack ------------------------------------------
-# NOTE: ``kernels.densify`` plans and commits in one call (the dense path's), its planning inline; sharing it would
-# mean editing kernels.py, so ``densify_plan`` repeats its search (the movers at [n_live, cursor), the holes among the
-# step's evicted positions or by a scan below n_live) and differs in what it writes: ``Move``'s five fields, and every
-# shared block touched (the core's NoPlan names them all), from the pool's references (``shared``: the core's
-# ``_shared_blocks``) where ``kernels.densify`` reads the listings
+# NOTE: ``kernels.densify`` plans and commits in one call (the dense path's); ``densify_plan`` shares its search
+# (``_movers_and_holes``) and differs in what it writes: ``Move``'s five fields, and every shared block touched (the
+# core's NoPlan names them all), from the pool's references (``shared``: the core's ``_shared_blocks``) where
+# ``kernels.densify`` reads the listings
 @njit(cache=True, nogil=True)
 def densify_plan(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
                  live_bits, word_live, group_live, row, evicted, shared, out_moves, out_released, out_shared):
@@ -545,35 +556,8 @@ def densify_plan(tok_pos, pos_token, blocks, counts, meta, holders, block_live, 
     n, pos, nb = meta[row, M_NUM_LIVE], meta[row, M_WRITE_POS], meta[row, M_NBLOCKS]
     if pos == n:  # no dead position before the cursor (live tokens lie at distinct positions below it, T2)
         return ALREADY_DENSE, 0, 0
-    movers = np.empty(pos - n, np.int64)  # live tokens at positions [n, pos)
-    m = 0
-    for p in range(n, pos):
-        if pos_token[row, p] != NO_POS:
-            movers[m] = pos_token[row, p]
-            m += 1
-    movers = np.sort(movers[:m])
-    holes = np.empty(m, np.int64)
-    h = 0
-    cand = np.sort(evicted)
-    given = cand.shape[0] == pos - n  # the step's evictions, if they are every dead position before the cursor
-    for j in range(cand.shape[0]):
-        if cand[j] < 0 or cand[j] >= pos or pos_token[row, cand[j]] != NO_POS or j and cand[j] == cand[j - 1]:
-            given = False
-            break
-    if given:
-        for j in range(cand.shape[0]):
-            if cand[j] < n:
-                if h == m:
-                    return DENSE_MISMATCH, m, h + 1
-                holes[h] = cand[j]
-                h += 1
-    else:
-        for p in range(n):
-            if pos_token[row, p] == NO_POS:
-                if h == m:
-                    return DENSE_MISMATCH, m, h + 1
-                holes[h] = p
-                h += 1
+    movers, holes, h = _movers_and_holes(pos_token, row, n, pos, evicted)
+    m = movers.shape[0]
     if h != m:
         return DENSE_MISMATCH, m, h
     keep, written = -(-n // S), -(-pos // S)
@@ -697,22 +681,10 @@ def commit_densify(tok_pos, pos_token, blocks, counts, meta, holders, block_live
         if j == first_dup:
             return MOVE_CLAIMED, keep[j], dst_slot[j]
         landing[j] = dst_idx[j] * S + mv[4]
-    vacated = np.sort(src_slot)
-    for j in range(m):
-        v = dst_slot[j]
-        h = np.int64(holders[v])
-        q = np.searchsorted(vacated, v)
-        if q < m and vacated[q] == v:
-            h -= 1
-        if h:
-            return MOVE_CLAIMED, keep[j], v
-    pool[P_EPOCH] += 1
-    epoch = pool[P_EPOCH]
-    for j in range(m):  # NOTE: a token named twice reads one slot: the checks above passed both moves
-        t = moves[keep[j], 0]
-        if seen[t] == epoch:
-            return MOVED_TWICE, t, 0
-        seen[t] = epoch
+    code, a, b = _claimed_or_moved_twice(holders, pool, seen, moves, keep, src_slot, dst_slot, m)
+    if code != OK:
+        return code, a, b
+    epoch = pool[P_EPOCH]  # NOTE: the moving tokens' mark in ``seen``, read below
     # -- the splice of the tail: [at, at + k) leaves, the cursor becomes ``cursor`` (``check_splice``) --
     k = src_blocks.shape[0]
     length = nb - k

@@ -427,19 +427,12 @@ def evict_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, l
 
 
 @njit(cache=True, nogil=True)
-def densify(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
-            live_bits, word_live, group_live,
-            row, evicted, out_moves, out_released):
-    """``plan_densify`` and its commit at once: the live tokens at positions >= n_live move, in logical order,
-    into the holes below n_live, ascending; the emptied tail blocks leave the list (into ``out_released``) and the
-    cursor becomes n_live. ``out_moves[m] = (token, source slot, destination slot)``. ``evicted``: this step's
-    evicted positions; when they are all the row's holes (cursor - n_live of them) the holes are found among
-    them, O(evicted), else by a scan below n_live. Returns (PLANNED, moves, released), (ALREADY_DENSE, 0, 0),
-    (SHARED_BLOCK, block, 0): nothing changed, or (DENSE_MISMATCH, movers, holes): a table bug (I7)."""
-    S = holders.shape[0] // block_live.shape[0]
-    n, pos, nb = meta[row, M_NUM_LIVE], meta[row, M_WRITE_POS], meta[row, M_NBLOCKS]
-    if pos == n:  # no dead position before the cursor: nothing moves (plan_densify's ALREADY_DENSE)
-        return ALREADY_DENSE, 0, 0
+def _movers_and_holes(pos_token, row, n, pos, evicted):
+    """Densify's search (``densify``, and the gather path's ``gather_kernels.densify_plan``): the live tokens at
+    positions [n, pos) in logical order (the movers), and the holes below n ascending, as many as movers; read from
+    ``evicted`` (the step's evicted positions) when they are every dead position before the cursor (pos - n distinct
+    dead positions: O(evicted)), else by a scan below n. Returns (movers, holes, h): h == len(movers) holes found,
+    or another count when the table is broken (I7; one more than the movers as soon as there are more)."""
     movers = np.empty(pos - n, np.int64)  # live tokens at positions [n, pos)
     m = 0
     for p in range(n, pos):
@@ -454,20 +447,40 @@ def densify(tok_pos, pos_token, blocks, counts, meta, holders, block_live, liste
     for j in range(cand.shape[0]):
         if cand[j] < 0 or cand[j] >= pos or pos_token[row, cand[j]] != NO_POS or j and cand[j] == cand[j - 1]:
             given = False
+            break
     if given:
         for j in range(cand.shape[0]):
             if cand[j] < n:
                 if h == m:
-                    return DENSE_MISMATCH, m, h + 1
+                    return movers, holes, m + 1
                 holes[h] = cand[j]
                 h += 1
     else:
         for p in range(n):
             if pos_token[row, p] == NO_POS:
                 if h == m:
-                    return DENSE_MISMATCH, m, h + 1
+                    return movers, holes, m + 1
                 holes[h] = p
                 h += 1
+    return movers, holes, h
+
+
+@njit(cache=True, nogil=True)
+def densify(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+            live_bits, word_live, group_live,
+            row, evicted, out_moves, out_released):
+    """``plan_densify`` and its commit at once: the live tokens at positions >= n_live move, in logical order,
+    into the holes below n_live, ascending; the emptied tail blocks leave the list (into ``out_released``) and the
+    cursor becomes n_live. ``out_moves[m] = (token, source slot, destination slot)``. ``evicted``: this step's
+    evicted positions; when they are all the row's holes (cursor - n_live of them) the holes are found among
+    them, O(evicted), else by a scan below n_live. Returns (PLANNED, moves, released), (ALREADY_DENSE, 0, 0),
+    (SHARED_BLOCK, block, 0): nothing changed, or (DENSE_MISMATCH, movers, holes): a table bug (I7)."""
+    S = holders.shape[0] // block_live.shape[0]
+    n, pos, nb = meta[row, M_NUM_LIVE], meta[row, M_WRITE_POS], meta[row, M_NBLOCKS]
+    if pos == n:  # no dead position before the cursor: nothing moves (plan_densify's ALREADY_DENSE)
+        return ALREADY_DENSE, 0, 0
+    movers, holes, h = _movers_and_holes(pos_token, row, n, pos, evicted)
+    m = movers.shape[0]
     if h != m:
         return DENSE_MISMATCH, m, h
     keep, written = -(-n // S), -(-pos // S)
