@@ -69,6 +69,24 @@ SOURCES_NOT_TAIL = 133  # a: ceil(cursor / S), b: sources     its sources are no
 
 
 @njit(cache=True, nogil=True)
+def _kept_moves(tok_pos, row, moves, total):
+    """The commits' first reads: every move's token in [0, ``total``) (the core reads every move's slot first,
+    ``slots_of``: the first bad token is refused), then the moves whose token is still live (one evicted in flight is
+    dropped, the token stays dead). Returns (OK, 0, the kept moves' indices) or (TOKEN_OUT_OF_RANGE, token, none)."""
+    n = moves.shape[0]
+    keep = np.empty(n, np.int64)
+    for j in range(n):
+        if moves[j, 0] < 0 or moves[j, 0] >= total:
+            return TOKEN_OUT_OF_RANGE, moves[j, 0], keep[:0]
+    m = 0
+    for j in range(n):
+        if tok_pos[row, moves[j, 0]] != NO_POS:
+            keep[m] = j
+            m += 1
+    return OK, 0, keep[:m]
+
+
+@njit(cache=True, nogil=True)
 def _claimed_or_moved_twice(holders, pool, seen, moves, keep, src_slot, dst_slot, m):
     """The commits' last move checks (``_check_commit_moves``'): no destination holds a token that does not leave it
     in this batch, and no token moves twice. ``keep``: the moves kept (their token live), ``src_slot``/``dst_slot``
@@ -468,17 +486,10 @@ def commit_compact(tok_pos, pos_token, blocks, counts, meta, holders, block_live
     if meta[row, M_LAYOUT_VERSION] != version:
         return STALE, meta[row, M_LAYOUT_VERSION], version
     total = meta[row, M_TOTAL_LEN]
-    n = moves.shape[0]
-    for j in range(n):  # the core reads every move's slot first (``slots_of``): the first bad token is refused
-        if moves[j, 0] < 0 or moves[j, 0] >= total:
-            return TOKEN_OUT_OF_RANGE, moves[j, 0], total
-    keep = np.empty(n, np.int64)
-    m = 0
-    for j in range(n):
-        if tok_pos[row, moves[j, 0]] != NO_POS:  # evicted in flight: the move is dropped, the token stays dead
-            keep[m] = j
-            m += 1
-    keep = keep[:m]
+    code, a, keep = _kept_moves(tok_pos, row, moves, total)
+    if code != OK:
+        return code, a, total
+    m = keep.shape[0]
     nd = dst_blocks.shape[0]
     kept = np.zeros(nd, np.bool_)
     d = 0
@@ -636,17 +647,10 @@ def commit_densify(tok_pos, pos_token, blocks, counts, meta, holders, block_live
     total = meta[row, M_TOTAL_LEN]
     if total != total_len:
         return APPENDED, total, total_len
-    n = moves.shape[0]
-    for j in range(n):  # the core reads every move's slot first (``slots_of``): the first bad token is refused
-        if moves[j, 0] < 0 or moves[j, 0] >= total:
-            return TOKEN_OUT_OF_RANGE, moves[j, 0], total
-    keep = np.empty(n, np.int64)
-    m = 0
-    for j in range(n):
-        if tok_pos[row, moves[j, 0]] != NO_POS:  # evicted in flight: the move is dropped, the token stays dead
-            keep[m] = j
-            m += 1
-    keep = keep[:m]
+    code, a, keep = _kept_moves(tok_pos, row, moves, total)
+    if code != OK:
+        return code, a, total
+    m = keep.shape[0]
     nb, pos = meta[row, M_NBLOCKS], meta[row, M_WRITE_POS]
     NB = listed.shape[0]
     # -- the moves (``_check_commit_moves`` against the list as it is, below the row's cursor) --
