@@ -31,7 +31,7 @@ from vtoken.core.errors import (BlockListTooShortError, BlockNotOwnedError, Conf
                                 DuplicateRequestError, InvalidArgumentError, InvariantViolation, PlanConflictError,
                                 TokenOutOfRangeError, UnknownRequestError)
 from vtoken.core.plan import NoPlan, NoPlanReason, Plan, PlanKind
-from vtoken.core.reclamation import ReclaimConfig, ReclaimStats
+from vtoken.core.reclamation import ReclaimConfig, ReclaimStats, ReclamationManager
 from vtoken.core.token_table import Move
 
 from . import gather_kernels as K
@@ -86,32 +86,10 @@ class FastGather:
         return 0.0 if not allocated else 1.0 - int(self.fast.layout.pool[P_LIVE_SLOTS]) / (allocated * self.S)
 
     # -- the trigger and the round --
-    def should_reclaim(self, iteration: int) -> bool:
-        """``ReclamationManager.should_reclaim``: every K-th iteration when F > theta_F (and free blocks at most the
-        low watermark); with ``burst_df``, also every iteration of a burst (F rose by burst_df in one iteration)
-        until F is back at theta_F. Call it once per iteration, as the manager's."""
-        c = self.config
-        if c.burst_df is None:
-            if iteration % c.check_every:
-                return False
-            if c.low_watermark is not None and self.pool.num_free > c.low_watermark:
-                return False
-            return self.waste_ratio() > c.theta_f
-        f = self.waste_ratio()
-        if self._f_prev is not None and f - self._f_prev >= c.burst_df and f > c.theta_f and not self.burst:
-            self.burst = True
-            self.stats.bursts += 1
-        self._f_prev = f
-        if self.burst and f <= c.theta_f:
-            self.burst = False
-        if c.low_watermark is not None and self.pool.num_free > c.low_watermark:
-            return False
-        if f <= c.theta_f:
-            return False
-        on_cadence = iteration % c.check_every == 0
-        if not on_cadence and self.burst:
-            self.stats.burst_rounds += 1
-        return on_cadence or self.burst
+    # NOTE: the manager's own trigger, not a second one: scalar Python once per step, with nothing to gain from a
+    # kernel, reading the attributes it reads there (config, pool, waste_ratio, burst, _f_prev, stats); the lockstep
+    # still compares F, the answer and the burst state, which this class computes on its own
+    should_reclaim = ReclamationManager.should_reclaim
 
     def plan_round(self, req_ids: list, pack: bool = False,
                    evicted_positions: Mapping[object, list[int]] | None = None) -> list[Plan]:
