@@ -92,7 +92,7 @@ def _count_code(block_size: int) -> str:
 
 
 _MAX_SLOTS = 2**31 - 1  # slots are stored as C ints
-_LOG_LIMIT = 4096  # evictions (and moves) ``take_changes`` lists one by one; beyond, it says "rebuilt"
+CHANGE_LOG_LIMIT = 4096  # evictions (and moves) ``take_changes`` lists one by one; beyond, it says "rebuilt"
 
 
 class Move(NamedTuple):
@@ -425,7 +425,7 @@ class TokenTable:
         r.num_live -= len(ids)
         if r.evicted is not None:
             r.evicted.extend(ids)
-            if len(r.evicted) > _LOG_LIMIT:
+            if len(r.evicted) > CHANGE_LOG_LIMIT:
                 r.evicted = None  # nobody is reading the log: bounded, the next take says "rebuilt"
         assert r.num_live >= 0
         return positions
@@ -512,7 +512,7 @@ class TokenTable:
             r.slots[m.token_id] = dst
         if r.moved is not None:
             r.moved.extend(ids)
-            if len(r.moved) > _LOG_LIMIT:
+            if len(r.moved) > CHANGE_LOG_LIMIT:
                 r.moved = None  # bounded, as the eviction log: the next take says "rebuilt"
         r.layout_version += 1
         r.run_pos, r.run_token = r.write_pos, r.total_len

@@ -26,8 +26,12 @@ VLLM_BUGS = ("cursor_block_keeps_hash", "moved_into_block_keeps_hash", "worker_i
              "worker_drops_read_evictions", "worker_ignores_read_moves", "worker_ranks_into_the_window",
              "gather_kernel_stops_a_key_early", "hash_at_list_index")  # vllm_episode.PLANTED
 FAST_BUGS = ("fast_counts_miss_a_move", "fast_draw_of_another_state", "fast_dropped_move",
-             "fast_live_bit_kept_on_eviction", "fast_plans_out_of_order", "fast_rank_off_by_one",
-             "fast_shared_block_densified", "fast_slot_off_by_one", "fast_tail_block_kept")  # fast_target.FAST_BUGS (numba: not imported to parse the options)
+             "fast_gather_candidate_above_the_cutoff", "fast_gather_count_stale_after_a_move",
+             "fast_gather_cursor_left_behind", "fast_gather_destination_is_a_source",
+             "fast_gather_drops_the_last_token", "fast_gather_movers_out_of_order", "fast_gather_moves_not_logged",
+             "fast_gather_pops_the_emptiest", "fast_gather_release_while_a_plan_is_in_flight",
+             "fast_gather_releases_a_live_block", "fast_live_bit_kept_on_eviction", "fast_plans_out_of_order",
+             "fast_rank_off_by_one", "fast_shared_block_densified", "fast_slot_off_by_one", "fast_tail_block_kept")  # fast_target.FAST_BUGS (numba: not imported to parse the options)
 
 if TYPE_CHECKING:
     from .campaign import CampaignConfig

@@ -1,13 +1,18 @@
 """``vtoken fuzz --target fast``: the fast path (``integration/fastpath``) against the core, step by step (V6).
 
 ``FastMachine`` plays the engine vLLM is: it allocates blocks from a pool, admits requests empty, gives some a
-prefix-cache hit (full blocks of a running request, or blocks an earlier request of the same step fills), syncs a
-step's tokens for a batch of requests in one call, evicts and reclaims for the decoding ones (StreamingLLM or Random,
-at a ratio or a count budget, a cadence of 1 or 3, or nothing evicted), and frees what a leaving request held. The
-runtime is a ``ShadowedRuntime``: the core's ``VTokenRuntime`` beside the fast one on a replay of the same pool,
-compared after every call (answers, plans in order, copies submitted, blocks freed, counters, the whole table
-state). After every rule the fast tables' maintained views are recounted (``FastTable.check_views``) and the pool
-must hold exactly what the tables list. Calls the core refuses must be refused alike and change nothing.
+prefix-cache hit (full blocks of a running request, or blocks an earlier request of the same step fills), marks
+full blocks prefix-cached, syncs a step's tokens for a batch of requests in one call, evicts and reclaims for the
+decoding ones (StreamingLLM or Random, at a ratio or a count budget, a cadence of 1 or 3, or nothing evicted) under
+the pressure the engine reports, and frees what a leaving request held. On the dense path the runtime densifies; on
+the gather path (issue #46) it compacts (at a drawn theta_f, sources per plan and headroom: the pressure round's
+pack included) or only releases wholly dead blocks (Naive-Evict), and each scheduled request's read-list change is
+taken every step and patched into a copy of its read list, as vLLM's workers keep one. The runtime is a
+``ShadowedRuntime``: the core's ``VTokenRuntime`` beside the fast one on a replay of the same pool, compared after
+every call (answers, plans in order, copies submitted, blocks freed and allocated, counters, read-list changes, the
+whole table state). After every rule the fast tables' maintained views are recounted (``FastTable.check_views``),
+the pool must hold exactly what the tables list, and each patched read list must be the table's. Calls the core
+refuses must be refused alike and change nothing.
 
 ``FAST_BUGS``: planted bugs in the kernels' answers and in the runtime, each caught by ``--self-test``.
 
@@ -23,10 +28,15 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from vtoken.core import errors as E
 from vtoken.core.block_pool import BlockPool, Purpose
+from vtoken.core.plan import PlanKind
 from vtoken.core.policies import RandomPolicy, StreamingLLM
+from vtoken.core.reclamation import Ordering, ReclaimConfig
+from vtoken.core.runtime import ReadPath
+from vtoken.integration.fastpath import gather_kernels as GK
+from vtoken.integration.fastpath import gather_runtime
 from vtoken.integration.fastpath import kernels as K
 from vtoken.integration.fastpath import runtime as fast_runtime
-from vtoken.integration.fastpath.layout import M_NBLOCKS
+from vtoken.integration.fastpath.layout import M_LAYOUT_VERSION, M_NBLOCKS, M_RUN_POS, M_TOTAL_LEN, M_WRITE_POS
 from vtoken.integration.fastpath.shadow import ShadowedRuntime, ShadowEngine
 
 from .events import EVENTS
@@ -44,19 +54,34 @@ class FastMachine(RuleBasedStateMachine):
         self.rt: ShadowedRuntime | None = None
         self.next_id = 0
         self.prompt: dict[int, int] = {}  # request -> tokens it arrived with (decoding past them)
+        self.reads: dict[int, tuple[list[int], list[int], int]] = {}  # gather: the workers' copy (ids, slots, version)
         self._compared = 0  # the shadow's compared calls counted so far
 
-    @initialize(policy=st.sampled_from(["none", "streaming_llm", "random"]), budget=st.sampled_from([0.5, 0.75, 6, 10]),
-                param=st.integers(0, 5), evict_every=st.sampled_from([1, 3]), seed=st.sampled_from([0, 11, -1]))
-    def build(self, policy, budget, param, evict_every, seed):
+    @initialize(policy=st.sampled_from(["none", "streaming_llm", "random", "random"]), budget=st.sampled_from([0.5, 0.75, 6, 10]),
+                param=st.integers(0, 5), evict_every=st.sampled_from([1, 3]), seed=st.sampled_from([0, 11, -1]),
+                path=st.sampled_from(["dense", "dense", "gather", "gather", "naive_evict"]),
+                theta_f=st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.9]), max_sources=st.sampled_from([1, 2, 4, 8, 8]),
+                headroom=st.sampled_from([0, 1, 1, 2, 6]), check_every=st.sampled_from([1, 1, 3]),
+                burst_df=st.sampled_from([None, None, 0.05]))
+    def build(self, policy, budget, param, evict_every, seed, path, theta_f, max_sources, headroom, check_every,
+              burst_df):
         """``param``: StreamingLLM's sinks, or Random's newest tokens kept (Random draws by each request's name,
-        given at admission as vLLM's plugin gives its arrival order)."""
+        given at admission as vLLM's plugin gives its arrival order). ``path``: the dense path, the gather path
+        compacting (the ``ReclaimConfig`` of the rest), or the gather path releasing dead blocks only."""
         chosen = StreamingLLM(sinks=param) if policy == "streaming_llm" else \
             RandomPolicy(keep_recent=param) if policy == "random" else None
         self.names: dict = {}
+        self.path = path
+        config = None
+        if path == "gather":
+            self.pool = BlockPool(NUM_BLOCKS, S, headroom=headroom)
+            config = ReclaimConfig(PlanKind.COMPACT, theta_f=theta_f, max_sources=max_sources, check_every=check_every,
+                                   burst_df=burst_df, ordering=Ordering.EVENT)
         self.rt = ShadowedRuntime(self.pool, ShadowEngine(), chosen, budget, ROWS, TOKENS, evict_every=evict_every,
-                                  seed=seed, names=self.names)
+                                  seed=seed, names=self.names,
+                                  read_path=ReadPath.DENSE if path == "dense" else ReadPath.GATHER, config=config)
         EVENTS["runs"] += 1
+        EVENTS[f"runs_{path}"] += 1
 
     # ---- helpers ---------------------------------------------------------------------------------
     def running(self) -> list:
@@ -136,10 +161,12 @@ class FastMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.running())
     @rule(batch=st.integers(1, 2**ROWS - 1), tokens=st.lists(st.sampled_from([1, 1, 1, 2, 5]), min_size=ROWS,
-                                                             max_size=ROWS))
-    def step(self, batch, tokens):
+                                                             max_size=ROWS),
+          pressure=st.sampled_from([0, 0, 0, 1, 3]))
+    def step(self, batch, tokens, pressure):
         """One engine step: the requests of ``batch`` (a bit per running request) get their tokens, synced in one
-        call; then the decoding ones evict and reclaim."""
+        call (on the gather path each one's read-list change is taken then, as vLLM's scheduler sends it); then,
+        under ``pressure`` (blocks the engine is short of), the decoding ones evict and reclaim."""
         ids = self.running()
         members = [r for i, r in enumerate(ids) if batch >> i & 1] or ids[:1]
         items = []
@@ -149,18 +176,66 @@ class FastMachine(RuleBasedStateMachine):
                 items.append((r, new, self.rt.total_len(r) + n))
         self.rt.sync_many(items)
         synced = {r for r, _, _ in items}
+        if self.path != "dense":
+            for r, _, _ in items:
+                self.patch_read_list(r)
         decoding = [r for r in self.running() if r in synced and self.rt.total_len(r) >= self.prompt[r]]
+        self.rt.set_pressure(pressure)
         victims = self.rt.evict_and_reclaim(decoding)
         EVENTS["steps"] += 1
+        EVENTS["pressure_steps"] += pressure > 0
         EVENTS["evictions"] += sum(map(len, victims.values()))
-        EVENTS["plans_committed"] += self.rt.take_commits().plans
+        commits = self.rt.take_commits()
+        EVENTS["plans_committed"] += commits.plans
+        EVENTS["releases_committed"] += commits.releases
+        if self.path != "dense":
+            EVENTS["packs_committed"] += commits.densified
+            EVENTS["compacts_committed"] += commits.plans - commits.densified
+
+    def patch_read_list(self, r) -> None:
+        """The workers' copy of ``r``'s read list, patched by its change (``worker_tokens._patch_read``'s rules),
+        must be the table's read list."""
+        c = self.rt.read_changes(r)
+        if c.rebuilt:
+            ids, slots = self.rt.read_lists(r)
+            self.reads[r] = (ids, slots, c.version)
+            EVENTS["read_lists_rebuilt"] += 1
+            return
+        ids, slots, version = self.reads[r]
+        assert version == c.since, f"request {r!r}: a change since version {c.since}, the copy is at {version}"
+        at = {t: i for i, t in enumerate(ids)}
+        for t, slot in zip(c.moved, c.moved_slots):
+            slots[at[t]] = slot
+        gone = set(c.evicted)
+        assert gone <= at.keys(), f"request {r!r}: evicted tokens {sorted(gone - at.keys())} not in its read list"
+        kept = [(t, s) for t, s in zip(ids, slots) if t not in gone]
+        kept += list(zip(c.joined, c.joined_slots))
+        self.reads[r] = ([t for t, _ in kept], [s for _, s in kept], c.version)
+        if self.reads[r][:2] != tuple(self.rt.fast.read_lists(r)):
+            raise E.InvariantViolation("V2", f"request {r!r}: the read list patched by its changes, ids "
+                                             f"{self.reads[r][0][:8]}..., is not the table's")
+        EVENTS["read_lists_patched"] += 1
+
+    @precondition(lambda self: self.running())
+    @rule(index=st.integers(0, 63), blocks=st.integers(1, 3))
+    def cache_full_blocks(self, index, blocks):
+        """vLLM hashes a block once full: the first full, private blocks of a request before its cursor become
+        prefix-cached (compact leaves them unless it packs under pressure)."""
+        r = self.pick(index)
+        full = self.rt.block_ids(r)[:min(blocks, self.rt.write_pos(r) // S)]
+        for b in full:
+            if self.pool.ref_count(b) == 1 and not self.pool.is_cached(b):
+                self.pool.cache(b)
+                EVENTS["blocks_cached"] += 1
 
     @precondition(lambda self: self.running())
     @rule(index=st.integers(0, 63))
     def leave(self, index):
         """Finish or preemption: the runtime forgets the request, the engine frees its blocks."""
-        blocks = self.rt.detach(self.pick(index))
+        r = self.pick(index)
+        blocks = self.rt.detach(r)
         self.pool.free(blocks)
+        self.reads.pop(r, None)
         EVENTS["detached"] += 1
 
     # ---- refused calls: the same error on both sides, nothing changed -----------------------------
@@ -339,6 +414,164 @@ def _dropped_move() -> dict:
     return _runtime_commit(change)
 
 
+# ---- planted bugs in the gather path's kernels (issue #46): ``FastGather`` calls them through the module ------------
+def _block_size(args) -> int:
+    """A kernel's block size, from its layout arguments (holders: one per slot; block_live: one per block)."""
+    return args[5].shape[0] // args[6].shape[0]
+
+
+def _candidate_above_the_cutoff(real):
+    """compact_candidates: a full block (live count S) is a candidate too (the count cutoff off by one)."""
+    def compact_candidates(*args):
+        code, n, b = real(*args)
+        blocks, counts, meta, (row, k, movable, idx, cnt) = args[2], args[3], args[4], args[13:]
+        S_ = _block_size(args)
+        end = min(meta[row, M_WRITE_POS] // S_, meta[row, M_NBLOCKS])
+        full = [i for i in range(end) if counts[row, i] == S_ and movable[blocks[row, i]]]
+        if full and n < k:
+            idx[n], cnt[n] = full[0], S_
+            n += 1
+        return code, n, b
+    return compact_candidates
+
+
+def _pops_the_emptiest(real):
+    """compact_gate: the set shrinks emptiest first (the candidates read in reverse)."""
+    def compact_gate(idx, cnt, n, size, budget, out):
+        return real(idx[:n][::-1].copy(), cnt[:n][::-1].copy(), n, size, budget, out)
+    return compact_gate
+
+
+def _destination_is_a_source(real):
+    """compact_fill: the first destination's moves land in the first source block instead."""
+    def compact_fill(*args):
+        code, m, b = real(*args)
+        blocks, (row, sources, _, dsts, moves) = args[2], args[13:]
+        if code == GK.PLANNED and m:
+            moves[:m, 3][moves[:m, 3] == dsts[0]] = blocks[row, sources[0]]
+        return code, m, b
+    return compact_fill
+
+
+def _drops_the_last_token(real):
+    """compact_fill: the last token in logical order is not moved."""
+    def compact_fill(*args):
+        code, m, b = real(*args)
+        return code, max(m - 1, 0), b
+    return compact_fill
+
+
+def _releases_a_live_block(real):
+    """dead_blocks: a block holding a live token of the row is released with the dead ones."""
+    def dead_blocks(*args):
+        code, n, b = real(*args)
+        blocks, counts, meta, (row, private, _, _, out) = args[2], args[3], args[4], args[13:]
+        end = min(meta[row, M_WRITE_POS] // _block_size(args), meta[row, M_NBLOCKS])
+        live = [blocks[row, i] for i in range(end) if counts[row, i] and private[blocks[row, i]]]
+        if live:
+            out[n] = live[0]
+            n += 1
+        return code, n, b
+    return dead_blocks
+
+
+def _count_stale_after_a_move(real):
+    """commit_compact: the block the last move lands in keeps its count from before the move."""
+    def commit_compact(*args):
+        code, a, b = real(*args)
+        blocks, counts, meta, (row, _, _, _, moves, apply, _) = args[2], args[3], args[4], args[13:]
+        if code == GK.OK and apply and moves.shape[0]:
+            listed = blocks[row, :meta[row, M_NBLOCKS]].tolist()
+            if moves[-1, 3] in listed:
+                counts[row, listed.index(moves[-1, 3])] -= 1
+        return code, a, b
+    return commit_compact
+
+
+def _stale_plan_committed(real):
+    """commit_compact: the plan's layout version is not compared with the row's (a stale plan commits)."""
+    def commit_compact(*args):
+        args = list(args)
+        args[14] = args[4][args[13], M_LAYOUT_VERSION]
+        return real(*args)
+    return commit_compact
+
+
+def _movers_out_of_order(real):
+    """densify_plan: the movers fill the holes in reverse logical order (the pack breaks the order of the tokens)."""
+    def densify_plan(*args):
+        code, m, b = real(*args)
+        moves = args[16]
+        if code == GK.PLANNED and m > 1:
+            moves[:m, 3:] = moves[:m, 3:][::-1].copy()
+        return code, m, b
+    return densify_plan
+
+
+def _cursor_left_behind(real):
+    """commit_densify: the cursor stays where it was (the tail is released, the cursor not rewound to n_live)."""
+    def commit_densify(*args):
+        meta, row = args[4], args[13]
+        pos = meta[row, M_WRITE_POS]
+        code, m, k = real(*args)
+        if code == GK.OK and args[19]:
+            meta[row, M_WRITE_POS] = meta[row, M_RUN_POS] = min(pos, meta[row, M_NBLOCKS] * _block_size(args))
+        return code, m, k
+    return commit_densify
+
+
+def _stale_pack_committed(real):
+    """commit_densify: the plan's (version, total_len) is not compared with the row's (a stale pack commits)."""
+    def commit_densify(*args):
+        args = list(args)
+        args[14], args[15] = args[4][args[13], M_LAYOUT_VERSION], args[4][args[13], M_TOTAL_LEN]
+        return real(*args)
+    return commit_densify
+
+
+GATHER_KERNEL_BUGS = {  # name: (the gather kernel, the plant: real kernel -> planted one)
+    "candidate_above_the_cutoff": ("compact_candidates", _candidate_above_the_cutoff),
+    "pops_the_emptiest": ("compact_gate", _pops_the_emptiest),
+    "destination_is_a_source": ("compact_fill", _destination_is_a_source),
+    "drops_the_last_token": ("compact_fill", _drops_the_last_token),
+    "releases_a_live_block": ("dead_blocks", _releases_a_live_block),
+    "count_stale_after_a_move": ("commit_compact", _count_stale_after_a_move),
+    "stale_plan_committed": ("commit_compact", _stale_plan_committed),
+    "movers_out_of_order": ("densify_plan", _movers_out_of_order),
+    "cursor_left_behind": ("commit_densify", _cursor_left_behind),
+    "stale_pack_committed": ("commit_densify", _stale_pack_committed)}
+
+
+
+
+def _gather_kernel_bug(name: str) -> PlantedBug:
+    kernel, plant = GATHER_KERNEL_BUGS[name]
+    return PlantedBug(f"fast_gather_{name}", f"{kernel}: {plant.__doc__.split(': ', 1)[1].rstrip('.')}",
+                      lambda: {(GK, kernel): plant(getattr(GK, kernel))})
+
+
+def _release_while_a_plan_is_in_flight() -> dict:
+    real = gather_runtime.GatherRuntime._release_dead
+
+    def release_dead(self, positions, emptied):  # this step's plans are taken out of flight for the search
+        g = self.gather
+        held, g.inflight = g.inflight, {}
+        try:
+            real(self, positions, emptied)
+        finally:
+            g.inflight = {**held, **g.inflight}
+    return {(gather_runtime.GatherRuntime, "_release_dead"): release_dead}
+
+
+def _moves_not_logged() -> dict:
+    real = gather_runtime.GatherRuntime._log_entries
+
+    def log_entries(self, r, which, ids):  # a commit's moved tokens never reach the read-list change log
+        if which != gather_runtime._MOVED:
+            real(self, r, which, ids)
+    return {(gather_runtime.GatherRuntime, "_log_entries"): log_entries}
+
+
 FAST_BUGS: dict[str, PlantedBug] = {b.name: b for b in (
     PlantedBug("fast_slot_off_by_one", "the batched sync reports the first write slot one past the slot written",
                _slot_off_by_one),
@@ -356,4 +589,11 @@ FAST_BUGS: dict[str, PlantedBug] = {b.name: b for b in (
     PlantedBug("fast_plans_out_of_order", "a step's plans are committed and submitted in reverse admission order",
                _plans_out_of_order),
     PlantedBug("fast_dropped_move", "each submitted copy loses its first move", _dropped_move),
+    # NOTE: the stale commits (``stale_plan_committed``, ``stale_pack_committed``) cannot happen here: the runtime
+    # commits every plan in the call that makes it. tests/test_fastpath_gather.py commits later and catches them
+    *map(_gather_kernel_bug, sorted(set(GATHER_KERNEL_BUGS) - {"stale_plan_committed", "stale_pack_committed"})),
+    PlantedBug("fast_gather_release_while_a_plan_is_in_flight", "Naive-Evict's release does not wait for the "
+               "request's plan of this step's round", _release_while_a_plan_is_in_flight),
+    PlantedBug("fast_gather_moves_not_logged", "a commit's moved tokens never reach the read-list change log",
+               _moves_not_logged),
 )}

@@ -51,10 +51,9 @@ from vtoken.core.plan import Plan, PlanKind  # noqa: E402
 from vtoken.core.reclamation import ReclaimConfig, ReclamationManager  # noqa: E402
 from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore  # noqa: E402
 from vtoken.core.token_table import TokenTable  # noqa: E402
+from vtoken.fuzz.fast_target import GATHER_KERNEL_BUGS  # noqa: E402
 from vtoken.integration.fastpath import gather_kernels as G  # noqa: E402
 from vtoken.integration.fastpath.gather import ABORTED, COMMITTED, FastGather  # noqa: E402
-from vtoken.integration.fastpath.layout import (M_LAYOUT_VERSION, M_NBLOCKS, M_RUN_POS, M_TOTAL_LEN,  # noqa: E402
-                                                M_WRITE_POS)
 from vtoken.integration.fastpath.table import FastTable  # noqa: E402
 
 NUM_BLOCKS, S, ROWS, TOKENS = 40, 4, 5, 48
@@ -845,130 +844,11 @@ def test_a_move_offset_outside_its_block_is_refused_before_anything_changes(fiel
     assert want == got and sides.core.state() == before
 
 
-# ---- planted kernel bugs: the lockstep catches each ---------------------------------------------------------------
-def _candidate_above_the_cutoff(real):
-    """compact_candidates: a full block (live count S) is a candidate too (the count cutoff off by one)."""
-    def compact_candidates(*args):
-        code, n, b = real(*args)
-        blocks, counts, meta, (row, k, movable, idx, cnt) = args[2], args[3], args[4], args[13:]
-        end = min(meta[row, M_WRITE_POS] // S, meta[row, M_NBLOCKS])
-        full = [i for i in range(end) if counts[row, i] == S and movable[blocks[row, i]]]
-        if full and n < k:
-            idx[n], cnt[n] = full[0], S
-            n += 1
-        return code, n, b
-    return compact_candidates
-
-
-def _pops_the_emptiest(real):
-    """compact_gate: the set shrinks emptiest first (the candidates read in reverse)."""
-    def compact_gate(idx, cnt, n, size, budget, out):
-        return real(idx[:n][::-1].copy(), cnt[:n][::-1].copy(), n, size, budget, out)
-    return compact_gate
-
-
-def _destination_is_a_source(real):
-    """compact_fill: the first destination's moves land in the first source block instead."""
-    def compact_fill(*args):
-        code, m, b = real(*args)
-        blocks, (row, sources, _, dsts, moves) = args[2], args[13:]
-        if code == G.PLANNED and m:
-            moves[:m, 3][moves[:m, 3] == dsts[0]] = blocks[row, sources[0]]
-        return code, m, b
-    return compact_fill
-
-
-def _drops_the_last_token(real):
-    """compact_fill: the last token in logical order is not moved."""
-    def compact_fill(*args):
-        code, m, b = real(*args)
-        return code, max(m - 1, 0), b
-    return compact_fill
-
-
-def _releases_a_live_block(real):
-    """dead_blocks: a block holding a live token of the row is released with the dead ones."""
-    def dead_blocks(*args):
-        code, n, b = real(*args)
-        blocks, counts, meta, (row, private, _, _, out) = args[2], args[3], args[4], args[13:]
-        end = min(meta[row, M_WRITE_POS] // S, meta[row, M_NBLOCKS])
-        live = [blocks[row, i] for i in range(end) if counts[row, i] and private[blocks[row, i]]]
-        if live:
-            out[n] = live[0]
-            n += 1
-        return code, n, b
-    return dead_blocks
-
-
-def _count_stale_after_a_move(real):
-    """commit_compact: the block the last move lands in keeps its count from before the move."""
-    def commit_compact(*args):
-        code, a, b = real(*args)
-        blocks, counts, meta, (row, _, _, _, moves, apply, _) = args[2], args[3], args[4], args[13:]
-        if code == G.OK and apply and moves.shape[0]:
-            listed = blocks[row, :meta[row, M_NBLOCKS]].tolist()
-            if moves[-1, 3] in listed:
-                counts[row, listed.index(moves[-1, 3])] -= 1
-        return code, a, b
-    return commit_compact
-
-
-def _stale_plan_committed(real):
-    """commit_compact: the plan's layout version is not compared with the row's (a stale plan commits)."""
-    def commit_compact(*args):
-        args = list(args)
-        args[14] = args[4][args[13], M_LAYOUT_VERSION]
-        return real(*args)
-    return commit_compact
-
-
-def _movers_out_of_order(real):
-    """densify_plan: the movers fill the holes in reverse logical order (the pack breaks the order of the tokens)."""
-    def densify_plan(*args):
-        code, m, b = real(*args)
-        moves = args[16]
-        if code == G.PLANNED and m > 1:
-            moves[:m, 3:] = moves[:m, 3:][::-1].copy()
-        return code, m, b
-    return densify_plan
-
-
-def _cursor_left_behind(real):
-    """commit_densify: the cursor stays where it was (the tail is released, the cursor not rewound to n_live)."""
-    def commit_densify(*args):
-        meta, row = args[4], args[13]
-        pos = meta[row, M_WRITE_POS]
-        code, m, k = real(*args)
-        if code == G.OK and args[19]:
-            meta[row, M_WRITE_POS] = meta[row, M_RUN_POS] = min(pos, meta[row, M_NBLOCKS] * S)
-        return code, m, k
-    return commit_densify
-
-
-def _stale_pack_committed(real):
-    """commit_densify: the plan's (version, total_len) is not compared with the row's (a stale pack commits)."""
-    def commit_densify(*args):
-        args = list(args)
-        args[14], args[15] = args[4][args[13], M_LAYOUT_VERSION], args[4][args[13], M_TOTAL_LEN]
-        return real(*args)
-    return commit_densify
-
-
-PLANTED = {"candidate_above_the_cutoff": ("compact_candidates", _candidate_above_the_cutoff),
-           "pops_the_emptiest": ("compact_gate", _pops_the_emptiest),
-           "destination_is_a_source": ("compact_fill", _destination_is_a_source),
-           "drops_the_last_token": ("compact_fill", _drops_the_last_token),
-           "releases_a_live_block": ("dead_blocks", _releases_a_live_block),
-           "count_stale_after_a_move": ("commit_compact", _count_stale_after_a_move),
-           "stale_plan_committed": ("commit_compact", _stale_plan_committed),
-           "movers_out_of_order": ("densify_plan", _movers_out_of_order),
-           "cursor_left_behind": ("commit_densify", _cursor_left_behind),
-           "stale_pack_committed": ("commit_densify", _stale_pack_committed)}
-
-
-@pytest.mark.parametrize("bug", sorted(PLANTED))
+# ---- planted kernel bugs: the lockstep catches each (defined beside the fast fuzz target, whose --self-test plants
+# them too) -----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bug", sorted(GATHER_KERNEL_BUGS))
 def test_a_planted_kernel_bug_is_caught(monkeypatch, bug):
-    kernel, plant = PLANTED[bug]
+    kernel, plant = GATHER_KERNEL_BUGS[bug]
     monkeypatch.setattr(G, kernel, plant(getattr(G, kernel)))
     with pytest.raises(AssertionError):
         # no shrinking: finding the bug is the claim, and the first failing example says where

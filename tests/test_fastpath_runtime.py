@@ -1,4 +1,5 @@
-"""V6 at the runtime level (issue #45): ``FastRuntime`` is the core's ``VTokenRuntime`` on the dense path, step by step.
+"""V6 at the runtime level (issues #45, #46): ``FastRuntime`` is the core's ``VTokenRuntime`` on the dense path, and
+``GatherRuntime`` on the gather path, step by step.
 
 The machine is ``vtoken fuzz --target fast``'s (``fuzz/fast_target.py``): it plays the engine vLLM is (a pool,
 requests admitted empty, prefix-cache hits across steps and within one, a step's syncs in one call, eviction and
@@ -24,11 +25,16 @@ pytest.importorskip("numba")
 from vtoken.core.block_pool import BlockPool, Purpose  # noqa: E402
 from vtoken.core.copy_engine import CopyStatus  # noqa: E402
 from vtoken.core.errors import ConfigError, InvalidArgumentError, InvariantViolation  # noqa: E402
-from vtoken.core.policies import StreamingLLM  # noqa: E402
+from vtoken.core import token_table  # noqa: E402
+from vtoken.core.plan import PlanKind  # noqa: E402
+from vtoken.core.policies import RandomPolicy, StreamingLLM  # noqa: E402
+from vtoken.core.reclamation import Ordering, ReclaimConfig  # noqa: E402
+from vtoken.core.runtime import ReadPath  # noqa: E402
 from vtoken.core.token_table import Move  # noqa: E402
 from vtoken.fuzz.fast_target import FAST_BUGS, FastMachine  # noqa: E402
 from vtoken.fuzz.planted import planted  # noqa: E402
 from vtoken.integration.fastpath import runtime as fast_runtime  # noqa: E402
+from vtoken.integration.fastpath.gather_runtime import GatherRuntime  # noqa: E402
 from vtoken.integration.fastpath.shadow import ShadowedRuntime, ShadowEngine  # noqa: E402
 
 S = 4
@@ -77,6 +83,64 @@ def test_the_fast_path_refuses_an_engine_without_submit_ordered():
         fast_runtime.FastRuntime(BlockPool(8, S), InMemoryCopyEngine(TagStore(8, S)), StreamingLLM(), 0.5, 2, 16)
 
 
+# ---- the gather path (issue #46) ------------------------------------------------------------------------------------
+def _gather_shadow(pool: BlockPool, policy, budget, config: ReclaimConfig | None) -> ShadowedRuntime:
+    return ShadowedRuntime(pool, ShadowEngine(), policy, budget, 4, 64, seed=3, read_path=ReadPath.GATHER,
+                           config=config)
+
+
+def test_the_gather_runtime_refuses_a_planner_or_ordering_outside_its_domain():
+    for config in (ReclaimConfig(PlanKind.DENSIFY, ordering=Ordering.EVENT), ReclaimConfig(ordering=Ordering.POLL)):
+        with pytest.raises(ConfigError, match="compacts with EVENT ordering, or reclaims nothing"):
+            GatherRuntime(BlockPool(8, S), ShadowEngine(), None, 0.5, 2, 16, config)
+
+
+def test_a_compaction_takes_the_blocks_the_core_allocated_and_commits_in_the_step_that_plans_it():
+    """Random at half the tokens leaves every block part full; with theta_f 0 each step's round compacts. The core
+    allocates the destinations from the real pool, the fast path is handed the same ones (the shadow compares the
+    plans, frees and states), and after the step they are the request's: nothing is in flight, nothing leaks."""
+    pool = BlockPool(32, S)
+    rt = _gather_shadow(pool, RandomPolicy(keep_recent=0), 0.5, ReclaimConfig(theta_f=0.0, ordering=Ordering.EVENT))
+    rt.admit("a")
+    rt.sync_many([("a", pool.allocate(6, Purpose.ADMISSION), 24)])
+    compacts = []
+    for _ in range(4):
+        need = -(-(rt.write_pos("a") + 1) // S) - rt.num_blocks_of("a")
+        rt.sync_many([("a", pool.allocate(need, Purpose.ADMISSION) if need > 0 else [], rt.total_len("a") + 1)])
+        rt.evict_and_reclaim(["a"])
+        compacts += [p for p in rt.take_commits().all_plans() if p.kind is PlanKind.COMPACT]
+    assert compacts, "no compaction in four steps of Random at half the tokens"
+    listed = rt.block_ids("a")
+    assert all(b in listed for b in compacts[-1].dst_blocks)
+    assert not set(compacts[-1].src_blocks) & set(listed)
+    assert pool.num_allocated == len(listed) and rt.plans_outstanding() == 0
+    assert rt.reclaim_stats.plans_committed == rt.core.reclaim_stats.plans_committed == len(compacts)
+
+
+def test_the_fast_path_asking_for_blocks_the_core_did_not_allocate_is_a_divergence():
+    rt = _gather_shadow(BlockPool(8, S), None, 0.5, ReclaimConfig(ordering=Ordering.EVENT))
+    with pytest.raises(InvariantViolation, match=r"V6: the fast path allocated 2 block\(s\) where the core allocated "
+                                                 r"none"):
+        rt._pool.allocate(2, Purpose.EVACUATION)
+
+
+def test_read_changes_past_the_change_logs_bound_say_rebuilt_on_both_sides(monkeypatch):
+    """The core's table drops a request's change log past ``CHANGE_LOG_LIMIT`` entries and says "rebuilt"; the fast
+    path's log is bounded alike (the shadow compares the answers), and below the bound it lists the evictions."""
+    monkeypatch.setattr(token_table, "CHANGE_LOG_LIMIT", 2)
+    pool = BlockPool(16, S)
+    rt = _gather_shadow(pool, StreamingLLM(sinks=0), 4, None)
+    rt.admit("a")
+    rt.sync_many([("a", pool.allocate(2, Purpose.ADMISSION), 7)])
+    assert rt.read_changes("a").rebuilt  # the first take
+    rt.evict_and_reclaim(["a"])  # 3 evicted: past the bound
+    assert rt.read_changes("a").rebuilt
+    rt.sync_many([("a", [], 8)])
+    rt.evict_and_reclaim(["a"])  # 1 evicted, 1 joined
+    c = rt.read_changes("a")
+    assert (c.rebuilt, c.evicted, c.joined) == (False, (3,), (7,))
+
+
 def test_the_shadow_engines_submit_ordered_is_its_three_calls_and_refuses_what_is_no_pair():
     engine = ShadowEngine()
     moves = (Move(0, 1, 0, 2, 0),)
@@ -93,7 +157,7 @@ def test_the_shadow_engines_submit_ordered_is_its_three_calls_and_refuses_what_i
 @pytest.mark.parametrize("bug", sorted(FAST_BUGS))
 def test_a_planted_fast_path_bug_is_caught(bug):
     with planted(bug), pytest.raises(InvariantViolation, match="V6"):
-        run_state_machine_as_test(FastMachine, settings=settings(max_examples=200, stateful_step_count=40,
+        run_state_machine_as_test(FastMachine, settings=settings(max_examples=200, stateful_step_count=100,
                                                                  suppress_health_check=list(HealthCheck),
                                                                  phases=(Phase.generate,)))  # found, not shrunk
 

@@ -870,7 +870,7 @@ def test_take_changes_lists_evictions_and_moves_since_the_last_take():
 
 def test_take_changes_says_rebuilt_when_more_moves_than_its_log_keeps(monkeypatch):
     from vtoken.core import token_table
-    monkeypatch.setattr(token_table, "_LOG_LIMIT", 2)
+    monkeypatch.setattr(token_table, "CHANGE_LOG_LIMIT", 2)
     t = TokenTable(num_blocks=4, block_size=4)
     t.add_request("A")
     t.sync_new_tokens("A", [0, 1], 6)

@@ -2,17 +2,17 @@
 
 The core (``vtoken.core``) is the specification and the reference implementation: one Python object per request,
 every mutation validated, every view derivable. Inside vLLM it costs 60-150 us per request and step, where an H100
-decode step leaves vtoken about 5. This package is a second implementation of the same behaviour for the dense read
-path with densify: one structure of arrays for all requests (``layout.FastLayout``), numba-compiled kernels with a
-plain array ABI that validate before they mutate (``kernels``), and a table with the core's interface and errors
-over them (``table.FastTable``), and the dense path's runtime on that table (``runtime.FastRuntime``), whose plans'
-moves travel packed (``moves.MoveArray``); on the workers' side, a compiled mover for CPU KV caches
-(``relocate.HostMover``); and, for the gather path, the compaction planner, its commit and Naive-Evict's release
-(``gather.FastGather`` over ``gather_kernels``: issue #46, not yet driven by a runtime). The two are proved equal operation by operation (tests/test_fastpath_table.py: the same
-random operations into the core's ``TokenTable`` and a ``FastTable``, every request's state compared after each one)
-and step by step
-(``shadow.ShadowedRuntime``: the core's runtime beside the fast one, compared after every call; inside vLLM under
-strict verify).
+decode step leaves vtoken about 5. This package is a second implementation of the same behaviour: one structure of
+arrays for all requests (``layout.FastLayout``), numba-compiled kernels with a plain array ABI that validate before they mutate
+(``kernels``; the gather path's compaction, its commit, Naive-Evict's release and the pressure pack in
+``gather_kernels``), a table with the core's interface and errors over them (``table.FastTable``), the gather path's
+planner and commits as the manager's (``gather.FastGather``), and the runtimes: the dense path with densify
+(``runtime.FastRuntime``) and the gather path with compact or Naive-Evict alone (``gather_runtime.GatherRuntime``),
+whose plans' moves travel packed (``moves.MoveArray``); on the workers' side, a compiled mover for CPU KV
+caches (``relocate.HostMover``). The two implementations are proved equal operation by operation
+(tests/test_fastpath_table.py, tests/test_fastpath_gather.py: the same random operations into the core and the fast path, every request's state
+compared after each one) and step by step (``shadow.ShadowedRuntime``: the core's runtime beside the fast one,
+compared after every call; ``vtoken fuzz --target fast``; inside vLLM under strict verify).
 
 numba is optional: without it (or when a kernel fails to compile) ``available()`` says why, and the caller runs the
 core. Imported by ``vtoken.integration.vllm`` and the tests, never by ``vtoken.core``.

@@ -553,11 +553,11 @@ def densify_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live,
 
 @njit(cache=True, nogil=True)
 def streaming_victims(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
-                      live_bits, word_live, group_live, row, sinks, budget, out):
-    """``StreamingLLM(sinks).select_victims`` on the dense path: the oldest live tokens past the first
-    min(sinks, budget - 1) (the attention sinks), outside the newest budget - sinks (the window) and outside the
-    blocks another request lists (protected: densify cannot fill holes there), as many as the live tokens over
-    ``budget``; ascending, into ``out``. Changes nothing. O(groups + 128 + what is read). Returns (OK, count, 0)."""
+                      live_bits, word_live, group_live, row, sinks, budget, out, protect=True):
+    """``StreamingLLM(sinks).select_victims``: the oldest live tokens past the first min(sinks, budget - 1) (the
+    attention sinks), outside the newest budget - sinks (the window) and, with ``protect`` (the dense path), outside
+    the blocks another request lists (densify cannot fill holes there), as many as the live tokens over ``budget``;
+    ascending, into ``out``. Changes nothing. O(groups + 128 + what is read). Returns (OK, count, 0)."""
     S = holders.shape[0] // block_live.shape[0]
     n = meta[row, M_NUM_LIVE]
     excess = n - budget
@@ -570,7 +570,7 @@ def streaming_victims(tok_pos, pos_token, blocks, counts, meta, holders, block_l
         return OK, 0, 0
     t = _select(live_bits, word_live, group_live, row, nsinks)
     for _ in range(older - nsinks):
-        if listed[blocks[row, tok_pos[row, t] // S]] <= 1:
+        if not protect or listed[blocks[row, tok_pos[row, t] // S]] <= 1:
             out[found] = t
             found += 1
             if found == excess:
@@ -610,18 +610,18 @@ def _mix(z):
 
 @njit(cache=True, nogil=True)
 def random_victims(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
-                   live_bits, word_live, group_live, row, keep_recent, budget, state, out):
-    """``RandomPolicy(keep_recent).select_victims`` on the dense path: Floyd's algorithm over the counter-based
-    draws of ``state`` (``random_policy.request_state`` of the row's request) and the row's total length, among the
-    live tokens but the newest ``keep_recent`` and those of blocks another request lists (protected); ascending,
-    into ``out``. Changes nothing but the duplicate check's scratch (``seen``). Returns (OK, count, 0)."""
+                   live_bits, word_live, group_live, row, keep_recent, budget, state, out, protect=True):
+    """``RandomPolicy(keep_recent).select_victims``: Floyd's algorithm over the counter-based draws of ``state``
+    (``random_policy.request_state`` of the row's request) and the row's total length, among the live tokens but
+    the newest ``keep_recent`` and, with ``protect`` (the dense path), those of blocks another request lists;
+    ascending, into ``out``. Changes nothing but the duplicate check's scratch (``seen``). Returns (OK, count, 0)."""
     S = holders.shape[0] // block_live.shape[0]
     excess = meta[row, M_NUM_LIVE] - budget
     older = meta[row, M_NUM_LIVE] - keep_recent  # ranks [0, older) may go
     if excess <= 0 or older <= 0:
         return OK, 0, 0
     shared = False
-    for i in range(meta[row, M_NBLOCKS]):
+    for i in range(meta[row, M_NBLOCKS] if protect else 0):
         if listed[blocks[row, i]] > 1:
             shared = True
             break
@@ -666,35 +666,47 @@ def random_victims(tok_pos, pos_token, blocks, counts, meta, holders, block_live
     return OK, k, 0
 
 
-STREAMING, RANDOM = 0, 1  # evict_densify_batch's policies
+STREAMING, RANDOM = 0, 1  # evict_policy_batch's policies
+
+
+@njit(cache=True, nogil=True)
+def evict_policy_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                       live_bits, word_live, group_live, rows, policy, param, budgets, states, protect, victim_start,
+                       victims, positions):
+    """A built-in policy's eviction step: for each of ``rows``, its victims at ``budgets[i]`` (``policy`` STREAMING:
+    ``streaming_victims`` with ``param`` sinks; RANDOM: ``random_victims`` with ``param`` keep_recent and
+    ``states[rows[i]]``; ``protect``: the dense path's protected shared blocks), into
+    ``victims[victim_start[i]:victim_start[i+1]]``, and their eviction (the positions they held likewise). The
+    victims are valid by construction (live, distinct, unprotected): nothing is refused. Returns (OK, -1, victims,
+    0)."""
+    S = holders.shape[0] // block_live.shape[0]
+    victim_start[0] = 0
+    for i in range(rows.shape[0]):
+        if policy == STREAMING:
+            code, k, _ = streaming_victims(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool,
+                                           seen, live_bits, word_live, group_live, rows[i], param, budgets[i],
+                                           victims[victim_start[i]:], protect)
+        else:
+            code, k, _ = random_victims(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool,
+                                        seen, live_bits, word_live, group_live, rows[i], param, budgets[i],
+                                        states[rows[i]], victims[victim_start[i]:], protect)
+        victim_start[i + 1] = victim_start[i] + k
+        _apply_evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, pool, live_bits, word_live,
+                     group_live, rows[i], victims[victim_start[i]:victim_start[i + 1]],
+                     positions[victim_start[i]:], S)
+    return OK, -1, victim_start[rows.shape[0]], 0
 
 
 @njit(cache=True, nogil=True)
 def evict_densify_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
                         live_bits, word_live, group_live, rows, policy, param, budgets, states, victim_start, victims,
                         positions, out_moves, move_start, out_released, released_start, status):
-    """The dense path's ``evict_and_reclaim`` for a built-in policy in one call: for each of ``rows``, its victims
-    at ``budgets[i]`` (``policy`` STREAMING: ``streaming_victims`` with ``param`` sinks; RANDOM: ``random_victims``
-    with ``param`` keep_recent and ``states[rows[i]]``), into ``victims[victim_start[i]:victim_start[i+1]]``, their
-    eviction (positions likewise), then ``densify`` of the row with those positions (``densify_batch``'s outputs).
-    The victims are valid by construction (live, distinct, unprotected): nothing is refused. Returns
-    ``densify_batch``'s answer."""
-    S = holders.shape[0] // block_live.shape[0]
-    n = rows.shape[0]
-    victim_start[0] = 0
-    for i in range(n):
-        if policy == STREAMING:
-            code, k, _ = streaming_victims(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool,
-                                           seen, live_bits, word_live, group_live, rows[i], param, budgets[i],
-                                           victims[victim_start[i]:])
-        else:
-            code, k, _ = random_victims(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool,
-                                        seen, live_bits, word_live, group_live, rows[i], param, budgets[i],
-                                        states[rows[i]], victims[victim_start[i]:])
-        victim_start[i + 1] = victim_start[i] + k
-        _apply_evict(tok_pos, pos_token, blocks, counts, meta, holders, block_live, pool, live_bits, word_live,
-                     group_live, rows[i], victims[victim_start[i]:victim_start[i + 1]],
-                     positions[victim_start[i]:], S)
+    """The dense path's ``evict_and_reclaim`` for a built-in policy in one call: ``evict_policy_batch`` of ``rows``
+    (shared blocks protected), then ``densify`` of each row with its victims' positions (``densify_batch``'s
+    outputs). Returns ``densify_batch``'s answer."""
+    evict_policy_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen, live_bits,
+                       word_live, group_live, rows, policy, param, budgets, states, True, victim_start, victims,
+                       positions)
     return densify_batch(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
                          live_bits, word_live, group_live, rows, victim_start, positions, out_moves, move_start,
                          out_released, released_start, status)
@@ -868,6 +880,8 @@ def warm_up() -> None:
     states = np.zeros(2, np.uint64)
     assert random_victims(*L, 0, 1, 2, states[0], out)[0] == OK
     for policy in (STREAMING, RANDOM):
+        assert evict_policy_batch(*L, one, policy, 1, np.array([2], np.int64), states, False, starts, out,
+                                  out.copy())[0] == OK
         assert evict_densify_batch(*L, one, policy, 1, np.array([2], np.int64), states, starts, out, out.copy(),
                                    np.empty((8, 3), np.int64), starts.copy(), out.copy(), starts.copy(),
                                    np.empty(1, np.int64))[0] == OK

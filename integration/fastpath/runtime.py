@@ -128,25 +128,7 @@ class FastRuntime:
         the policy's victims, then every request with holes is densified, its plan committed, its copy submitted
         and its emptied tail blocks freed, in admission order. Returns each request's victims (ascending ids, the
         core's order). Validated first (the core's checks and messages); nothing changes on a refusal."""
-        ids = as_list("req_ids", req_ids)
-        for what, given in (("attention", attention), ("key_norms", key_norms), ("observed", observed)):
-            if given is not None:
-                check_mapping(what, given)
-        try:
-            rows = self.table.rows_of(ids)  # NOTE: the usual call names only known requests: one pass finds them all
-            known = True
-        except UnknownRequestError:
-            known = False
-        if not known or attention or key_norms or observed:
-            unknown = [r for r in ids + list(attention or {}) + list(key_norms or {}) + list(observed or {})
-                       if r not in self.table]
-            if unknown:
-                raise UnknownRequestError(f"unknown request(s) {unknown[:5]}")
-        if len(set(ids)) != len(ids):
-            raise InvalidArgumentError(f"req_ids name a request twice: {ids[:8]}")
-        if attention or key_norms or observed:
-            raise InvalidArgumentError(f"the fast path records no attention rows, key norms or votes: its policy "
-                                       f"({self.policy.name if self.policy else 'none'}) reads none")
+        ids, rows = self._step_rows(req_ids, attention, key_norms, observed)
         step = self.table.evict_step(rows, self.budget, self.evict_every, self.policy, self._draw_states,
                                      self._admission, ids) if self.policy is not None and ids else None
         due = step.due if step is not None else []
@@ -171,6 +153,30 @@ class FastRuntime:
         self._commit(step, committed, refused)
         self.iteration += 1
         return victims
+
+    def _step_rows(self, req_ids: Sequence[object], attention: Mapping | None, key_norms: Mapping | None,
+                   observed: Mapping | None) -> tuple[list, np.ndarray]:
+        """``evict_and_reclaim``'s checks (the core's, with its messages): the request ids as a list and their rows."""
+        ids = as_list("req_ids", req_ids)
+        for what, given in (("attention", attention), ("key_norms", key_norms), ("observed", observed)):
+            if given is not None:
+                check_mapping(what, given)
+        try:
+            rows = self.table.rows_of(ids)  # NOTE: the usual call names only known requests: one pass finds them all
+            known = True
+        except UnknownRequestError:
+            known = False
+        if not known or attention or key_norms or observed:
+            unknown = [r for r in ids + list(attention or {}) + list(key_norms or {}) + list(observed or {})
+                       if r not in self.table]
+            if unknown:
+                raise UnknownRequestError(f"unknown request(s) {unknown[:5]}")
+        if len(set(ids)) != len(ids):
+            raise InvalidArgumentError(f"req_ids name a request twice: {ids[:8]}")
+        if attention or key_norms or observed:
+            raise InvalidArgumentError(f"the fast path records no attention rows, key norms or votes: its policy "
+                                       f"({self.policy.name if self.policy else 'none'}) reads none")
+        return ids, rows
 
     def take_commits(self) -> StepCommits:
         """The plans the last ``evict_and_reclaim`` committed, in the order they were made (what the core's

@@ -1,44 +1,53 @@
 """``ShadowedRuntime``: the fast path and the core's runtime in lockstep, compared after every call (V6).
 
 The fast runtime drives the engine: its copies go to the engine, its freed blocks to the pool. Beside it the core's
-``VTokenRuntime`` (the reference, configured as the fast runtime's domain: dense read path, densify, EVENT ordering)
-runs every call on a ``ReplayAllocator``, which answers from the same pool but frees nothing, and a ``ShadowEngine``,
-which orders every copy and runs none. After each call the shadow compares what the two answered (write slots,
-victims, plans in order, the copies submitted, the blocks freed, errors by class and message) and the whole table
-state (``TokenTable.state()``'s shape); a difference raises ``InvariantViolation("V6", ...)`` naming the step, the
-call and what differs.
+``VTokenRuntime`` (the reference, configured as the fast runtime's domain: the dense read path with densify, or the
+gather path with compact or Naive-Evict alone; EVENT ordering) runs every call on a ``ReplayAllocator``, which
+answers from the same pool and frees nothing, and a ``ShadowEngine``, which orders every copy and runs none. After
+each call the shadow compares what the two answered (write slots, victims, plans in order, the copies submitted, the
+blocks freed, errors by class and message, read-list changes) and the whole table state (``TokenTable.state()``'s
+shape); a difference raises ``InvariantViolation("V6", ...)`` naming the step, the call and what differs.
 
 NOTE: the core runs first in every call, so each of its checks reads the pool as the fast path found it (the fast
-path frees blocks; the replay frees none). Cost: the core's own cost plus O(requests x tokens) for the state
-comparison per call: a staging and test setting (strict verify), not a serving one.
+path frees blocks; the replay frees none). Blocks the core allocates (compaction's destinations) it takes from the
+real pool, and the fast path is handed exactly those, in order, when it asks for as many: two runtimes that plan
+alike get the same blocks, and one that asks for other counts diverges there. While they wait, the fast path's pool
+counts them as free, as the core's pool did when it chose. Cost: the core's own cost plus O(requests x tokens) for
+the state comparison per call: a staging and test setting (strict verify), not a serving one.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Iterable, Mapping, Sequence
 
 from vtoken.core.copy_engine import CopyHandle, CopyStatus
 from vtoken.core.errors import InvariantViolation, VTokenError
 from vtoken.core.plan import PlanKind
 from vtoken.core.policies.base import RenamedRequests
-from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
+from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig, ReclaimStats
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 
 from .commits import NO_COMMITS, StepCommits
+from .gather_runtime import GatherRuntime
 from .moves import copy_pairs
 from .runtime import FastRuntime
 
-_COMPARED_STATS = ("plans_made", "plans_committed", "moves_committed", "moves_dropped", "blocks_released",
-                   "no_plan", "plans_aborted")
+# the dense path's runtime counts these of the manager's (it runs no rounds); the gather path's counts them all
+_DENSE_STATS = ("plans_made", "plans_committed", "moves_committed", "moves_dropped", "blocks_released", "no_plan",
+                "plans_aborted")
+_ALL_STATS = tuple(f.name for f in fields(ReclaimStats))
 
 
 class ReplayAllocator:
-    """The core's pool in the shadow: every query answered by the real pool, every free recorded and not made."""
+    """The core's pool in the shadow: every query answered by the real pool, every free recorded and not made, every
+    allocation made in the real pool and queued for the fast path (``handoff``)."""
 
     def __init__(self, pool) -> None:
         self.real = pool
         self.num_blocks, self.block_size, self.headroom = pool.num_blocks, pool.block_size, pool.headroom
         self.freed: list[list[int]] = []
+        self.handoff: list[list[int]] = []  # allocated by the core, not yet asked for by the fast path
 
     num_free = property(lambda self: self.real.num_free)
     num_allocated = property(lambda self: self.real.num_allocated)
@@ -47,7 +56,9 @@ class ReplayAllocator:
         return self.real.can_allocate(n, purpose)
 
     def allocate(self, n, purpose) -> list[int]:
-        raise InvariantViolation("V6", f"the shadow core allocated {n!r} block(s): the dense path allocates none")
+        blocks = self.real.allocate(n, purpose)
+        self.handoff.append(list(blocks))
+        return blocks
 
     def free(self, block_ids: Iterable[int]) -> None:
         block_ids = list(block_ids)
@@ -62,6 +73,9 @@ class ReplayAllocator:
 
     def is_cached(self, block_id: int) -> bool:
         return self.real.is_cached(block_id)
+
+    def snapshot(self) -> tuple:
+        return self.real.snapshot()
 
 
 class ShadowEngine:
@@ -97,15 +111,32 @@ class ShadowEngine:
 
 
 class _Recording:
-    """The fast runtime's pool or engine, forwarding every call, recording frees and submits."""
+    """The fast runtime's pool or engine, forwarding every call, recording frees and submits. As the pool, it hands
+    out the blocks the core allocated (``replay.handoff``) and counts them free until it does (``num_free``: what
+    the fast path's destination budget reads; it asks nothing else of the pool's free count)."""
 
-    def __init__(self, real) -> None:
-        self.real = real
+    def __init__(self, real, replay: ReplayAllocator | None = None) -> None:
+        self.real, self.replay = real, replay
         self.freed: list[list[int]] = []
         self.submitted: list[tuple[object, tuple]] = []
 
     def __getattr__(self, name):
         return getattr(self.real, name)
+
+    @property
+    def num_free(self) -> int:
+        return self.real.num_free + sum(map(len, self.replay.handoff))
+
+    @property
+    def num_allocated(self) -> int:
+        return self.real.num_allocated - sum(map(len, self.replay.handoff))
+
+    def allocate(self, n, purpose) -> list[int]:
+        queue = self.replay.handoff
+        if not queue or len(queue[0]) != n:
+            raise InvariantViolation("V6", f"the fast path allocated {n!r} block(s) where the core allocated "
+                                           f"{[len(q) for q in queue] or 'none'}")
+        return queue.pop(0)
 
     def free(self, block_ids) -> None:
         block_ids = list(block_ids)
@@ -130,15 +161,24 @@ class ShadowedRuntime:
     compared (see the module docstring). Queries are the fast path's (its state equals the core's after every call)."""
 
     def __init__(self, pool, engine, policy, budget, rows: int, tokens: int, evict_every: int = 1, seed: int = 0,
-                 names: dict | None = None) -> None:
-        """``names``: as ``FastRuntime``'s; the core's policy draws by the same names (``RenamedRequests``)."""
-        self._pool, self._engine = _Recording(pool), _Recording(engine)
-        self.fast = FastRuntime(self._pool, self._engine, policy, budget, rows, tokens, evict_every, seed, names)
+                 names: dict | None = None, read_path: ReadPath = ReadPath.DENSE,
+                 config: ReclaimConfig | None = None) -> None:
+        """``names``: as ``FastRuntime``'s; the core's policy draws by the same names (``RenamedRequests``).
+        ``read_path``: the dense path (densify; ``config`` unused) or the gather path, whose ``config`` is the compact
+        planner's ``ReclaimConfig`` (EVENT ordering) or None (Naive-Evict alone): ``GatherRuntime``'s."""
         self.replay, self.shadow_engine = ReplayAllocator(pool), ShadowEngine()
+        self._pool, self._engine = _Recording(pool, self.replay), _Recording(engine)
+        self.gather = read_path is ReadPath.GATHER
+        if self.gather:
+            self.fast = GatherRuntime(self._pool, self._engine, policy, budget, rows, tokens, config, evict_every,
+                                      seed, names)
+        else:
+            self.fast = FastRuntime(self._pool, self._engine, policy, budget, rows, tokens, evict_every, seed, names)
+            config = ReclaimConfig(PlanKind.DENSIFY, ordering=Ordering.EVENT)
         core_policy = RenamedRequests(policy, self.fast.names) if policy is not None and names is not None else policy
-        self.core = VTokenRuntime(self.replay, self.shadow_engine, core_policy,
-                                  budget, ReclaimConfig(PlanKind.DENSIFY, ordering=Ordering.EVENT), ReadPath.DENSE,
-                                  seed=seed, evict_every=evict_every)
+        self.core = VTokenRuntime(self.replay, self.shadow_engine, core_policy, budget, config, read_path, seed=seed,
+                                  evict_every=evict_every, ordering=Ordering.EVENT if config is None else None)
+        self._stats = _ALL_STATS if self.gather else _DENSE_STATS
         self.calls = 0  # compared calls so far: a divergence names the call
         self._commits = NO_COMMITS  # the fast path's, taken in the comparison of its last evict_and_reclaim
 
@@ -170,15 +210,20 @@ class ShadowedRuntime:
             # the core commits at its settle (EVENT: at once); the fast path did in the call: compare the plans now,
             # and their counts as the scheduler reads them
             if rt is self.core:
-                records = rt.settle()
-                plans, states = [rec.plan for rec in records], [rec.state for rec in records]
-                commits = StepCommits.of_plans(plans, lambda plan: 0)  # densify keeps no destination
+                plans = [rec.plan for rec in rt.settle() if rec.state is PlanState.COMMITTED]
+                commits = StepCommits.of_plans(plans, lambda p: len(set(p.dst_blocks) & set(rt.block_ids(p.req_id))))
             else:
                 commits = self._commits = rt.take_commits()
                 plans = commits.all_plans()
-                states = [PlanState.COMMITTED] * len(plans)
-            return victims, plans, states, _counts(commits), [p for p, relist in zip(plans, commits.relists) if relist]
+            return victims, plans, _counts(commits), [p for p, relist in zip(plans, commits.relists) if relist]
         return self._both("evict_and_reclaim", run)[0]
+
+    def read_changes(self, req_id: object):
+        """Both runtimes' change logs taken, their answers compared (the logs are not part of ``state()``)."""
+        return self._both("read_changes", lambda rt: rt.read_changes(req_id), state=False)
+
+    def read_lists(self, req_id: object) -> tuple[list[int], list[int]]:
+        return self._both("read_lists", lambda rt: rt.read_lists(req_id), state=False)
 
     def take_commits(self) -> StepCommits:
         done, self._commits = self._commits, NO_COMMITS
@@ -192,7 +237,9 @@ class ShadowedRuntime:
         return req_id in self.fast
 
     # ---- the comparison ----------------------------------------------------------------------
-    def _both(self, call: str, run):
+    def _both(self, call: str, run, state: bool = True):
+        """``run`` on the core, then on the fast path; their errors, answers, copies, frees and blocks handed over
+        compared, and (``state``) their counters and whole table states."""
         self.calls += 1
         want, want_error = self._run(run, self.core)
         got, got_error = self._run(run, self.fast)
@@ -207,22 +254,28 @@ class ShadowedRuntime:
                 self._diverged(call, what, getattr(core_side, log), getattr(fast_side, log))
             getattr(core_side, log).clear()
             getattr(fast_side, log).clear()
-        cs, fs = self.core.reclaim_stats, self.fast.reclaim_stats
-        for name in _COMPARED_STATS:
-            if getattr(cs, name) != getattr(fs, name):
-                self._diverged(call, f"reclaim_stats.{name}", getattr(cs, name), getattr(fs, name))
-        want_state, got_state = self.core.table.state(), self.fast.table.state()
-        if want_state != got_state:
-            self._diverged(call, "state", _first_difference(want_state, got_state), "")
+        if self.replay.handoff:
+            left, self.replay.handoff = self.replay.handoff, []
+            self._diverged(call, "blocks allocated", f"{left} more", "none")
+        if state:
+            cs, fs = self.core.reclaim_stats, self.fast.reclaim_stats
+            for name in self._stats:
+                if getattr(cs, name) != getattr(fs, name):
+                    self._diverged(call, f"reclaim_stats.{name}", getattr(cs, name), getattr(fs, name))
+            want_state, got_state = self.core.table.state(), self.fast.table.state()
+            if want_state != got_state:
+                self._diverged(call, "state", _first_difference(want_state, got_state), "")
         if want_error is not None:
             raise got_error
         return got
 
     @staticmethod
     def _run(run, rt):
+        """``run(rt)``'s answer, or the error it raised: bad input (``VTokenError``) or a failed invariant check, which
+        is compared too (one side's own check failing where the other's passed is a divergence)."""
         try:
             return run(rt), None
-        except VTokenError as e:
+        except (VTokenError, InvariantViolation) as e:
             return None, e
 
     def _diverged(self, call: str, what: str, want, got) -> None:

@@ -28,8 +28,8 @@ from vtoken.core.plan import NoPlan, NoPlanReason, Plan, PlanKind
 from vtoken.core.policies import RandomPolicy, StreamingLLM
 
 from . import kernels as K
-from .layout import (M_IN_USE, M_LAST_SYNC_START, M_LAYOUT_VERSION, M_NBLOCKS, M_NUM_LIVE, M_TOTAL_LEN, M_WRITE_POS,
-                     NO_POS, P_LIVE_SLOTS, Capacity, FastLayout)
+from .layout import (M_EMPTIED, M_IN_USE, M_LAST_SYNC_START, M_LAYOUT_VERSION, M_NBLOCKS, M_NUM_LIVE, M_TOTAL_LEN,
+                     M_WRITE_POS, NO_POS, P_LIVE_SLOTS, Capacity, FastLayout)
 from .moves import MoveArray
 
 
@@ -317,6 +317,37 @@ class FastTable:
                        buf.sizes)
         return self._evict_rows(m, kind, param, states, admission, req_ids) if m else None
 
+    def evict_gather_step(self, rows: np.ndarray, budget: float | int, evict_every: int,
+                          policy: StreamingLLM | RandomPolicy, states: np.ndarray | None, req_ids: list
+                          ) -> tuple[dict[object, list[int]], dict[object, list[int]], set]:
+        """The gather path's eviction step for ``rows`` (``req_ids``' rows, distinct, in use): the rows due by the
+        cadence (``K.due_rows``), their victims (nothing protected: the gather path reads any slot) and their
+        eviction, in one kernel call (``K.evict_policy_batch``). Returns (victims, the positions they held, by
+        request, for the requests that lost tokens, in ``req_ids``' order; the requests whose evictions emptied a
+        block of their list)."""
+        kind, param = self._policy_args(policy, states)
+        buf, meta = self._step, self.layout.meta
+        fixed, ratio = (budget, 0.0) if budget.__class__ is int else (0, budget)
+        m = K.due_rows(meta, rows, ratio, fixed, evict_every, buf.due, buf.rows, buf.budgets, buf.at, buf.sizes)
+        if not m:
+            return {}, {}, set()
+        buf.fit(int(buf.sizes[0]), 0, 0)
+        due_rows, starts = buf.rows[:m], buf.vstart[:m + 1]
+        emptied_before = meta[due_rows, M_EMPTIED]
+        K.evict_policy_batch(*self._L, due_rows, kind, param, buf.budgets[:m],
+                             self._no_states if states is None else states, False, starts, buf.victims, buf.positions)
+        n = int(starts[m])
+        at, victims, positions = starts.tolist(), buf.victims[:n].tolist(), buf.positions[:n].tolist()
+        emptied = (meta[due_rows, M_EMPTIED] != emptied_before).tolist()
+        lost, where, dead = {}, {}, set()
+        for k, i in enumerate(buf.due[:m].tolist()):
+            if at[k + 1] > at[k]:
+                r = req_ids[i]
+                lost[r], where[r] = victims[at[k]:at[k + 1]], positions[at[k]:at[k + 1]]
+                if emptied[k]:
+                    dead.add(r)
+        return lost, where, dead
+
     def _policy_args(self, policy, states) -> tuple[int, int]:
         if type(policy) is StreamingLLM:
             return K.STREAMING, check_int("sinks", policy.sinks, 0)
@@ -423,12 +454,23 @@ class FastTable:
     def slots(self, req_id: object) -> list[int]:
         """Every synced token's slot (NO_SLOT when evicted), in logical order: the core's slot array."""
         row = self._row(req_id)
+        return self.token_slots(row, np.arange(self.layout.meta[row, M_TOTAL_LEN])).tolist()
+
+    def token_slots(self, row: int, ids: np.ndarray) -> np.ndarray:
+        """The slot of each of ``ids`` (tokens of layout row ``row``, below its synced length), NO_SLOT for an evicted
+        one, in one vector pass."""
         lay, S = self.layout, self.block_size
-        pos = lay.tok_pos[row, :lay.meta[row, M_TOTAL_LEN]].astype(np.int64)
+        pos = lay.tok_pos[row, ids].astype(np.int64)
         live = pos != NO_POS
         out = np.full(pos.shape[0], NO_SLOT, np.int64)
         out[live] = lay.blocks[row, pos[live] // S].astype(np.int64) * S + pos[live] % S
-        return out.tolist()
+        return out
+
+    def read_lists(self, req_id: object) -> tuple[list[int], list[int]]:
+        """(live token ids, their slots) in logical order: the gather path's read list."""
+        row = self._row(req_id)
+        ids = np.flatnonzero(self.layout.tok_pos[row, :self.layout.meta[row, M_TOTAL_LEN]] != NO_POS)
+        return ids.tolist(), self.token_slots(row, ids).tolist()
 
     def shared_masks(self, req_id: object) -> dict[int, int]:
         """The core's ``shared`` map: for each block of the list another request lists too, the bitmask of this
