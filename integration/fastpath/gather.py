@@ -63,17 +63,27 @@ class FastGather:
         self._f_prev: float | None = None
         self.stats = ReclaimStats()
 
-    # -- the pool's per-block flags (``_movable``, ``_private``) and Stage 2's budget --
-    def movable(self, pack: bool) -> np.ndarray:
-        refs, _, cached = self.pool.snapshot()
-        flags = np.asarray(refs, np.int64) == 1
-        if not pack:
-            flags[list(cached)] = False
-        return flags.astype(np.uint8)
+    # -- the pool's per-block flags (``_movable``, ``_private``, ``_shared_blocks``) and Stage 2's budget --
+    # NOTE: the kernels read a flag only for the blocks the row lists (its candidates, dead blocks, densify's tail),
+    # so only those are asked of the pool: O(the row's blocks) ``ref_count`` calls, as the manager asks per candidate
+    def movable(self, row: int, pack: bool) -> np.ndarray:
+        """Per block id: may it be a compaction source (private; with ``pack`` a prefix-cached one too) or released
+        once dead (``pack=True``: private)."""
+        pool, flags = self.pool, np.zeros(self.fast.num_blocks, np.uint8)
+        for b in self._listed(row):
+            flags[b] = pool.ref_count(b) == 1 and (pack or not pool.is_cached(b))
+        return flags
 
-    def shared(self) -> np.ndarray:
-        """The manager's ``_shared_blocks`` as a per-block flag: another reference (the pool's count > 1)."""
-        return (np.asarray(self.pool.snapshot()[0], np.int64) > 1).astype(np.uint8)
+    def shared(self, row: int) -> np.ndarray:
+        """Per block id: another reference (the pool's count > 1)."""
+        pool, flags = self.pool, np.zeros(self.fast.num_blocks, np.uint8)
+        for b in self._listed(row):
+            flags[b] = pool.ref_count(b) > 1
+        return flags
+
+    def _listed(self, row: int) -> list[int]:
+        lay = self.fast.layout
+        return lay.blocks[row, :lay.meta[row, M_NBLOCKS]].tolist()
 
     def destination_budget(self) -> int:
         free, H = self.pool.num_free, self.pool.headroom
@@ -139,7 +149,7 @@ class FastGather:
     def candidates(self, req_id, max_sources: int, pack: bool) -> list[tuple[int, int]]:
         row = self.fast._row(req_id)
         idx, cnt = np.empty(max_sources, np.int64), np.empty(max_sources, np.int64)
-        code, n, _ = K.compact_candidates(*self.fast._L, row, max_sources, self.movable(pack), idx, cnt)
+        code, n, _ = K.compact_candidates(*self.fast._L, row, max_sources, self.movable(row, pack), idx, cnt)
         assert code == K.OK
         return list(zip(idx[:n].tolist(), cnt[:n].tolist()))
 
@@ -147,7 +157,7 @@ class FastGather:
         """``choose_ranked`` of the request's candidates at ``budget`` destinations."""
         row = self.fast._row(req_id)
         idx, cnt = np.empty(max_sources, np.int64), np.empty(max_sources, np.int64)
-        _, n, _ = K.compact_candidates(*self.fast._L, row, max_sources, self.movable(pack), idx, cnt)
+        _, n, _ = K.compact_candidates(*self.fast._L, row, max_sources, self.movable(row, pack), idx, cnt)
         src = np.empty(max_sources, np.int64)
         code, a, b = K.compact_gate(idx, cnt, n, self.S, budget, src)
         if code == K.NO_CANDIDATES:
@@ -211,7 +221,7 @@ class FastGather:
         evicted = np.asarray(list(evicted_positions) if evicted_positions is not None else [], np.int64)
         moves, released, shared = np.empty((pos - n, 5), np.int64), np.empty(nb + 1, np.int64), np.empty(nb + 1,
                                                                                                         np.int64)
-        code, a, b = K.densify_plan(*self.fast._L, row, evicted, self.shared(), moves, released, shared)
+        code, a, b = K.densify_plan(*self.fast._L, row, evicted, self.shared(row), moves, released, shared)
         if code == K.DENSE_MISMATCH:
             raise InvariantViolation("I7", f"request {req_id!r}: {a} live tokens at or above n_live {n}, {b} holes "
                                            f"below it")
@@ -244,7 +254,7 @@ class FastGather:
         row, lay = self.fast._row(req_id), self.fast.layout
         ids = np.asarray(among if among is not None else [], np.int64)
         out = np.empty(max(int(lay.meta[row, M_NBLOCKS]), 1), np.int64)
-        code, n, _ = K.dead_blocks(*self.fast._L, row, self.movable(True), ids, among is not None, out)
+        code, n, _ = K.dead_blocks(*self.fast._L, row, self.movable(row, True), ids, among is not None, out)
         assert code == K.OK
         if not n:
             return NoPlan(NoPlanReason.NO_CANDIDATES, f"request {req_id!r}: no wholly dead private block")

@@ -74,9 +74,6 @@ class ReplayAllocator:
     def is_cached(self, block_id: int) -> bool:
         return self.real.is_cached(block_id)
 
-    def snapshot(self) -> tuple:
-        return self.real.snapshot()
-
 
 class ShadowEngine:
     """The core's copy engine in the shadow: records each submitted copy, orders it at once (EVENT), runs none."""

@@ -66,13 +66,14 @@ def reclaim_config(settings: VTokenSettings) -> ReclaimConfig | None:
 
 def fast_path_refusal(settings: VTokenSettings, tensor_parallel: int = 1) -> str | None:
     """Why this configuration runs on the core's runtime rather than the fast path (``integration/fastpath``), or
-    None when the fast path runs it. Its domain today (issue #45): the dense read path, the policy none,
-    StreamingLLM or Random, no relocation drill, one tensor-parallel rank, and numba present with every kernel
-    compiled."""
+    None when the fast path runs it. Its domain today (issues #45, #46): the dense read path, or the gather path
+    with reclaim 'compact' or 'off' (Naive-Evict); the policy none, StreamingLLM or Random; no relocation drill; one
+    tensor-parallel rank; numba present with every kernel compiled."""
     if not settings.fast_path:
         return "fast_path is off: the core's runtime (the reference) runs"
-    if settings.read_path != "dense":
-        return f"read_path {settings.read_path!r} runs on the core's runtime (the fast path covers 'dense')"
+    if settings.read_path == "gather" and settings.reclaim == "densify":
+        return "reclaim 'densify' on read_path 'gather' runs on the core's runtime (the fast path's gather path " \
+               "compacts, or releases dead blocks with reclaim 'off')"
     if settings.policy not in FAST_POLICIES:
         return f"policy {settings.policy!r} runs on the core's runtime (the fast path covers {list(FAST_POLICIES)})"
     if settings.drill_every:
@@ -267,12 +268,19 @@ class SchedulerTokens:
         refusal = fast_path_refusal(settings, tensor_parallel)
         self.fast = refusal is None
         if self.fast:
+            from vtoken.integration.fastpath.gather_runtime import GatherRuntime
             from vtoken.integration.fastpath.runtime import FastRuntime
             from vtoken.integration.fastpath.shadow import ShadowedRuntime
-            # strict verify: the core runs beside the fast path on a replay of the pool, compared every call (V6)
-            cls = ShadowedRuntime if settings.strict_verify == "strict" else FastRuntime
-            self.rt = cls(self.allocator, self.engine, policy() if policy else None, settings.budget, *capacity,
-                          evict_every=settings.evict_every, seed=settings.seed, names=self.policy_names)
+            args = (self.allocator, self.engine, policy() if policy else None, settings.budget, *capacity)
+            kwargs = dict(evict_every=settings.evict_every, seed=settings.seed, names=self.policy_names)
+            gather = self.read_path is ReadPath.GATHER
+            if settings.strict_verify == "strict":
+                # the core runs beside the fast path on a replay of the pool, compared every call (V6)
+                cls = ShadowedRuntime
+                self.rt = cls(*args, **kwargs, read_path=self.read_path, config=reclaim_config(settings))
+            else:
+                cls = GatherRuntime if gather else FastRuntime
+                self.rt = cls(*args, reclaim_config(settings), **kwargs) if gather else cls(*args, **kwargs)
             mb = self.rt.table.layout.footprint()["total"] / 2**20
             self.runtime_note = (f"the fast path runs ({cls.__name__}: {capacity[0]} requests x {capacity[1]} tokens, "
                                  f"{mb:.1f} MiB of tables)")
