@@ -70,8 +70,9 @@ class Episode:
     @classmethod
     def draw(cls, seed: int, max_requests: int = 10, tp: int = 1, fast: bool = False) -> Episode:
         """The episode of ``seed``. ``fast``: the same draw moved into the fast path's domain (the dense path with
-        densify, no drill, policy none, StreamingLLM or Random: any other policy drawn becomes StreamingLLM, and caching
-        is on), so every episode runs the fast path shadowed by the core (V6)."""
+        densify or the gather path with compact or Naive-Evict: a gather path drawn with densify compacts; no drill;
+        policy none, StreamingLLM or Random: any other policy drawn becomes StreamingLLM; caching on), so every
+        episode runs the fast path shadowed by the core (V6)."""
         rng = random.Random(seed)
         # the score-free policies mostly (the differential oracle runs on them), budgets mostly high enough that
         # densify's cursor lands in a prompt block and not only far back in the first ones
@@ -121,8 +122,11 @@ class Episode:
         # the eviction cadence from its own stream: every other draw stays what it was before the setting
         vt["evict_every"] = random.Random(f"{seed}:evict_every").choice([1, 1, 1, 2, 4])
         if fast:
-            vt.update(read_path="dense", reclaim="densify", drill_every=0, headroom=0,
+            # the drawn read path stays; on the gather path densify becomes compact (issue #46)
+            vt.update(drill_every=0,
                       policy=vt["policy"] if vt["policy"] in ("none", "streaming_llm", "random") else "streaming_llm")
+            if vt["reclaim"] == "densify" and vt["read_path"] == "gather":
+                vt["reclaim"] = "compact"
             vt.pop("score_layers", None)
             prefix_caching = True
         return cls(seed, vt, prefix_caching, num_blocks, reqs, tp, fast)

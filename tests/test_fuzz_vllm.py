@@ -38,12 +38,15 @@ def test_fast_path_episodes_are_the_same_draws_moved_into_its_domain():
     otherwise the draw of the same seed: the same requests, pool, budget and cadence."""
     from vtoken.integration.vllm.scheduler_tokens import fast_path_refusal
     from vtoken.integration.vllm.settings import VTokenSettings
+    paths = set()
     for i in range(40):
         plain, fast = Episode.draw(episode_seed(1, i)), Episode.draw(episode_seed(1, i), fast=True)
         assert fast.fast and fast.prefix_caching and fast_path_refusal(VTokenSettings(**fast.vtoken)) is None
+        paths.add((fast.vtoken["read_path"], fast.vtoken["reclaim"]))
         assert (fast.requests, fast.num_blocks) == (plain.requests, plain.num_blocks)
         assert {k: fast.vtoken[k] for k in ("budget", "evict_every", "seed")} == \
                {k: plain.vtoken[k] for k in ("budget", "evict_every", "seed")}
+    assert paths == {("dense", "densify"), ("gather", "compact"), ("gather", "off")}  # issue #46: the gather path too
 
 
 def test_a_short_campaign_through_vllm_is_clean(tmp_path):

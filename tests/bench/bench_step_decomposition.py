@@ -35,9 +35,15 @@ from vtoken.integration.bench.vllm_engine import engine_args, engine_environment
 CONFIGS = {"random, densify": {"policy": "random", "budget": 0.5},
            "random, densify, core": {"policy": "random", "budget": 0.5, "fast_path": False},
            "random, gather, compact": {"policy": "random", "budget": 0.5, "read_path": "gather", "reclaim": "compact"},
+           "random, gather, compact, core": {"policy": "random", "budget": 0.5, "read_path": "gather",
+                                             "reclaim": "compact", "fast_path": False},
+           "streaming, gather, compact": {"policy": "streaming_llm", "budget": 0.5, "read_path": "gather",
+                                          "reclaim": "compact"},
+           "streaming, gather, compact, core": {"policy": "streaming_llm", "budget": 0.5, "read_path": "gather",
+                                                "reclaim": "compact", "fast_path": False},
            "h2o, densify": {"policy": "h2o", "budget": 0.5},
            "h2o, gather, compact": {"policy": "h2o", "budget": 0.5, "read_path": "gather", "reclaim": "compact"},
-           # the fast path (issue #45; Random's too) against the core's runtime on the same configuration
+           # the fast path (issues #45, #46; Random's too) against the core's runtime on the same configuration
            "streaming, densify": {"policy": "streaming_llm", "budget": 0.5},
            "streaming, densify, core": {"policy": "streaming_llm", "budget": 0.5, "fast_path": False}}
 NEW_TOKENS, BLOCK = 32, 32
