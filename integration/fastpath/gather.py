@@ -62,24 +62,34 @@ class FastGather:
         self.burst = False  # the adaptive trigger's state, as the manager's (``should_reclaim``)
         self._f_prev: float | None = None
         self.stats = ReclaimStats()
+        self._flags = np.zeros(fast.num_blocks, np.uint8)  # ``movable``'s and ``shared``'s answers, per block id
 
     # -- the pool's per-block flags (``_movable``, ``_private``, ``_shared_blocks``) and Stage 2's budget --
     # NOTE: the kernels read a flag only for the blocks the row lists (its candidates, dead blocks, densify's tail),
-    # so only those are asked of the pool: O(the row's blocks) ``ref_count`` calls, as the manager asks per candidate
+    # so only those are asked of the pool, as the manager asks per candidate: in one pass where the pool offers
+    # ``block_states`` (vLLM's allocator), else block by block
+    # NOTE: one array, kept: each call sets the row's blocks only, and leaves other blocks' entries as an earlier call
+    # left them, which no kernel reads for this row (no O(pool) fill per plan)
     def movable(self, row: int, pack: bool) -> np.ndarray:
-        """Per block id: may it be a compaction source (private; with ``pack`` a prefix-cached one too) or released
-        once dead (``pack=True``: private)."""
-        pool, flags = self.pool, np.zeros(self.fast.num_blocks, np.uint8)
-        for b in self._listed(row):
-            flags[b] = pool.ref_count(b) == 1 and (pack or not pool.is_cached(b))
+        """Per block id of the row's list: may it be a compaction source (private; with ``pack`` a prefix-cached one
+        too) or released once dead (``pack=True``: private)."""
+        listed, flags = self._listed(row), self._flags
+        refs, cached = self._states(listed)
+        flags[listed] = [ref == 1 and (pack or not c) for ref, c in zip(refs, cached)]
         return flags
 
     def shared(self, row: int) -> np.ndarray:
-        """Per block id: another reference (the pool's count > 1)."""
-        pool, flags = self.pool, np.zeros(self.fast.num_blocks, np.uint8)
-        for b in self._listed(row):
-            flags[b] = pool.ref_count(b) > 1
+        """Per block id of the row's list: another reference (the pool's count > 1)."""
+        listed, flags = self._listed(row), self._flags
+        flags[listed] = [ref > 1 for ref in self._states(listed)[0]]
         return flags
+
+    def _states(self, listed: list[int]) -> tuple[list[int], list[bool]]:
+        states = getattr(self.pool, "block_states", None)
+        if states is not None:
+            return states(listed)
+        pool = self.pool
+        return [pool.ref_count(b) for b in listed], [pool.is_cached(b) for b in listed]
 
     def _listed(self, row: int) -> list[int]:
         lay = self.fast.layout
@@ -275,7 +285,7 @@ class FastGather:
         """``ReclamationManager._commit`` of the request's plan in flight: COMMITTED, ABORTED (stale), or the core's
         error, nothing changed."""
         plan, row = self.inflight[req_id], self.fast._row(req_id)
-        moves = np.asarray([tuple(m) for m in plan.moves], np.int64).reshape(-1, 5)
+        moves = _move_rows(plan.moves)
         if plan.kind is PlanKind.DENSIFY:
             return self._commit_densify(req_id, row, plan, moves)
         src, dst = np.asarray(plan.src_blocks, np.int64), np.asarray(plan.dst_blocks, np.int64)
@@ -434,4 +444,8 @@ class FastGather:
         self._fail(req_id, message())
 
 
-# ---- the lockstep ----------------------------------------------------------------------------------------------------
+def _move_rows(moves) -> np.ndarray:
+    """A plan's moves as an int64 array of five fields per row: a ``MoveArray``'s own buffer (no copy), else built."""
+    if isinstance(moves, MoveArray):
+        return np.frombuffer(moves.fields, np.int64).reshape(-1, 5) if moves.fields else np.empty((0, 5), np.int64)
+    return np.asarray([tuple(m) for m in moves], np.int64).reshape(-1, 5)

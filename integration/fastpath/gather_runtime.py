@@ -24,6 +24,7 @@ of committed plans and the tokens synced since the previous call, logged here as
 
 from __future__ import annotations
 
+from array import array
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -40,6 +41,7 @@ from vtoken.core import token_table
 
 from .commits import NO_COMMITS, StepCommits
 from .gather import COMMITTED, FastGather
+from .layout import NO_POS
 from .runtime import FastRuntime
 
 _EVICTED, _MOVED, _SINCE, _JOINED_FROM = range(4)  # a request's change log (``read_changes``)
@@ -68,7 +70,7 @@ class GatherRuntime(FastRuntime):
     # ---- requests -------------------------------------------------------------------------
     def admit(self, req_id: object) -> None:
         super().admit(req_id)
-        self._log[req_id] = [[], [], -1, 0]
+        self._log[req_id] = [array('q'), array('q'), -1, 0]
 
     def detach(self, req_id: object) -> list[int]:
         """As ``FastRuntime.detach``. NOTE: a deferred release of ``req_id`` stays deferred, as the core's does: a
@@ -110,22 +112,40 @@ class GatherRuntime(FastRuntime):
         log = self._log[req_id]
         evicted, moved, since, joined_from = log
         version, total = self.table.layout_version(req_id), self.table.total_len(req_id)
-        log[:] = [[], [], version, total]
+        log[:] = [array('q'), array('q'), version, total]
         if evicted is None or moved is None or since == -1:
             return ReadChanges(version, since, True)
-        evicted = tuple(t for t in evicted if t < joined_from)
+        if len(evicted) > 16:  # a burst: one vector pass
+            gone = np.frombuffer(evicted, np.int64)
+            evicted = tuple(gone[gone < joined_from].tolist())
+        else:
+            evicted = tuple(t for t in evicted if t < joined_from)
         moved_ids, moved_slots = (), ()
         if moved:
-            ids = np.unique(np.asarray(moved, np.int64))
-            ids = ids[ids < joined_from]
-            slots = self.table.token_slots(row, ids)
-            live = slots >= 0
-            moved_ids, moved_slots = tuple(ids[live].tolist()), tuple(slots[live].tolist())
-        joined = np.arange(joined_from, total, dtype=np.int64)
-        slots = self.table.token_slots(row, joined)
-        live = slots >= 0
-        return ReadChanges(version, since, False, evicted, tuple(joined[live].tolist()), tuple(slots[live].tolist()),
-                           moved_ids, moved_slots)
+            if len(moved) > 16:  # a compaction's moves: one vector pass
+                ids = np.unique(np.frombuffer(moved, np.int64))
+                ids = ids[ids < joined_from].tolist()
+            else:
+                ids = sorted({t for t in moved if t < joined_from})
+            slots = self._slots(row, ids)
+            moved_ids = tuple(t for t, s in zip(ids, slots) if s >= 0)
+            moved_slots = tuple(s for s in slots if s >= 0)
+        joined = range(joined_from, total)
+        slots = self._slots(row, joined)
+        return ReadChanges(version, since, False, evicted, tuple(t for t, s in zip(joined, slots) if s >= 0),
+                           tuple(s for s in slots if s >= 0), moved_ids, moved_slots)
+
+    def _slots(self, row: int, ids) -> list[int]:
+        """The slot of each token of ``ids`` (NO_SLOT: evicted): a few read one by one (a decode step joins one
+        token), many in one vector pass."""
+        if len(ids) > 16:
+            return self.table.token_slots(row, np.asarray(ids, np.int64)).tolist()
+        tok_pos, blocks, S = self.table.layout.tok_pos, self.table.layout.blocks, self.table.block_size
+        out = []
+        for t in ids:
+            p = tok_pos.item(row, t)
+            out.append(-1 if p == NO_POS else blocks.item(row, p // S) * S + p % S)
+        return out
 
     def read_lists(self, req_id: object) -> tuple[list[int], list[int]]:
         """(live token ids, their slots) in logical order."""

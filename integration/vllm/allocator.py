@@ -66,6 +66,13 @@ class VllmBlockAllocator:
         """vLLM hashed the block (prefix caching on): a later request whose prompt matches may map it."""
         return manager_hooks.is_cached(self.pool, self._block(block_id))
 
+    def block_states(self, block_ids: list[int]) -> tuple[list[int], list[bool]]:
+        """``ref_count`` and ``is_cached`` of each of ``block_ids`` (blocks a token table lists: in range, checked
+        there), read in one pass: what the fast path's planners ask of a request's blocks every round."""
+        blocks, cached = self.pool.blocks, self.pool.cached_block_hashes_by_block
+        held = [blocks[b] for b in block_ids]
+        return [b.ref_cnt for b in held], [b.block_hash is not None or b.block_id in cached for b in held]
+
     # ---- mutations -----------------------------------------------------------
     def allocate(self, n: int, purpose: Purpose) -> list[int]:
         purpose = _check_request(n, purpose)

@@ -171,8 +171,7 @@ class VTokenConnector(KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         c = self.vllm_config
         self.tokens = SchedulerTokens(self.settings, kv_cache_manager, self.block_size,
-                                      (c.scheduler_config.max_num_seqs, c.model_config.max_model_len),
-                                      c.parallel_config.tensor_parallel_size)
+                                      (c.scheduler_config.max_num_seqs, c.model_config.max_model_len))
         logger.info("vtoken: %s", self.tokens.runtime_note)
 
     def bind_scheduler(self, scheduler) -> None:

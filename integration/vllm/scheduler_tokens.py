@@ -64,11 +64,12 @@ def reclaim_config(settings: VTokenSettings) -> ReclaimConfig | None:
     return ReclaimConfig(PlanKind.COMPACT, theta_f=settings.theta_f, max_sources=settings.max_sources,
                          ordering=Ordering.EVENT)
 
-def fast_path_refusal(settings: VTokenSettings, tensor_parallel: int = 1) -> str | None:
+def fast_path_refusal(settings: VTokenSettings) -> str | None:
     """Why this configuration runs on the core's runtime rather than the fast path (``integration/fastpath``), or
     None when the fast path runs it. Its domain today (issues #45, #46): the dense read path, or the gather path
-    with reclaim 'compact' or 'off' (Naive-Evict); the policy none, StreamingLLM or Random; no relocation drill; one
-    tensor-parallel rank; numba present with every kernel compiled."""
+    with reclaim 'compact' or 'off' (Naive-Evict); the policy none, StreamingLLM or Random; no relocation drill;
+    numba present with every kernel compiled. Tensor parallelism changes nothing here: one scheduler plans for every
+    rank, and the ranks' copy reports are folded before the runtime hears of them (``ShardReports``)."""
     if not settings.fast_path:
         return "fast_path is off: the core's runtime (the reference) runs"
     if settings.read_path == "gather" and settings.reclaim == "densify":
@@ -78,8 +79,6 @@ def fast_path_refusal(settings: VTokenSettings, tensor_parallel: int = 1) -> str
         return f"policy {settings.policy!r} runs on the core's runtime (the fast path covers {list(FAST_POLICIES)})"
     if settings.drill_every:
         return "the relocation drill runs on the core's runtime"
-    if tensor_parallel > 1:
-        return f"tensor parallelism ({tensor_parallel} ranks) runs on the core's runtime"
     from vtoken.integration.fastpath import unavailable
     return unavailable()
 
@@ -247,11 +246,11 @@ class TokenStats:
 
 
 class SchedulerTokens:
-    """``capacity``: (vLLM's max_num_seqs, max_model_len), what the fast path's arrays are sized for;
-    ``tensor_parallel``: the ranks. ``runtime_note`` says which runtime runs and, for the core's, why."""
+    """``capacity``: (vLLM's max_num_seqs, max_model_len), what the fast path's arrays are sized for.
+    ``runtime_note`` says which runtime runs and, for the core's, why."""
 
     def __init__(self, settings: VTokenSettings, kv_cache_manager, block_size: int,
-                 capacity: tuple[int, int] = (256, 8192), tensor_parallel: int = 1) -> None:
+                 capacity: tuple[int, int] = (256, 8192)) -> None:
         [self.manager] = kv_cache_manager.coordinator.single_type_managers  # compat: one KV cache group
         self.settings = settings
         self.block_size = block_size
@@ -265,7 +264,7 @@ class SchedulerTokens:
         self.policy_names: dict[str, int] = {}
         self.ranked = WorkerRanked(policy(), self.policy_names, settings.strict_verify == "strict") \
             if settings.policy in SCORE_POLICIES else None
-        refusal = fast_path_refusal(settings, tensor_parallel)
+        refusal = fast_path_refusal(settings)
         self.fast = refusal is None
         if self.fast:
             from vtoken.integration.fastpath.gather_runtime import GatherRuntime
