@@ -151,10 +151,6 @@ class GatherRuntime(FastRuntime):
         """(live token ids, their slots) in logical order."""
         return self.table.read_lists(req_id)
 
-    def take_commits(self) -> StepCommits:
-        done, self._commits = self._commits, NO_COMMITS
-        return done
-
     # ---- helpers ------------------------------------------------------------------------------
     def _log_entries(self, r: object, which: int, ids) -> None:
         """The core's change log: ``ids`` appended, or the log dropped (None) once it holds more than it keeps."""
