@@ -29,22 +29,22 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from vtoken.core import token_table
 from vtoken.core.block_pool import BlockAllocator
-from vtoken.core.copy_engine import CopyEngine, CopyStatus
-from vtoken.core.errors import ConfigError, InvariantViolation
+from vtoken.core.copy_engine import CopyEngine
+from vtoken.core.errors import ConfigError
 from vtoken.core.plan import Plan, PlanKind
 from vtoken.core.policies.random_policy import RandomPolicy
 from vtoken.core.policies.streaming_llm import StreamingLLM
 from vtoken.core.reclamation import Ordering, ReclaimConfig
 from vtoken.core.runtime import ReadChanges
-from vtoken.core import token_table
 
 from .commits import NO_COMMITS, StepCommits
 from .gather import COMMITTED, FastGather
 from .layout import NO_POS
 from .runtime import FastRuntime
 
-_EVICTED, _MOVED, _SINCE, _JOINED_FROM = range(4)  # a request's change log (``read_changes``)
+_EVICTED, _MOVED = 0, 1  # a request's change log (``read_changes``): evicted ids, moved ids, version, synced length
 
 
 class GatherRuntime(FastRuntime):
@@ -189,13 +189,7 @@ class GatherRuntime(FastRuntime):
         plans: list[Plan] = list(g.inflight.values())
         copies = [(p.moves, p.req_id) for p in plans if p.moves]
         if copies:
-            statuses = self.engine.submit_ordered(copies)
-            for (_, r), status in zip(copies, statuses):
-                if status is not CopyStatus.ORDERED and not status.settled:
-                    # NOTE: the core would keep the plan in flight; an engine that cannot order a copy before the
-                    # next step is outside this runtime's domain
-                    raise InvariantViolation("V6", f"request {r!r}: the fast path's engine left a copy "
-                                                   f"{status.value}; it needs EVENT ordering")
+            self._submit_ordered(copies)
         committed = []
         for p in plans:
             if g.commit(p.req_id) == COMMITTED:

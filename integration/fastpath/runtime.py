@@ -287,16 +287,20 @@ class FastRuntime:
         stats.blocks_released += released
         self._commits = StepCommits(n, 0, n, moves, released, relists, plan_of)
         if copies:
-            statuses = self.engine.submit_ordered(copies)
-            if statuses.count(CopyStatus.ORDERED) != len(statuses):
-                for (_, r), status in zip(copies, statuses):
-                    if status is not CopyStatus.ORDERED and not status.settled:
-                        # NOTE: the kernel committed already; an engine that cannot order the copy before the next
-                        # step (the core would keep the plan in flight) is outside this runtime's domain
-                        raise InvariantViolation("V6", f"request {r!r}: the fast path committed a plan whose copy "
-                                                       f"the engine left {status.value}; it needs EVENT ordering")
+            self._submit_ordered(copies)
         if holey:
             self._holey = {r for r in holey if r in self.table and not self._is_dense(r)}
+
+    def _submit_ordered(self, copies) -> None:
+        """The step's copies to the engine in one call, each submitted, ordered before the next compute step and
+        released. NOTE: the plans commit in this call; an engine that cannot order a copy before the next step (the
+        core would keep the plan in flight) is outside this runtime's domain."""
+        statuses = self.engine.submit_ordered(copies)
+        if statuses.count(CopyStatus.ORDERED) != len(statuses):
+            for (_, r), status in zip(copies, statuses):
+                if status is not CopyStatus.ORDERED and not status.settled:
+                    raise InvariantViolation("V6", f"request {r!r}: the fast path committed a plan whose copy the "
+                                                   f"engine left {status.value}; it needs EVENT ordering")
 
     def _step_commits(self, step: EvictStep, js: range) -> tuple:
         """``_commit`` of ``step``'s commits ``js``, in that order (all of them, in the record's order, but for a
