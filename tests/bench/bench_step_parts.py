@@ -1,11 +1,11 @@
 """Where a steady step's host time goes inside vLLM, by part: the scheduler's and the workers' vtoken calls, timed.
 
-    python tests/bench/bench_step_parts.py [--context 1536] [--requests 64] [--core] [--gather]
+    python tests/bench/bench_step_parts.py [--context 1536] [--requests 64] [--core] [--gather] [--policy P]
     VTOKEN_TREE=/path/to/another/checkout python tests/bench/bench_step_parts.py    # the same, on that tree's code
 
 ``bench_step_decomposition.py`` splits whole steps into steady, burst and reclaim; this one opens a steady step up.
-One engine (the byte-llama, Random at 0.5, dense + densify or with ``--gather`` gather + compact, fast path unless
-``--core``), ``--requests`` prompts of
+One engine (the byte-llama, ``--policy`` (Random) at 0.5, dense + densify or with ``--gather`` gather + compact, fast
+path unless ``--core``), ``--requests`` prompts of
 ``--context`` tokens and 48 generated, one pinned core; after the first decode step's burst every step with all
 requests running is timed, and each part below is wrapped in a timer (``perf_counter`` around the call: about
 0.1 µs a call, so the parts read a little high). Prints vtoken's scheduler and worker µs per request-step as the
@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--core", action="store_true", help="the core's runtime (fast_path: false)")
     ap.add_argument("--gather", action="store_true", help="the gather path, compact (read_path: gather)")
+    ap.add_argument("--policy", default="random", choices=["random", "streaming_llm"])
     args = ap.parse_args()
     seconds, timing = collections.Counter(), [False]
     instrument(seconds, timing)
@@ -81,7 +82,7 @@ def main() -> None:
         start_llm
 
     R, new = args.requests, 48
-    cfg = {"policy": "random", "budget": 0.5, **({"fast_path": False} if args.core else {}),
+    cfg = {"policy": args.policy, "budget": 0.5, **({"fast_path": False} if args.core else {}),
            **({"read_path": "gather", "reclaim": "compact"} if args.gather else {})}
     with engine_environment(1), one_core():
         from vllm import SamplingParams
