@@ -35,8 +35,10 @@ from vtoken.core.runtime import ReadPath
 from vtoken.integration.fastpath import gather_kernels as GK
 from vtoken.integration.fastpath import gather_runtime
 from vtoken.integration.fastpath import kernels as K
+from vtoken.integration.fastpath import read_kernels as RK
 from vtoken.integration.fastpath import runtime as fast_runtime
 from vtoken.integration.fastpath.layout import M_LAYOUT_VERSION, M_NBLOCKS, M_RUN_POS, M_TOTAL_LEN, M_WRITE_POS
+from vtoken.integration.fastpath.reads import REPLACE, ReadTable
 from vtoken.integration.fastpath.shadow import ShadowedRuntime, ShadowEngine
 
 from .events import EVENTS
@@ -54,7 +56,8 @@ class FastMachine(RuleBasedStateMachine):
         self.rt: ShadowedRuntime | None = None
         self.next_id = 0
         self.prompt: dict[int, int] = {}  # request -> tokens it arrived with (decoding past them)
-        self.reads: dict[int, tuple[list[int], list[int], int]] = {}  # gather: the workers' copy (ids, slots, version)
+        # gather: the workers' copy of the read lists, patched by the compiled kernel and by its numpy reference
+        self.reads = (ReadTable(compiled=True), ReadTable(compiled=False))
         self._compared = 0  # the shadow's compared calls counted so far
 
     @initialize(policy=st.sampled_from(["none", "streaming_llm", "random", "random"]), budget=st.sampled_from([0.5, 0.75, 6, 10]),
@@ -162,10 +165,11 @@ class FastMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.running())
     @rule(batch=st.integers(1, 2**ROWS - 1), tokens=st.lists(st.sampled_from([1, 1, 1, 2, 5]), min_size=ROWS,
                                                              max_size=ROWS),
-          pressure=st.sampled_from([0, 0, 0, 1, 3]))
-    def step(self, batch, tokens, pressure):
+          pressure=st.sampled_from([0, 0, 0, 1, 3]), check=st.sampled_from([False, False, True]))
+    def step(self, batch, tokens, pressure, check):
         """One engine step: the requests of ``batch`` (a bit per running request) get their tokens, synced in one
-        call (on the gather path each one's read-list change is taken then, as vLLM's scheduler sends it); then,
+        call (on the gather path their read-list changes are taken then, as vLLM's scheduler sends them, with the
+        whole lists under ``check``, strict verify's); then,
         under ``pressure`` (blocks the engine is short of), the decoding ones evict and reclaim."""
         ids = self.running()
         members = [r for i, r in enumerate(ids) if batch >> i & 1] or ids[:1]
@@ -176,9 +180,8 @@ class FastMachine(RuleBasedStateMachine):
                 items.append((r, new, self.rt.total_len(r) + n))
         self.rt.sync_many(items)
         synced = {r for r, _, _ in items}
-        if self.path != "dense":
-            for r, _, _ in items:
-                self.patch_read_list(r)
+        if self.path != "dense" and items:
+            self.patch_read_lists([r for r, _, _ in items], check)
         decoding = [r for r in self.running() if r in synced and self.rt.total_len(r) >= self.prompt[r]]
         self.rt.set_pressure(pressure)
         victims = self.rt.evict_and_reclaim(decoding)
@@ -192,29 +195,23 @@ class FastMachine(RuleBasedStateMachine):
             EVENTS["packs_committed"] += commits.densified
             EVENTS["compacts_committed"] += commits.plans - commits.densified
 
-    def patch_read_list(self, r) -> None:
-        """The workers' copy of ``r``'s read list, patched by its change (``worker_tokens._patch_read``'s rules),
-        must be the table's read list."""
-        c = self.rt.read_changes(r)
-        if c.rebuilt:
-            ids, slots = self.rt.read_lists(r)
-            self.reads[r] = (ids, slots, c.version)
-            EVENTS["read_lists_rebuilt"] += 1
-            return
-        ids, slots, version = self.reads[r]
-        assert version == c.since, f"request {r!r}: a change since version {c.since}, the copy is at {version}"
-        at = {t: i for i, t in enumerate(ids)}
-        for t, slot in zip(c.moved, c.moved_slots):
-            slots[at[t]] = slot
-        gone = set(c.evicted)
-        assert gone <= at.keys(), f"request {r!r}: evicted tokens {sorted(gone - at.keys())} not in its read list"
-        kept = [(t, s) for t, s in zip(ids, slots) if t not in gone]
-        kept += list(zip(c.joined, c.joined_slots))
-        self.reads[r] = ([t for t, _ in kept], [s for _, s in kept], c.version)
-        if self.reads[r][:2] != tuple(self.rt.fast.read_lists(r)):
-            raise E.InvariantViolation("V2", f"request {r!r}: the read list patched by its changes, ids "
-                                             f"{self.reads[r][0][:8]}..., is not the table's")
-        EVENTS["read_lists_patched"] += 1
+    def patch_read_lists(self, req_ids: list, check: bool) -> None:
+        """The step's read-list changes (``read_step``: the fast path's against the core's, request by request),
+        patched into the workers' copy as ``WorkerTokens`` patches it (``ReadTable.apply``, under ``check`` with the
+        whole lists compared), by the kernel and by its numpy reference: both copies must be the table's read lists."""
+        reads = self.rt.read_step(req_ids, check)
+        removed = [table.apply(reads) for table in self.reads]
+        assert removed[0].tolist() == removed[1].tolist(), f"evicted positions {removed[0]} against {removed[1]}"
+        for r in req_ids:
+            want = self.rt.fast.read_lists(r)
+            for table in self.reads:
+                slots, ids = table.lists(r)
+                if (ids.tolist(), slots.tolist()) != want:
+                    raise E.InvariantViolation("V2", f"request {r!r}: the read list patched by its changes "
+                                                     f"({'compiled' if table.compiled else 'numpy'}), ids "
+                                                     f"{ids[:8].tolist()}..., is not the table's")
+        EVENTS["read_lists_rebuilt"] += int((reads.whole == REPLACE).sum())
+        EVENTS["read_lists_patched"] += int((reads.whole != REPLACE).sum())
 
     @precondition(lambda self: self.running())
     @rule(index=st.integers(0, 63), blocks=st.integers(1, 3))
@@ -235,7 +232,8 @@ class FastMachine(RuleBasedStateMachine):
         r = self.pick(index)
         blocks = self.rt.detach(r)
         self.pool.free(blocks)
-        self.reads.pop(r, None)
+        for table in self.reads:
+            table.forget(r)
         EVENTS["detached"] += 1
 
     # ---- refused calls: the same error on both sides, nothing changed -----------------------------
@@ -564,12 +562,37 @@ def _release_while_a_plan_is_in_flight() -> dict:
 
 
 def _moves_not_logged() -> dict:
-    real = gather_runtime.GatherRuntime._log_entries
+    real = gather_runtime._ChangeLogs.log
 
-    def log_entries(self, r, which, ids):  # a commit's moved tokens never reach the read-list change log
-        if which != gather_runtime._MOVED:
-            real(self, r, which, ids)
-    return {(gather_runtime.GatherRuntime, "_log_entries"): log_entries}
+    def log(self, n, log, rows, starts, ids):  # a commit's moved tokens never reach the read-list change log
+        if n is not self.mv_n:
+            real(self, n, log, rows, starts, ids)
+    return {(gather_runtime._ChangeLogs, "log"): log}
+
+
+def _evictions_taken_twice() -> dict:
+    real = RK.take_reads
+
+    def take_reads(*args):  # the eviction logs are not emptied: a step's evictions are listed again next time
+        ev_n, rows = args[6], args[4]
+        kept = ev_n[rows].copy()
+        real(*args)
+        ev_n[rows] = kept
+    return {(RK, "take_reads"): take_reads}
+
+
+def _patch_skips_the_last_eviction() -> dict:
+    real = RK.patch_reads
+
+    def patch_reads(*args):  # the workers' patch keeps each request's last evicted token in its read list
+        args = list(args)
+        ev_at, ev = args[8], args[9]
+        keep = np.ones(len(ev), bool)
+        keep[ev_at[1:][np.diff(ev_at) > 0] - 1] = False
+        args[8] = np.concatenate(([0], np.cumsum([keep[a:b].sum() for a, b in zip(ev_at[:-1], ev_at[1:])])))
+        args[9], args[20] = ev[keep], args[20][:int(keep.sum())]
+        return real(*args)
+    return {(RK, "patch_reads"): patch_reads}
 
 
 FAST_BUGS: dict[str, PlantedBug] = {b.name: b for b in (
@@ -596,4 +619,8 @@ FAST_BUGS: dict[str, PlantedBug] = {b.name: b for b in (
                "request's plan of this step's round", _release_while_a_plan_is_in_flight),
     PlantedBug("fast_gather_moves_not_logged", "a commit's moved tokens never reach the read-list change log",
                _moves_not_logged),
+    PlantedBug("fast_reads_evictions_taken_twice", "taking a step's read-list changes leaves the eviction logs "
+               "full: the next step lists them again", _evictions_taken_twice),
+    PlantedBug("fast_reads_patch_skips_the_last_eviction", "the workers' compiled patch keeps each request's last "
+               "evicted token in its read list", _patch_skips_the_last_eviction),
 )}

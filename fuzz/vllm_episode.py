@@ -306,13 +306,23 @@ def _ignore_layout(self, rid, blocks):
     return None
 
 
-def _read_changes_without(*fields: str):
-    """A dropped delta: the worker patches a request's read list with a change whose ``fields`` are left out."""
+def _read_changes_without(*parts: str):
+    """A dropped delta: the worker patches its read lists with the step's changes less ``parts`` (a ``StepReads``
+    part whose starts and entries are emptied, the whole lists kept for the check)."""
     def wrap(real):
         from dataclasses import replace
 
-        empty = dict.fromkeys(fields, ())
-        return lambda self, rid, delta: real(self, rid, replace(delta, changes=replace(delta.changes, **empty)))
+        import numpy as np
+
+        def patch_reads(self, reads):
+            empty = {}
+            for part in parts:
+                empty[f"{part}_at"] = np.zeros_like(getattr(reads, f"{part}_at"))
+                empty[part] = getattr(reads, part)[:0]
+                if part != "evicted":
+                    empty[f"{part}_slots"] = getattr(reads, f"{part}_slots")[:0]
+            return real(self, replace(reads, **empty))
+        return patch_reads
 
     wrap.wraps = True  # planted() hands it the method it replaces
     return wrap
@@ -321,7 +331,7 @@ def _read_changes_without(*fields: str):
 # what left the list is not dropped: attention still reads evicted tokens' slots (which moves and appends reuse)
 _drops_read_evictions = _read_changes_without("evicted")
 # a commit's moves are not applied: attention (and the score pass) reads moved tokens at the slots the commit freed
-_ignores_read_moves = _read_changes_without("moved", "moved_slots")
+_ignores_read_moves = _read_changes_without("moved")
 
 
 def _ranks_into_the_window(real):
@@ -377,11 +387,11 @@ PLANTED = {  # name -> (what is wrong, (module path, class or None for the modul
                                                     "_install_layout", _ignore_layout)),
     "worker_drops_read_evictions": ("the worker's copy of a request's read list drops nothing the scheduler evicted "
                                     "(a dropped delta): gather attention reads evicted tokens' slots",
-                                    ("vtoken.integration.vllm.worker_tokens", "WorkerTokens", "_patch_read",
+                                    ("vtoken.integration.vllm.worker_tokens", "WorkerTokens", "_patch_reads",
                                      _drops_read_evictions)),
     "worker_ignores_read_moves": ("the worker's copy of a request's read list keeps moved tokens at their old "
                                   "slots after a commit (a dropped delta): gather attention reads freed slots",
-                                  ("vtoken.integration.vllm.worker_tokens", "WorkerTokens", "_patch_read",
+                                  ("vtoken.integration.vllm.worker_tokens", "WorkerTokens", "_patch_reads",
                                    _ignores_read_moves)),
     "worker_ranks_into_the_window": ("the workers' ranking of H2O's and Scissorhands' victims counts the oldest "
                                      "token of the recent window as a candidate: their victims stop being the "

@@ -164,8 +164,8 @@ def _read_list_episode() -> Episode:
 
 
 def test_the_workers_patched_read_lists_equal_the_tables_every_step():
-    """Each step the scheduler sends each request's read-list change (``ReadDelta``), and the worker patches its
-    tensors; in fuzz episodes every step also carries the whole list, which the patched copy must equal (V2).
+    """Each step the scheduler sends the step's read-list changes (``StepReads``), and the worker patches its
+    table; in fuzz episodes every step also carries the whole list, which the patched copy must equal (V2).
     Clean on a run with eviction, relocation, preemption and prefix hits; with the worker dropping the evictions
     of a change, or its moves (a dropped delta), the first check after one fails naming the request."""
     ep = _read_list_episode()

@@ -8,8 +8,10 @@ arrays for all requests (``layout.FastLayout``), numba-compiled kernels with a p
 ``gather_kernels``), a table with the core's interface and errors over them (``table.FastTable``), the gather path's
 planner and commits as the manager's (``gather.FastGather``), and the runtimes: the dense path with densify
 (``runtime.FastRuntime``) and the gather path with compact or Naive-Evict alone (``gather_runtime.GatherRuntime``),
-whose plans' moves travel packed (``moves.MoveArray``); on the workers' side, a compiled mover for CPU KV
-caches (``relocate.HostMover``). The two implementations are proved equal operation by operation
+whose plans' moves travel packed (``moves.MoveArray``) and whose read-list changes travel as one flat record per
+step (``reads.StepReads``, taken in ``read_kernels``); on the workers' side, a compiled mover for CPU KV caches
+(``relocate.HostMover``) and the table of read lists those records patch (``reads.ReadTable``). The two
+implementations are proved equal operation by operation
 (tests/test_fastpath_table.py, tests/test_fastpath_gather.py: the same random operations into the core and the fast path, every request's state
 compared after each one) and step by step (``shadow.ShadowedRuntime``: the core's runtime beside the fast one,
 compared after every call; ``vtoken fuzz --target fast``; inside vLLM under strict verify).
@@ -32,8 +34,9 @@ def unavailable() -> str | None:
     except ImportError as e:
         return f"the fast path needs numba and numpy ({e})"
     try:
-        from . import kernels
+        from . import kernels, read_kernels
         kernels.warm_up()
+        read_kernels.warm_up()
     except Exception as e:  # a compile error of any kind: the core runs instead
         return f"the fast path's kernels failed to compile: {type(e).__name__}: {e}"
     return None

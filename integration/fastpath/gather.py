@@ -72,8 +72,14 @@ class FastGather:
     # left them, which no kernel reads for this row (no O(pool) fill per plan)
     def movable(self, row: int, pack: bool) -> np.ndarray:
         """Per block id of the row's list: may it be a compaction source (private; with ``pack`` a prefix-cached one
-        too) or released once dead (``pack=True``: private)."""
-        listed, flags = self._listed(row), self._flags
+        too) or released once dead (``pack=True``: private).
+
+        NOTE: set only for the blocks its readers read it for, those wholly before the cursor's block that are not
+        full (``compact_candidates``' sources, ``dead_blocks``' dead ones): the pool is asked about a handful of
+        blocks, not the whole list (a long request lists about a hundred). The flags of the others are stale."""
+        lay, flags = self.fast.layout, self._flags
+        end = min(lay.meta.item(row, M_WRITE_POS) // self.S, lay.meta.item(row, M_NBLOCKS))
+        listed = lay.blocks[row, :end][lay.counts[row, :end] < self.S].tolist()
         refs, cached = self._states(listed)
         flags[listed] = [ref == 1 and (pack or not c) for ref, c in zip(refs, cached)]
         return flags

@@ -17,20 +17,21 @@ copy is submitted, in the order the plans were made, in one ``submit_ordered``, 
 ordering the core commits them at the ``settle`` right after (``take_commits``), with nothing between that could
 see the difference, so no plan is ever in flight between calls here.
 
-The workers keep each request's read list and patch it by what changed (``read_changes``): the evictions, the moves
-of committed plans and the tokens synced since the previous call, logged here as the core's table logs them
-(``TokenTable.take_changes``: the same entries, the same bound past which the next call says "rebuilt").
+The workers keep each request's read list and patch it by what changed (``read_step``: every scheduled request's
+changes in one kernel call, one flat ``StepReads``): the evictions, the moves of committed plans and the tokens
+synced since the previous call, logged per row as the core's table logs them (``TokenTable.take_changes``: the same
+entries, the same bound past which the next call says "rebuilt"), in fixed arrays (``read_kernels``).
 """
 
 from __future__ import annotations
 
-from array import array
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from vtoken.core import token_table
 from vtoken.core.block_pool import BlockAllocator
+from vtoken.core.checks import as_list
 from vtoken.core.copy_engine import CopyEngine
 from vtoken.core.errors import ConfigError
 from vtoken.core.plan import Plan, PlanKind
@@ -41,10 +42,10 @@ from vtoken.core.runtime import ReadChanges
 
 from .commits import NO_COMMITS, StepCommits
 from .gather import COMMITTED, FastGather
-from .layout import NO_POS
+from .layout import M_NUM_LIVE, M_TOTAL_LEN
+from . import read_kernels as RK
+from .reads import StepReads
 from .runtime import FastRuntime
-
-_EVICTED, _MOVED = 0, 1  # a request's change log (``read_changes``): evicted ids, moved ids, version, synced length
 
 
 class GatherRuntime(FastRuntime):
@@ -63,21 +64,14 @@ class GatherRuntime(FastRuntime):
         self.gather = FastGather(self.table, pool, config or ReclaimConfig(ordering=Ordering.EVENT))
         self.reclaim_stats = self.gather.stats  # NOTE: one object: FastGather counts into it
         self._release_deferred: dict[object, None] = {}  # requests whose dead blocks wait for their plan to commit
-        # per request, what its read list lost, which tokens moved (None: more than the core's log keeps), and the
-        # layout version and synced length at the previous ``read_changes``
-        self._log: dict[object, list] = {}
+        self.reads = _ChangeLogs(rows, token_table.CHANGE_LOG_LIMIT)
 
     # ---- requests -------------------------------------------------------------------------
     def admit(self, req_id: object) -> None:
+        """As ``FastRuntime.admit``. NOTE: a deferred release of a request detached under the same id stays deferred,
+        as the core's does: a request readmitted under that id before the next step is searched whole then."""
         super().admit(req_id)
-        self._log[req_id] = [array('q'), array('q'), -1, 0]
-
-    def detach(self, req_id: object) -> list[int]:
-        """As ``FastRuntime.detach``. NOTE: a deferred release of ``req_id`` stays deferred, as the core's does: a
-        request readmitted under the same id before the next step is searched whole then."""
-        blocks = super().detach(req_id)
-        del self._log[req_id]
-        return blocks
+        self.reads.reset(self.table._rows[req_id])
 
     # ---- a step ---------------------------------------------------------------------------
     def evict_and_reclaim(self, req_ids: Sequence[object], attention: Mapping | None = None,
@@ -89,10 +83,9 @@ class GatherRuntime(FastRuntime):
         positions: dict[object, list[int]] = {}
         emptied: set = set()
         if self.policy is not None and ids:
-            victims, positions, emptied = self.table.evict_gather_step(rows, self.budget, self.evict_every,
-                                                                       self.policy, self._draw_states, ids)
-            for r, chosen in victims.items():
-                self._log_entries(r, _EVICTED, chosen)
+            victims, positions, emptied, flat = self.table.evict_gather_step(rows, self.budget, self.evict_every,
+                                                                             self.policy, self._draw_states, ids)
+            self.reads.log(self.reads.ev_n, self.reads.ev_log, *flat)
         g = self.gather
         if self.compacts:
             due = g.should_reclaim(self.iteration)  # first: the adaptive trigger reads F every iteration
@@ -105,62 +98,22 @@ class GatherRuntime(FastRuntime):
         self.iteration += 1
         return victims
 
-    def read_changes(self, req_id: object) -> ReadChanges:
-        """``VTokenRuntime.read_changes``: how the request's read list changed since the previous call (the core's
-        answer, entry for entry). O(evicted + moved + joined)."""
-        row = self.table._row(req_id)
-        log = self._log[req_id]
-        evicted, moved, since, joined_from = log
-        version, total = self.table.layout_version(req_id), self.table.total_len(req_id)
-        log[:] = [array('q'), array('q'), version, total]
-        if evicted is None or moved is None or since == -1:
-            return ReadChanges(version, since, True)
-        if len(evicted) > 16:  # a burst: one vector pass
-            gone = np.frombuffer(evicted, np.int64)
-            evicted = tuple(gone[gone < joined_from].tolist())
-        else:
-            evicted = tuple(t for t in evicted if t < joined_from)
-        moved_ids, moved_slots = (), ()
-        if moved:
-            if len(moved) > 16:  # a compaction's moves: one vector pass
-                ids = np.unique(np.frombuffer(moved, np.int64))
-                ids = ids[ids < joined_from].tolist()
-            else:
-                ids = sorted({t for t in moved if t < joined_from})
-            slots = self._slots(row, ids)
-            moved_ids = tuple(t for t, s in zip(ids, slots) if s >= 0)
-            moved_slots = tuple(s for s in slots if s >= 0)
-        joined = range(joined_from, total)
-        slots = self._slots(row, joined)
-        return ReadChanges(version, since, False, evicted, tuple(t for t, s in zip(joined, slots) if s >= 0),
-                           tuple(s for s in slots if s >= 0), moved_ids, moved_slots)
+    def read_step(self, req_ids: Sequence[object], check: bool = False) -> StepReads:
+        """``reads.take_step_reads`` of the core (each request's ``read_changes``, in order, and its whole list where
+        it is rebuilt, or everywhere under ``check``) for all of ``req_ids`` in one kernel call. O(evicted + moved +
+        joined), and O(live) for a whole list."""
+        ids = as_list("req_ids", req_ids)
+        return self.reads.take(self.table, self.table.rows_of(ids), ids, check)
 
-    def _slots(self, row: int, ids) -> list[int]:
-        """The slot of each token of ``ids`` (NO_SLOT: evicted): a few read one by one (a decode step joins one
-        token), many in one vector pass."""
-        if len(ids) > 16:
-            return self.table.token_slots(row, np.asarray(ids, np.int64)).tolist()
-        tok_pos, blocks, S = self.table.layout.tok_pos, self.table.layout.blocks, self.table.block_size
-        out = []
-        for t in ids:
-            p = tok_pos.item(row, t)
-            out.append(-1 if p == NO_POS else blocks.item(row, p // S) * S + p % S)
-        return out
+    def read_changes(self, req_id: object) -> ReadChanges:
+        """``VTokenRuntime.read_changes``: ``read_step`` of one request."""
+        return self.read_step([req_id]).changes(0)
 
     def read_lists(self, req_id: object) -> tuple[list[int], list[int]]:
         """(live token ids, their slots) in logical order."""
         return self.table.read_lists(req_id)
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _log_entries(self, r: object, which: int, ids) -> None:
-        """The core's change log: ``ids`` appended, or the log dropped (None) once it holds more than it keeps."""
-        log = self._log[r]
-        entries = log[which]
-        if entries is not None:
-            entries.extend(ids)
-            if len(entries) > token_table.CHANGE_LOG_LIMIT:  # read each time: a test may lower it
-                log[which] = None
-
     def _release_dead(self, positions: Mapping[object, list[int]], emptied: set) -> None:
         """``VTokenRuntime._release_dead``: Naive-Evict's release of wholly dead private blocks, looked for where this
         step's evictions were in the requests whose evictions emptied a block, and whole in a request deferred by an
@@ -194,7 +147,58 @@ class GatherRuntime(FastRuntime):
         for p in plans:
             if g.commit(p.req_id) == COMMITTED:
                 committed.append(p)
-                if p.moves:
-                    self._log_entries(p.req_id, _MOVED, p.moves.fields[0::5])  # a MoveArray's token ids
+                if p.moves:  # a MoveArray's token ids
+                    moved = np.frombuffer(p.moves.fields, np.int64)[0::5]
+                    self.reads.log(self.reads.mv_n, self.reads.mv_log, self.table.rows_of([p.req_id]),
+                                   np.array([0, len(moved)], np.int64), moved)
         t = self.table
         self._commits = StepCommits.of_plans(committed, lambda p: len(set(p.dst_blocks) & set(t.block_ids(p.req_id))))
+
+
+class _ChangeLogs:
+    """Per row, what its read list lost (``ev_log``: ``ev_n`` entries, -1 once more than the core's log keeps) and
+    which of its tokens moved (``mv_log``, ``mv_n``) since the previous take, and the layout version and synced
+    length at it (``since``: -1 before the first, which says "rebuilt"). Logs of ``limit`` int32 token ids (the
+    core's ``CHANGE_LOG_LIMIT`` at construction: a test may lower it after, never raise it). ``take``'s outputs
+    are cut from one buffer, grown to the largest step seen."""
+
+    def __init__(self, rows: int, limit: int) -> None:
+        self.limit = limit
+        self.ev_n, self.mv_n = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
+        self.ev_log, self.mv_log = np.zeros((rows, limit), np.int32), np.zeros((rows, limit), np.int32)
+        self.since, self.joined_from = np.full(rows, -1, np.int64), np.zeros(rows, np.int64)
+        self._out = np.zeros(0, np.int64)
+
+    def reset(self, row: int) -> None:
+        self.ev_n[row] = self.mv_n[row] = self.joined_from[row] = 0
+        self.since[row] = -1
+
+    def log(self, n: np.ndarray, log: np.ndarray, rows: np.ndarray, starts: np.ndarray, ids: np.ndarray) -> None:
+        limit = token_table.CHANGE_LOG_LIMIT  # read each time: a test may lower it
+        assert limit <= self.limit, "the core's change log bound was raised after the fast path's logs were sized"
+        RK.log_append(n, log, rows, starts, ids, limit)
+
+    def take(self, table, rows: np.ndarray, req_ids: list, check: bool) -> StepReads:
+        meta, R = table.layout.meta, len(rows)
+        ev_n, mv_n = self.ev_n[rows], self.mv_n[rows]
+        rebuilt = (ev_n < 0) | (mv_n < 0) | (self.since[rows] == -1)
+        joined = np.maximum(meta[rows, M_TOTAL_LEN] - self.joined_from[rows], 0).sum()
+        live = meta[rows, M_NUM_LIVE].sum() if check else meta[rows[rebuilt], M_NUM_LIVE].sum()
+        sizes = [R, R, R + 1, int(np.maximum(ev_n, 0).sum()), R + 1, int(np.maximum(mv_n, 0).sum())]
+        sizes += [sizes[5], R + 1, int(joined), int(joined), R + 1, int(live), int(live)]
+        if len(self._out) < sum(sizes):
+            self._out = np.zeros(max(sum(sizes), 2 * len(self._out)), np.int64)
+        parts, at = [], 0
+        for size in sizes:
+            parts.append(self._out[at:at + size])
+            at += size
+        version, since, ev_at, ev, mv_at, mv, mv_slots, jn_at, jn, jn_slots, ls_at, ls_ids, ls_slots = parts
+        whole = np.empty(R, np.int8)
+        RK.take_reads(table.layout.tok_pos, table.layout.blocks, meta, table.block_size, rows, check, self.ev_n,
+                      self.ev_log, self.mv_n, self.mv_log, self.since, self.joined_from, version, since, whole,
+                      ev_at, ev, mv_at, mv, mv_slots, jn_at, jn, jn_slots, ls_at, ls_ids, ls_slots)
+        # NOTE: copies: the record outlives the buffer (it travels to the workers, or is compared)
+        cut = lambda a, starts: a[:starts[R]].copy()  # noqa: E731
+        return StepReads(req_ids, version.copy(), since.copy(), whole, ev_at.copy(), cut(ev, ev_at), mv_at.copy(),
+                         cut(mv, mv_at), cut(mv_slots, mv_at), jn_at.copy(), cut(jn, jn_at), cut(jn_slots, jn_at),
+                         ls_at.copy(), cut(ls_ids, ls_at), cut(ls_slots, ls_at))

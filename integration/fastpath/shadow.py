@@ -31,6 +31,7 @@ from vtoken.core.runtime import ReadPath, VTokenRuntime
 from .commits import NO_COMMITS, StepCommits
 from .gather_runtime import GatherRuntime
 from .moves import copy_pairs
+from .reads import StepReads, take_step_reads
 from .runtime import FastRuntime
 
 # the dense path's runtime counts these of the manager's (it runs no rounds); the gather path's counts them all
@@ -222,6 +223,11 @@ class ShadowedRuntime:
     def read_lists(self, req_id: object) -> tuple[list[int], list[int]]:
         return self._both("read_lists", lambda rt: rt.read_lists(req_id), state=False)
 
+    def read_step(self, req_ids: Sequence[object], check: bool = False) -> StepReads:
+        """The fast path's ``read_step`` against the core's answers request by request (``take_step_reads``)."""
+        return self._both("read_step", lambda rt: rt.read_step(req_ids, check) if rt is self.fast
+                          else take_step_reads(rt, req_ids, check), state=False)
+
     def take_commits(self) -> StepCommits:
         done, self._commits = self._commits, NO_COMMITS
         return done
@@ -243,6 +249,8 @@ class ShadowedRuntime:
         if (type(want_error), str(want_error)) != (type(got_error), str(got_error)):
             self._diverged(call, "error", want_error, got_error)
         if want_error is None and want != got:
+            if isinstance(want, StepReads):  # name the request and the change
+                self._diverged(call, "read lists", want.first_difference(got), "")
             self._diverged(call, "answer", want, got)
         for what, core_side, fast_side in (("copies submitted", self.shadow_engine, self._engine),
                                            ("blocks freed", self.replay, self._pool)):

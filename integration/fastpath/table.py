@@ -319,18 +319,18 @@ class FastTable:
 
     def evict_gather_step(self, rows: np.ndarray, budget: float | int, evict_every: int,
                           policy: StreamingLLM | RandomPolicy, states: np.ndarray | None, req_ids: list
-                          ) -> tuple[dict[object, list[int]], dict[object, list[int]], set]:
+                          ) -> tuple[dict[object, list[int]], dict[object, list[int]], set, tuple]:
         """The gather path's eviction step for ``rows`` (``req_ids``' rows, distinct, in use): the rows due by the
         cadence (``K.due_rows``), their victims (nothing protected: the gather path reads any slot) and their
         eviction, in one kernel call (``K.evict_policy_batch``). Returns (victims, the positions they held, by
         request, for the requests that lost tokens, in ``req_ids``' order; the requests whose evictions emptied a
-        block of their list)."""
+        block of their list; the victims flat: (due rows, starts, victims), views valid until the next step)."""
         kind, param = self._policy_args(policy, states)
         buf, meta = self._step, self.layout.meta
         fixed, ratio = (budget, 0.0) if budget.__class__ is int else (0, budget)
         m = K.due_rows(meta, rows, ratio, fixed, evict_every, buf.due, buf.rows, buf.budgets, buf.at, buf.sizes)
         if not m:
-            return {}, {}, set()
+            return {}, {}, set(), (buf.rows[:0], buf.vstart[:1], buf.victims[:0])
         buf.fit(int(buf.sizes[0]), 0, 0)
         due_rows, starts = buf.rows[:m], buf.vstart[:m + 1]
         emptied_before = meta[due_rows, M_EMPTIED]
@@ -346,7 +346,7 @@ class FastTable:
                 lost[r], where[r] = victims[at[k]:at[k + 1]], positions[at[k]:at[k + 1]]
                 if emptied[k]:
                     dead.add(r)
-        return lost, where, dead
+        return lost, where, dead, (due_rows, starts, buf.victims[:n])
 
     def _policy_args(self, policy, states) -> tuple[int, int]:
         if type(policy) is StreamingLLM:

@@ -10,7 +10,7 @@ drive it (``connector.py``):
                         tables (Algorithm 1 line 1) at each request's cursor, run the relocation
                         drill, and hand the workers: copies planned after step k-1, block lists
                         those copies changed, each request's ``gap``, how its read list changed
-                        (gather path, score policies: ``ReadDelta``), (score policies) the
+                        (gather path, score policies: ``StepReads``), (score policies) the
                         victims to rank for each request due to evict (``Ranking``), and (strict
                         verify) the write slots the tables assigned, for the workers to audit.
   execute_model k       the workers copy (before ``_prepare_inputs``), rewrite block tables, and
@@ -40,11 +40,12 @@ from vtoken.core.plan import PlanKind
 from vtoken.core.policies import POLICIES as CORE_POLICIES
 from vtoken.core.policies.base import RankedPolicy, RenamedRequests, RequestView
 from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig
-from vtoken.core.runtime import ReadChanges, ReadPath, VTokenRuntime
+from vtoken.core.runtime import ReadPath, VTokenRuntime
 from vtoken.core.token_table import Move
 
 from ..device.copy_engine import packed
 from ..fastpath.commits import StepCommits
+from ..fastpath.reads import StepReads, take_step_reads
 from . import manager_hooks
 from .allocator import VllmBlockAllocator
 from .settings import SCORE_POLICIES, VTokenSettings
@@ -128,6 +129,9 @@ class CoreDriver(VTokenRuntime):
     def gaps(self, req_ids) -> list[int]:
         return [self.gap(r) for r in req_ids]
 
+    def read_step(self, req_ids, check: bool) -> StepReads:
+        return take_step_reads(self, req_ids, check)
+
     def take_commits(self) -> StepCommits:
         """``settle``'s committed plans as ``StepCommits`` (the fast path's answer; the drill reads ``settle``)."""
         plans = [rec.plan for rec in self.settle() if rec.state is PlanState.COMMITTED]
@@ -142,24 +146,11 @@ class StepOrders:
     layouts: dict[str, list[int]] = field(default_factory=dict)  # block list before this step's new blocks
     gaps: dict[str, int] = field(default_factory=dict)  # logical position - physical position (> 0 only)
     write_slots: dict[str, list[int]] = field(default_factory=dict)  # strict verify: the table's write slots
-    read: dict[str, ReadDelta] = field(default_factory=dict)  # gather, scores: each request's read list, as a change
+    reads: StepReads | None = None  # gather, scores: the scheduled requests' read-list changes
     # score policies: request -> (Ranking, its candidates' id bound, protected ids), for each request due to evict
     rank: dict[str, tuple] = field(default_factory=dict)
     rows: bool = False  # strict verify, score policies: the workers send their attention rows too
     forget: list[str] = field(default_factory=list)  # requests that left since the last orders: drop their copies
-
-
-@dataclass(frozen=True)
-class ReadDelta:
-    """What a worker does to its copy of a request's read list (live slots and their token ids, logical order):
-    with ``full``, replace it (a first step, or more evictions or moves than the table's log keeps); else patch it
-    with ``changes`` (``VTokenRuntime.read_changes``: drop ``evicted``, set the slots of ``moved``, append
-    ``joined``), which must find the copy at layout version ``changes.since``. ``check`` (strict verify, every
-    ``READ_CHECK_EVERY`` steps): the whole list, which the patched copy must equal."""
-
-    changes: ReadChanges
-    full: tuple[list[int], list[int]] | None = None  # (slots, ids)
-    check: tuple[list[int], list[int]] | None = None  # (slots, ids)
 
 
 class WorkerRanked:
@@ -377,7 +368,7 @@ class SchedulerTokens:
             # a prefix hit's tokens are not rewritten
             orders.write_slots = {r: slots[len(slots) - scheduled:] for (r, _, scheduled), slots in zip(syncs, synced)}
         if reads:
-            orders.read = {r: self._read_delta(r, check) for r in ids}
+            orders.reads = rt.read_step(ids, check)
         if self.ranked is not None:
             self._rank_orders(orders, [r for r, _, _ in syncs])
         if self.settings.strict_verify == "strict":
@@ -400,17 +391,6 @@ class SchedulerTokens:
             if r in self._decoding and rt.eviction_due(r):  # its whole prompt is in (this step's sync)
                 orders.rank[r] = self.ranked.order(rt.policy_view(r))
         orders.rows = self.ranked.check
-
-    def _read_delta(self, r: str, check: bool) -> ReadDelta:
-        """The change of ``r``'s read list since its previous step's (``VTokenRuntime.read_changes``): O(what
-        changed; a commit's moves included), the whole list only on a first step or a log overflow, or under
-        ``check``."""
-        c = self.rt.read_changes(r)
-        whole = None
-        if c.rebuilt or check:
-            ids, slots = self.rt.read_lists(r)
-            whole = (slots, ids)
-        return ReadDelta(c, full=whole) if c.rebuilt else ReadDelta(c, check=whole)
 
     def _drill(self, round_no: int, req_ids: list[str]) -> None:
         """Relocation drill (test hook): move block ``round_no mod n`` of each request's n blocks to a fresh

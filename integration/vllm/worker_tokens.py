@@ -14,10 +14,11 @@ Per step (``apply``, called from ``handle_preemptions``, before ``_update_states
      ``run_batch``; verified per ``strict_verify``); a copy whose verification fails is reported FAILED;
   2. install the block lists those copies changed (the worker's list and the block-table row);
   3. remember the step's gaps (and, under strict verify, the table's write slots to audit);
-  4. patch each request's read list (numpy arrays) by the step's change of it (gather path, score policies:
-     evictions, a commit's moves, appends): only a first step or a log overflow resends it whole; strict verify
-     sends it whole every ``READ_CHECK_EVERY`` steps to check the copy. Score policies' statistics (``DeviceScores``) are aligned
-     with the read list and patched with it;
+  4. patch the read lists of the step's requests (gather path, score policies: evictions, a commit's moves,
+     appends), kept in one table (``ReadTable``), by the step's changes (``StepReads``) in one kernel call: only a
+     first step or a log overflow resends a list whole; strict verify sends them whole every ``READ_CHECK_EVERY``
+     steps to check the copy. Score policies' statistics (``DeviceScores``) are aligned with the read lists and
+     patched with them;
   5. after the forward (``take_scores``): record the step's attention rows into those statistics, the key norms
      of the tokens that joined the read lists (Knorm: read from the KV cache, where the forward wrote them) and
      the votes of the prompts that completed (SnapKV: their observation windows), and rank the victims the
@@ -32,18 +33,21 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.errors import InvariantViolation
 from vtoken.core.scores import ROW_STATISTICS
 
+from .. import fastpath
 from ..device.copy_engine import TorchCopyEngine
 from ..device.gather_attention import PAD
 from ..device.scores import DeviceScores
+from ..fastpath import reads as R
 from ..fastpath.moves import SentCopies
 from .compat import UnsupportedConfigError
 
+
+assert R.PAD == PAD, "the read table pads with the id attention never attends"
 
 # Prompt tokens of a prompt longer than this are attended in torch (gather_attention.prefill_attention): its
 # queries share one K/V read and BLAS products there, which beat the kernel's one query at a time (64 x 64 query-key
@@ -137,12 +141,12 @@ class WorkerTokens:
         self.tp_group = tp_group
         self.block_size = block_size
         self.gaps: dict[str, int] = {}
-        # NOTE: each request's read list (live slots, their token ids, logical order) as two int64 arrays and the
-        # layout version they are at, patched by the scheduler's per-step changes (``ReadDelta``), never resent
-        # whole except on a first step or a log overflow: the paper's lookup cache (§3.2). numpy arrays in host
-        # memory, which is the device's on vLLM's CPU backend (``_patch_read``'s NOTE); a CUDA port would keep
+        # NOTE: every request's read list (live slots, their token ids, logical order) and the layout version it is
+        # at, one row of a table, patched by the scheduler's per-step changes (``StepReads``) in one call, never
+        # resent whole except on a first step or a log overflow: the paper's lookup cache (§3.2). numpy arrays in
+        # host memory, which is the device's on vLLM's CPU backend (``_patch_reads``' NOTE); a CUDA port would keep
         # them on the device, where a patch is one launch for the whole batch
-        self.reads: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
+        self.reads = R.ReadTable(compiled=fastpath.available())
         self.reading = False  # this step's orders carried read lists: attention reads through them
         # score policies: per-request statistics aligned with the read lists, and this step's rankings to run
         self.scores = DeviceScores(statistics=tuple(statistics)) if scored_layers else None
@@ -179,73 +183,50 @@ class WorkerTokens:
         self.gaps = orders.gaps
         self.audit = orders.write_slots
         for rid in orders.forget:
-            self.reads.pop(rid, None)
+            self.reads.forget(rid)
             self.unkeyed.pop(rid, None)
             if self.scores is not None:
                 self.scores.drop(rid)
         self.ranks, self.send_rows = orders.rank, orders.rows
-        for rid, delta in orders.read.items():
-            self._patch_read(rid, delta)
-        self.reading = bool(orders.read)
+        self.reading = orders.reads is not None and len(orders.reads) > 0
+        if self.reading:
+            self._patch_reads(orders.reads)
         self.seconds += time.perf_counter() - t0
 
-    def _patch_read(self, rid: str, d) -> None:
-        """Apply one ``ReadDelta`` to the request's read list: O(list) in numpy (a copy), O(changes) in Python.
-        Checked: a change must find the copy at its version, and every evicted and moved id in it.
+    def _patch_reads(self, reads: R.StepReads) -> None:
+        """Patch the step's requests' read lists by their changes (``ReadTable.apply``: one kernel call, checked: a
+        change must find the copy at its version, and every evicted and moved id in it), and the score policies'
+        statistics with them.
 
-        NOTE: the lists are numpy arrays, not tensors: a step's patch is a handful of small operations per
-        request, and numpy's cost per operation here is a third of torch's (`git show 67c0072:docs/results.md`,
-        "Hot path II, part 5"); attention and the scores read them through ``torch.from_numpy``, which copies
-        nothing. Ids ascend (a full list is in logical order, evictions keep it, joined tokens are newer than
-        every other, moves change slots only), so every id is found by binary search."""
-        c = d.changes
-        if d.full is not None:
-            slots, ids = d.full
-            old = self.reads.get(rid)
-            self.reads[rid] = (np.array(slots, dtype=np.int64), np.array(ids, dtype=np.int64), c.version)
-            if self.scores is not None:  # each token keeps its scores, found by id
-                self.scores.realign(rid, None if old is None else torch.from_numpy(old[1]),
-                                    torch.from_numpy(self.reads[rid][1]))
+        NOTE: the lists are numpy arrays, not tensors: numpy's cost per operation here is a third of torch's (`git
+        show 67c0072:docs/results.md`, "Hot path II, part 5"); attention and the scores read them through
+        ``torch.from_numpy``, which copies nothing. Ids ascend (a full list is in logical order, evictions keep it,
+        joined tokens are newer than every other, moves change slots only), so every id is found by binary search."""
+        scores, table = self.scores, self.reads
+        replaced = {}
+        if scores is not None:  # each token of a list resent whole keeps its scores, found by id
+            replaced = {rid: table.lists(rid)[1].copy() for rid, whole in zip(reads.req_ids, reads.whole.tolist())
+                        if whole == R.REPLACE and rid in table}
+        removed = table.apply(reads)
+        if scores is None:
+            return
+        for i, (rid, whole) in enumerate(zip(reads.req_ids, reads.whole.tolist())):
+            ids = table.lists(rid)[1].copy()  # NOTE: copies: the table's rows change with the next patch
+            if whole == R.REPLACE:
+                old = replaced.get(rid)
+                scores.realign(rid, None if old is None else torch.from_numpy(old), torch.from_numpy(ids))
                 if self.key_layers:  # every key norm again: read from the cache, they are what they were
-                    self.unkeyed[rid] = [self.reads[rid][1]]
-        else:
-            have = self.reads.get(rid)
-            if have is None or have[2] != c.since:
-                raise InvariantViolation("V2", f"request {rid!r}: a read-list change since layout version {c.since}, "
-                                               f"the worker's copy is at {None if have is None else have[2]}")
-            slots, ids, _ = have
-            if c.moved:
-                moved = np.array(c.moved, dtype=np.int64)
-                at = _places(ids, moved)
-                if at is None:
-                    raise InvariantViolation("V2", f"request {rid!r}: moved tokens {list(c.moved)[:8]} are not all "
-                                                   f"in the worker's read list")
-                slots = slots.copy()
-                slots[at] = c.moved_slots
-            if c.evicted:
-                at = _places(ids, np.array(c.evicted, dtype=np.int64))
-                if at is None or len(np.unique(at)) != len(at):
-                    raise InvariantViolation("V2", f"request {rid!r}: evicted tokens {list(c.evicted)[:8]} are not "
-                                                   f"all in the worker's read list")
-                slots, ids = np.delete(slots, at), np.delete(ids, at)
-                if self.scores is not None:
-                    keep = np.ones(len(have[1]), dtype=bool)
-                    keep[at] = False
-                    self.scores.keep(rid, torch.from_numpy(keep))
-            if c.joined:
-                slots = np.concatenate((slots, np.array(c.joined_slots, dtype=np.int64)))
-                ids = np.concatenate((ids, np.array(c.joined, dtype=np.int64)))
-                if self.scores is not None:
-                    self.scores.extend(rid, len(c.joined))
-                    if self.key_layers:
-                        self.unkeyed.setdefault(rid, []).append(ids[len(ids) - len(c.joined):])
-            self.reads[rid] = (slots, ids, c.version)
-        if d.check is not None:
-            slots, ids, _ = self.reads[rid]
-            if slots.tolist() != d.check[0] or ids.tolist() != d.check[1]:
-                raise InvariantViolation("V2", f"request {rid!r}: the worker's patched read list (ids "
-                                               f"{ids[:8].tolist()}..., {len(ids)}) is not the table's (ids "
-                                               f"{d.check[1][:8]}..., {len(d.check[1])})")
+                    self.unkeyed[rid] = [ids]
+                continue
+            (a, b), (j, k) = reads.evicted_at[i:i + 2].tolist(), reads.joined_at[i:i + 2].tolist()
+            if b > a:
+                keep = np.ones(len(ids) - (k - j) + (b - a), dtype=bool)
+                keep[removed[a:b]] = False
+                scores.keep(rid, torch.from_numpy(keep))
+            if k > j:
+                scores.extend(rid, k - j)
+                if self.key_layers:
+                    self.unkeyed.setdefault(rid, []).append(ids[len(ids) - (k - j):])
 
     def _install_layout(self, rid: str, blocks: list[int]) -> None:
         r = self.runner
@@ -321,10 +302,7 @@ class WorkerTokens:
         batch = r.input_batch
         n = batch.num_reqs
         req_ids = list(batch.req_ids[:n])
-        lists = [self.reads[rid] for rid in req_ids]
-        slots = pad_sequence([torch.from_numpy(s) for s, _, _ in lists], batch_first=True, padding_value=0)
-        ids = pad_sequence([torch.from_numpy(t) for _, t, _ in lists], batch_first=True, padding_value=-1)  # >= 0
-        ids[ids < 0] = PAD
+        slots, ids = (torch.from_numpy(a) for a in self.reads.batch(req_ids))  # padded with PAD ids
         starts = torch.from_numpy(r.query_start_loc.np[: n + 1].astype(np.int64))
         query_request = torch.repeat_interleave(torch.arange(n), starts[1:] - starts[:-1])
         positions = r.positions[:num_tokens].to(torch.int64)
@@ -371,16 +349,16 @@ class WorkerTokens:
                 # same on every rank, so every rank ranks the same victims
                 torch.distributed.all_reduce(batch, group=self.tp_group.cpu_group)
                 batch /= self.tp_group.world_size
-            lengths = [len(self.reads[rid][1]) for rid in plan.req_ids]
+            lengths = [len(self.reads.lists(rid)[1]) for rid in plan.req_ids]
             self.scores.record_all(plan.req_ids, batch, lengths)  # every request's row in one batch
             recorded = len(plan.req_ids)
             if self.send_rows:
                 for i, (rid, n) in enumerate(zip(plan.req_ids, lengths)):
-                    rows[rid] = (self.reads[rid][1].tolist(), batch[i, :n].tolist())
+                    rows[rid] = (self.reads.lists(rid)[1].tolist(), batch[i, :n].tolist())
             plan.rows, plan.layers = None, 0  # recorded once
         victims = {}
         for rid, (ranking, bound, protected) in self.ranks.items():  # read lists ascend: DeviceScores.rank's NOTE
-            victims[rid] = self.scores.rank(rid, torch.from_numpy(self.reads[rid][1]), ranking, bound, protected)
+            victims[rid] = self.scores.rank(rid, torch.from_numpy(self.reads.lists(rid)[1]), ranking, bound, protected)
         self.ranks = {}
         self.seconds += time.perf_counter() - t0
         return victims, rows, recorded, keys, observed
@@ -401,12 +379,12 @@ class WorkerTokens:
         kernel, out = self.observation[1], {}
         for i in torch.nonzero(counts).flatten().tolist():
             rid = plan.req_ids[i]
-            n = len(self.reads[rid][1])
+            n = len(self.reads.lists(rid)[1])
             mean = (votes[i, :n] / int(counts[i])).view(1, 1, n)
             pooled = torch.nn.functional.avg_pool1d(mean, kernel, stride=1, padding=kernel // 2).flatten()
             self.scores.set_values("observed", rid, torch.arange(n), pooled)
             if self.send_rows:
-                out[rid] = (self.reads[rid][1].tolist(), pooled.tolist())
+                out[rid] = (self.reads.lists(rid)[1].tolist(), pooled.tolist())
         plan.votes, plan.vote_layers = None, 0  # recorded once
         return out
 
@@ -421,12 +399,12 @@ class WorkerTokens:
         self.unkeyed = {}
         at = []
         for rid, ids in zip(rids, wanted):  # the read list ascends: each id by binary search
-            where = _places(self.reads[rid][1], ids)
+            where = _places(self.reads.lists(rid)[1], ids)
             if where is None:
                 raise InvariantViolation("V4", f"request {rid!r}: tokens {ids[:8].tolist()} joined its read list "
                                                f"but are no longer in it before their key norms were read")
             at.append(where)
-        slots = torch.from_numpy(np.concatenate([self.reads[rid][0][a] for rid, a in zip(rids, at)])) if rids \
+        slots = torch.from_numpy(np.concatenate([self.reads.lists(rid)[0][a] for rid, a in zip(rids, at)])) if rids \
             else torch.zeros(0, dtype=torch.int64)
         norms = torch.zeros(len(slots), dtype=torch.float64)
         if len(slots):

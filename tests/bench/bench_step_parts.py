@@ -30,14 +30,14 @@ if os.environ.get("VTOKEN_TREE"):  # before anything imports vtoken
 
 PARTS = {  # module: {class: [methods]}
     "vtoken.integration.vllm.scheduler_tokens": {"SchedulerTokens": ["on_schedule", "after_step", "_committed",
-                                                                      "on_reports", "_read_delta"]},
+                                                                      "on_reports"]},
     "vtoken.integration.vllm.worker_copies": {"ShardReports": ["settle"]},
     "vtoken.integration.fastpath.runtime": {"FastRuntime": ["sync_many", "evict_and_reclaim", "_commit", "bridge",
                                                             "gaps"]},
-    "vtoken.integration.fastpath.gather_runtime": {"GatherRuntime": ["evict_and_reclaim", "read_changes",
+    "vtoken.integration.fastpath.gather_runtime": {"GatherRuntime": ["evict_and_reclaim", "read_step",
                                                                       "_launch_and_commit", "_release_dead"]},
     "vtoken.integration.fastpath.gather": {"FastGather": ["plan_round", "movable", "commit"]},
-    "vtoken.integration.vllm.worker_tokens": {"WorkerTokens": ["apply", "_map_through_table", "_patch_read",
+    "vtoken.integration.vllm.worker_tokens": {"WorkerTokens": ["apply", "_map_through_table", "_patch_reads",
                                                                "_read_plan"]},
     "vtoken.integration.device.copy_engine": {"TorchCopyEngine": ["run_batch", "submit_batch", "_launch_wave",
                                                                   "_launch"]},

@@ -1,0 +1,109 @@
+"""Read lists between the scheduler and the workers (``integration/fastpath/reads.py``): the step's flat record of
+changes, and the workers' table it patches, by the compiled kernel and by its numpy reference, which must answer
+alike: the same lists, the same refusals with the same messages, nothing changed by a refusal.
+
+The fast machine (``vtoken fuzz --target fast``, tests/test_fastpath_runtime.py) drives both tables with every
+step's record of a shadowed runtime; these tests reach each refusal by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vtoken.core.errors import InvariantViolation
+from vtoken.core.runtime import ReadChanges
+from vtoken.integration.fastpath import available
+from vtoken.integration.fastpath.reads import CHECK, PAD, PATCH, REPLACE, ReadTable, StepReads
+
+pytestmark = pytest.mark.skipif(not available(), reason="the compiled kernels need numba")
+
+
+def record(*rows, check=False) -> StepReads:
+    """``rows``: (request, ReadChanges, whole list (ids, slots) or None)."""
+    return StepReads.of_changes([r for r, _, _ in rows], [c for _, c, _ in rows], [w for _, _, w in rows], check)
+
+
+def both() -> tuple[ReadTable, ReadTable]:
+    return ReadTable(compiled=True, rows=2, width=4), ReadTable(compiled=False, rows=2, width=4)
+
+
+def snapshot(t: ReadTable) -> tuple:
+    return (dict(t.row_of), t.slots.tolist(), t.ids.tolist(), t.length.tolist(), t.version.tolist())
+
+
+def test_a_record_reads_back_the_changes_it_was_made_of():
+    a = ReadChanges(3, 2, False, evicted=(4, 1), joined=(9,), joined_slots=(17,), moved=(2,), moved_slots=(30,))
+    b = ReadChanges(1, -1, True)
+    reads = record(("a", a, None), ("b", b, ([0, 5], [8, 9])))
+    assert reads.changes(0) == a and reads.changes(1) == b
+    assert reads.whole.tolist() == [PATCH, REPLACE]
+    assert reads.whole_list(0) is None and reads.whole_list(1) == ([0, 5], [8, 9])
+    assert reads == record(("a", a, None), ("b", b, ([0, 5], [8, 9])))
+    other = record(("a", a, None), ("b", b, ([0, 5], [8, 10])))
+    assert reads != other and reads.first_difference(other) == "request 'b' whole list: ([0, 5], [8, 9]) against " \
+                                                               "([0, 5], [8, 10])"
+    assert record(("a", a, ([0, 2], [1, 30])), check=True).whole.tolist() == [CHECK]
+
+
+def test_both_tables_patch_grow_and_batch_alike():
+    """A first list, then evictions (first, middle, last), a move and appends past the width: both tables grow
+    (rows and width) and hold the same lists; a batch pads with PAD ids and slot 0."""
+    tables = both()
+    ids, slots = list(range(6)), [10 + t for t in range(6)]
+    steps = [record(("a", ReadChanges(0, -1, True), (ids, slots)), ("b", ReadChanges(0, -1, True), ([2], [50])),
+                    ("c", ReadChanges(0, -1, True), ([], []))),
+             record(("a", ReadChanges(1, 0, False, evicted=(5, 0, 3), joined=(6, 7, 8, 9, 10), joined_slots=(1, 2, 3, 4, 5),
+                                      moved=(2,), moved_slots=(40,)), None),
+                    ("c", ReadChanges(0, 0, False, joined=(0,), joined_slots=(7,)), None))]
+    for table in tables:
+        removed = [table.apply(r).tolist() for r in steps]
+        assert removed == [[], [0, 3, 5]]
+        assert [x.tolist() for x in table.lists("a")] == [[11, 40, 14, 1, 2, 3, 4, 5], [1, 2, 4, 6, 7, 8, 9, 10]]
+        assert table.ids.shape[0] >= 3 and table.ids.shape[1] >= 8
+        slots_b, ids_b = table.batch(["b", "a", "c"])
+        assert ids_b.tolist()[0] == [2] + [PAD] * 7 and slots_b.tolist()[0] == [50] + [0] * 7
+        assert ids_b.tolist()[2] == [0] + [PAD] * 7
+    assert snapshot(tables[0]) == snapshot(tables[1])
+    for table in tables:
+        table.forget("a")
+        assert "a" not in table and table.ids[:, 4:].tolist() == [[PAD] * (table.ids.shape[1] - 4)] * table.ids.shape[0]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (("a", ReadChanges(2, 1, False), None), "request 'a': a read-list change since layout version 1, the worker's "
+                                           "copy is at 0"),
+    (("a", ReadChanges(1, 0, False, moved=(7,), moved_slots=(3,)), None), "request 'a': moved token 7 is not in "
+                                                                          "the worker's read list"),
+    (("a", ReadChanges(1, 0, False, evicted=(1, 6)), None), "request 'a': evicted token 6 is not in the worker's "
+                                                            "read list"),
+    (("a", ReadChanges(1, 0, False, evicted=(2, 1, 2)), None), "request 'a': evicted token 2 is named twice"),
+    (("a", ReadChanges(1, 0, False, joined=(3,), joined_slots=(9,)), None), "request 'a': joined token 3 is not "
+                                                                            "newer than every token before it"),
+    (("a", ReadChanges(1, 0, False, evicted=(4,), joined=(5, 5), joined_slots=(9, 10)), None),
+     "request 'a': joined token 5 is not newer than every token before it"),
+    (("a", ReadChanges(1, 0, True), ([0, 2, 2], [1, 2, 3])), "request 'a': its whole read list is not ascending at "
+                                                              "token 2"),
+    (("z", ReadChanges(1, 0, False), None), "request 'z': a read-list change since layout version 0, the worker's "
+                                           "copy is at None"),
+])
+def test_a_refused_patch_names_the_request_and_token_and_changes_nothing(bad, message):
+    """Each refusal, by both tables: V2 with the same message; a good request before the bad one in the same record
+    is not patched, and a new request's row is given back."""
+    for table in both():
+        table.apply(record(("a", ReadChanges(0, -1, True), ([1, 2, 4], [5, 6, 7]))))
+        before = snapshot(table)
+        reads = record(("n", ReadChanges(0, -1, True), ([0], [1])), bad)
+        with pytest.raises(InvariantViolation, match="V2: " + message.replace("(", r"\(").replace(")", r"\)") + "$"):
+            table.apply(reads)
+        assert snapshot(table) == before, table.compiled
+
+
+def test_a_checked_list_that_differs_is_v2():
+    for table in both():
+        table.apply(record(("a", ReadChanges(0, -1, True), ([1, 2], [5, 6]))))
+        with pytest.raises(InvariantViolation, match=r"V2: request 'a': the worker's patched read list \(ids \[1, 2, "
+                                                     r"3\]\.\.\., 3\) is not the table's \(ids \[1, 2\]\.\.\., 2\)"):
+            table.apply(record(("a", ReadChanges(1, 0, False, joined=(3,), joined_slots=(8,)), ([1, 2], [5, 6])),
+                               check=True))
+        with pytest.raises(InvariantViolation, match="name a request twice"):
+            table.apply(record(("a", ReadChanges(2, 1, False), None), ("a", ReadChanges(2, 1, False), None)))
