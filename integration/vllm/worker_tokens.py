@@ -303,16 +303,20 @@ class WorkerTokens:
         n = batch.num_reqs
         req_ids = list(batch.req_ids[:n])
         slots, ids = (torch.from_numpy(a) for a in self.reads.batch(req_ids))  # padded with PAD ids
-        starts = torch.from_numpy(r.query_start_loc.np[: n + 1].astype(np.int64))
-        query_request = torch.repeat_interleave(torch.arange(n), starts[1:] - starts[:-1])
-        positions = r.positions[:num_tokens].to(torch.int64)
-        prompt = torch.from_numpy(batch.num_prompt_tokens[:n].astype(np.int64))[query_request]
+        # NOTE: the index arithmetic in numpy, handed to torch without a copy: a torch call costs several times a
+        # numpy one at these sizes, and this runs once per step
+        starts_np = r.query_start_loc.np[: n + 1].astype(np.int64)
+        request_np = np.repeat(np.arange(n), np.diff(starts_np))
+        positions_np = r.positions[:num_tokens].to(torch.int64).numpy()
+        prompt_np = batch.num_prompt_tokens[:n].astype(np.int64)[request_np]
         # NOTE: which implementation attends a query depends on the query alone (is it a token of a prompt longer
         # than LONG_PROMPT, or FUSED_PROMPT?), never on how its request was chunked, cached or recomputed: the
         # kernel and torch differ in their last bits, and prefix caching on and off must stay bit-identical on the
         # gather path.
-        in_torch = (positions < prompt) & (prompt > LONG_PROMPT)
-        fused = in_torch & (prompt > FUSED_PROMPT)
+        in_torch_np = (positions_np < prompt_np) & (prompt_np > LONG_PROMPT)
+        newest, query_request, positions, prompt = (torch.from_numpy(a) for a in (starts_np[1:] - 1, request_np,
+                                                                                   positions_np, prompt_np))
+        in_torch, fused = torch.from_numpy(in_torch_np), torch.from_numpy(in_torch_np & (prompt_np > FUSED_PROMPT))
         rows = torch.zeros(ids.shape, dtype=torch.float64) if self.attention_rows else None
         window = votes = None
         if self.observation is not None:
@@ -325,7 +329,7 @@ class WorkerTokens:
             if bool(chosen.any()):
                 window = torch.nonzero(chosen).flatten()
                 votes = torch.zeros(ids.shape, dtype=torch.float64)
-        return ReadPlan(self.engine.cache, slots, ids, query_request, positions, starts[1:] - 1, in_torch, fused,
+        return ReadPlan(self.engine.cache, slots, ids, query_request, positions, newest, in_torch, fused,
                         req_ids, rows, self.scored_layers, check=self.check_attention, window=window, votes=votes)
 
     def take_scores(self) -> tuple[dict[str, list[int]], dict[str, tuple[list[int], list[float]]], int, dict, dict]:
