@@ -542,10 +542,42 @@ GATHER_KERNEL_BUGS = {  # name: (the gather kernel, the plant: real kernel -> pl
 
 
 
+def _round_candidates_by_row(*args):
+    """``round_candidates`` one row at a time through ``GK.compact_candidates`` (planted or not)."""
+    L, (rows, width, movable, idx, cnt, n) = args[:13], args[13:]
+    for k in range(len(rows)):
+        n[k] = GK.compact_candidates(*L, rows[k], width, movable, idx[k], cnt[k])[1]
+    return GK.OK, 0, 0
+
+
+def _round_gates_by_row(idx, cnt, n, S_, budget, max_plans, src, out):
+    """``round_gates`` one row at a time through ``GK.compact_gate`` (planted or not)."""
+    plans = 0
+    for k in range(len(n)):
+        if plans >= max_plans:
+            return k
+        out[k] = code, a, b = GK.compact_gate(idx[k], cnt[k], n[k], S_, budget, src[k])
+        if code == GK.OK:
+            budget -= -(-b // S_)
+            plans += 1
+    return len(n)
+
+
+# a planted single-row kernel reaches the round's batched one: it runs row by row through the planted kernel
+ROUND_BY_ROW = {"compact_candidates": ("round_candidates", _round_candidates_by_row),
+                "compact_gate": ("round_gates", _round_gates_by_row)}
+
+
 def _gather_kernel_bug(name: str) -> PlantedBug:
     kernel, plant = GATHER_KERNEL_BUGS[name]
-    return PlantedBug(f"fast_gather_{name}", f"{kernel}: {plant.__doc__.split(': ', 1)[1].rstrip('.')}",
-                      lambda: {(GK, kernel): plant(getattr(GK, kernel))})
+
+    def patches() -> dict:
+        out = {(GK, kernel): plant(getattr(GK, kernel))}
+        if kernel in ROUND_BY_ROW:
+            batched, by_row = ROUND_BY_ROW[kernel]
+            out[(GK, batched)] = by_row
+        return out
+    return PlantedBug(f"fast_gather_{name}", f"{kernel}: {plant.__doc__.split(': ', 1)[1].rstrip('.')}", patches)
 
 
 def _release_while_a_plan_is_in_flight() -> dict:

@@ -51,7 +51,7 @@ from vtoken.core.plan import Plan, PlanKind  # noqa: E402
 from vtoken.core.reclamation import ReclaimConfig, ReclamationManager  # noqa: E402
 from vtoken.core.sim.inmemory import InMemoryCopyEngine, TagStore  # noqa: E402
 from vtoken.core.token_table import TokenTable  # noqa: E402
-from vtoken.fuzz.fast_target import GATHER_KERNEL_BUGS  # noqa: E402
+from vtoken.fuzz.fast_target import GATHER_KERNEL_BUGS, ROUND_BY_ROW  # noqa: E402
 from vtoken.integration.fastpath import gather_kernels as G  # noqa: E402
 from vtoken.integration.fastpath.gather import ABORTED, COMMITTED, FastGather  # noqa: E402
 from vtoken.integration.fastpath.table import FastTable  # noqa: E402
@@ -845,6 +845,8 @@ def test_a_move_offset_outside_its_block_is_refused_before_anything_changes(fiel
 def test_a_planted_kernel_bug_is_caught(monkeypatch, bug):
     kernel, plant = GATHER_KERNEL_BUGS[bug]
     monkeypatch.setattr(G, kernel, plant(getattr(G, kernel)))
+    if kernel in ROUND_BY_ROW:  # the round's batched kernel through the planted one
+        monkeypatch.setattr(G, *ROUND_BY_ROW[kernel])
     with pytest.raises(AssertionError):
         # no shrinking: finding the bug is the claim, and the first failing example says where
         run_state_machine_as_test(Lockstep, settings=settings(max_examples=300, stateful_step_count=60, deadline=None,

@@ -145,7 +145,10 @@ class FastGather:
             excess = meta[:, M_NBLOCKS] - -(-live // self.S)
             gap = meta[:, M_WRITE_POS] - live if pack else np.zeros_like(live)
             # NOTE: lexsort is stable: ties keep the given order (the manager's sorted)
-            for k in np.lexsort((-gap, -excess)).tolist():
+            order = np.lexsort((-gap, -excess))
+            if not pack:  # every request with excess, gated in one pass (the loop below, batched)
+                return self._compact_round(idle, order[:int((excess > 0).sum())].tolist())
+            for k in order.tolist():
                 if len(made) >= self.config.max_plans_per_round:
                     break
                 if excess[k] <= 0 and not gap[k] > 0:
@@ -160,6 +163,52 @@ class FastGather:
         if self.burst and not made and not self.inflight:
             self.burst = False  # nothing left to gain: back to the cadence
         return made
+
+    def _compact_round(self, idle: list, ks: list[int]) -> list[Plan]:
+        """``plan_round``'s loop without packing, for ``idle[k]`` of ``ks`` (their round order: all with excess):
+        every request's candidates (``movable`` asked of the pool once for all) and gate, the budget shrinking by
+        each plan's destinations, in two kernel calls; then each chosen request's destinations allocated and its
+        moves filled in that order, as ``plan_compact`` one request at a time."""
+        made: list[Plan] = []
+        if ks:
+            req_ids = [idle[k] for k in ks]
+            rows, m, width = self.fast.rows_of(req_ids), len(ks), self.config.max_sources
+            movable = self._movable_rows(rows)
+            idx, cnt, n = np.empty((m, width), np.int64), np.empty((m, width), np.int64), np.empty(m, np.int64)
+            K.round_candidates(*self.fast._L, rows, width, movable, idx, cnt, n)
+            src, out = np.empty((m, width), np.int64), np.empty((m, 3), np.int64)
+            gated = K.round_gates(idx, cnt, n, self.S, self.destination_budget(), self.config.max_plans_per_round,
+                                   src, out)
+            codes = out[:gated, 0]
+            for code in np.unique(codes).tolist():  # the refused ones counted as ``_record`` counts a NoPlan
+                if code != K.OK:
+                    self.stats.no_plan[_REASONS[code]] += int((codes == code).sum())
+            for j in np.flatnonzero(codes == K.OK).tolist():
+                r, (_, a, b) = req_ids[j], out[j].tolist()
+                blocks = self.fast.layout.blocks[rows[j]]
+                choice = SourceChoice(tuple(blocks[src[j, :a]].tolist()), b, -(-b // self.S))
+                dsts = self.pool.allocate(choice.num_dst, Purpose.EVACUATION)
+                try:
+                    plan = self.fill(r, choice, dsts)
+                except BaseException:
+                    self.pool.free(dsts)
+                    raise
+                made.append(self._record(r, plan))
+        if self.burst and not made and not self.inflight:
+            self.burst = False  # nothing left to gain: back to the cadence
+        return made
+
+    def _movable_rows(self, rows: np.ndarray) -> np.ndarray:
+        """``movable(row, pack=False)`` of every row of ``rows``: the pool asked once, about all their blocks that
+        the kernels read the flag for (``movable``'s NOTE)."""
+        lay, flags, S = self.fast.layout, self._flags, self.S
+        ends = np.minimum(lay.meta[rows, M_WRITE_POS] // S, lay.meta[rows, M_NBLOCKS])
+        width = int(ends.max())
+        blocks = lay.blocks[rows, :width]
+        listed = blocks[(np.arange(width) < ends[:, None]) & (lay.counts[rows, :width] < S)].tolist()
+        refs, cached = self._states(listed)
+        flags[listed] = [ref == 1 and not c for ref, c in zip(refs, cached)]
+        return flags
 
     # -- planning --
     def candidates(self, req_id, max_sources: int, pack: bool) -> list[tuple[int, int]]:
@@ -176,14 +225,8 @@ class FastGather:
         _, n, _ = K.compact_candidates(*self.fast._L, row, max_sources, self.movable(row, pack), idx, cnt)
         src = np.empty(max_sources, np.int64)
         code, a, b = K.compact_gate(idx, cnt, n, self.S, budget, src)
-        if code == K.NO_CANDIDATES:
-            return NoPlan(NoPlanReason.NO_CANDIDATES, f"request {req_id!r}")
-        if code == K.NOT_ENOUGH_HEADROOM:
-            return NoPlan(NoPlanReason.NOT_ENOUGH_HEADROOM, f"request {req_id!r}: budget {a}")
-        if code == K.NO_STRICT_DECREASE:
-            return NoPlan(NoPlanReason.NO_STRICT_DECREASE,
-                          f"request {req_id!r}: {a} live tokens in {b} blocks need {-(-a // self.S)}")
-        assert code == K.OK, code
+        if code != K.OK:
+            return _no_plan(req_id, code, a, b, self.S)
         blocks = self.fast.layout.blocks[row]
         return SourceChoice(tuple(blocks[src[:a]].tolist()), b, -(-b // self.S))
 
@@ -455,3 +498,17 @@ def _move_rows(moves) -> np.ndarray:
     if isinstance(moves, MoveArray):
         return np.frombuffer(moves.fields, np.int64).reshape(-1, 5) if moves.fields else np.empty((0, 5), np.int64)
     return np.asarray([tuple(m) for m in moves], np.int64).reshape(-1, 5)
+
+
+_REASONS = {K.NO_CANDIDATES: NoPlanReason.NO_CANDIDATES, K.NOT_ENOUGH_HEADROOM: NoPlanReason.NOT_ENOUGH_HEADROOM,
+            K.NO_STRICT_DECREASE: NoPlanReason.NO_STRICT_DECREASE}
+
+
+def _no_plan(req_id, code: int, a: int, b: int, S: int) -> NoPlan:
+    """``compact_gate``'s refusal as the manager's ``NoPlan``."""
+    if code == K.NO_CANDIDATES:
+        return NoPlan(NoPlanReason.NO_CANDIDATES, f"request {req_id!r}")
+    if code == K.NOT_ENOUGH_HEADROOM:
+        return NoPlan(NoPlanReason.NOT_ENOUGH_HEADROOM, f"request {req_id!r}: budget {a}")
+    assert code == K.NO_STRICT_DECREASE, code
+    return NoPlan(NoPlanReason.NO_STRICT_DECREASE, f"request {req_id!r}: {a} live tokens in {b} blocks need {-(-a // S)}")

@@ -165,6 +165,36 @@ def compact_gate(cand_index, cand_count, n, S, budget, out_sources):
 
 
 @njit(cache=True, nogil=True)
+def round_candidates(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
+                     live_bits, word_live, group_live, rows, max_sources, movable, out_index, out_count, out_n):
+    """``compact_candidates`` of each row of ``rows``: row k's in ``out_index[k]``, ``out_count[k]`` (``out_n[k]``
+    of them). A round's candidates in one call. Changes nothing. Returns (OK, 0, 0)."""
+    for k in range(rows.shape[0]):
+        _, n, _ = compact_candidates(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool,
+                                     seen, live_bits, word_live, group_live, rows[k], max_sources, movable,
+                                     out_index[k], out_count[k])
+        out_n[k] = n
+    return OK, 0, 0
+
+
+@njit(cache=True, nogil=True)
+def round_gates(cand_index, cand_count, cand_n, S, budget, max_plans, out_sources, out):
+    """``compact_gate`` of each row's candidates (``round_candidates``' answer) in order, at the budget left by the
+    plans before it (each takes its ceil(live / S) destinations), until ``max_plans`` plans: row k's answer in
+    ``out[k]`` (code, a, b), its sources in ``out_sources[k]``. Returns how many rows were gated."""
+    plans = 0
+    for k in range(cand_n.shape[0]):
+        if plans >= max_plans:
+            return k
+        code, a, b = compact_gate(cand_index[k], cand_count[k], cand_n[k], S, budget, out_sources[k])
+        out[k, 0], out[k, 1], out[k, 2] = code, a, b
+        if code == OK:
+            budget -= (b + S - 1) // S
+            plans += 1
+    return cand_n.shape[0]
+
+
+@njit(cache=True, nogil=True)
 def compact_fill(tok_pos, pos_token, blocks, counts, meta, holders, block_live, listed, pool, seen,
                  live_bits, word_live, group_live, row, sources, num_live, dst_blocks, out_moves):
     """``compact_plan``'s fill: the row's live tokens in the blocks at indices ``sources``, in logical order, fill
@@ -749,6 +779,10 @@ def warm_up() -> None:
     idx, cnt, src = np.empty(4, np.int64), np.empty(4, np.int64), np.empty(4, np.int64)
     code, n, _ = compact_candidates(*L, 0, 4, movable, idx, cnt)
     code, k, live = compact_gate(idx, cnt, n, 4, 4, src)
+    round_n, gated = np.zeros(1, np.int64), np.zeros((1, 3), np.int64)
+    round_candidates(*L, np.zeros(1, np.int64), 4, movable, idx.reshape(1, -1), cnt.reshape(1, -1), round_n)
+    assert round_gates(idx.reshape(1, -1), cnt.reshape(1, -1), round_n, 4, 4, 1, src.reshape(1, -1), gated) == 1
+    assert gated[0].tolist() == [OK, 2, 3]
     assert code == OK and k == 2 and live == 3
     moves = np.empty((live, 5), np.int64)
     assert compact_fill(*L, 0, src[:k], live, np.array([5], np.int64), moves)[0] == PLANNED
