@@ -45,6 +45,11 @@ def test_a_record_reads_back_the_changes_it_was_made_of():
     assert record(("a", a, ([0, 2], [1, 30])), check=True).whole.tolist() == [CHECK]
 
 
+def test_the_tables_padding_is_the_id_attention_never_attends():
+    from vtoken.integration.device.gather_attention import PAD as ATTENTION_PAD
+    assert PAD == ATTENTION_PAD
+
+
 def test_both_tables_patch_grow_and_batch_alike():
     """A first list, then evictions (first, middle, last), a move and appends past the width: both tables grow
     (rows and width) and hold the same lists; a batch pads with PAD ids and slot 0."""

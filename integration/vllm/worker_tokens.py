@@ -38,16 +38,13 @@ from vtoken.core.copy_engine import CopyStatus
 from vtoken.core.errors import InvariantViolation
 from vtoken.core.scores import ROW_STATISTICS
 
-from .. import fastpath
 from ..device.copy_engine import TorchCopyEngine
-from ..device.gather_attention import PAD
 from ..device.scores import DeviceScores
+from ..fastpath import available as compiled_kernels
 from ..fastpath import reads as R
 from ..fastpath.moves import SentCopies
 from .compat import UnsupportedConfigError
 
-
-assert R.PAD == PAD, "the read table pads with the id attention never attends"
 
 # Prompt tokens of a prompt longer than this are attended in torch (gather_attention.prefill_attention): its
 # queries share one K/V read and BLAS products there, which beat the kernel's one query at a time (64 x 64 query-key
@@ -146,7 +143,7 @@ class WorkerTokens:
         # resent whole except on a first step or a log overflow: the paper's lookup cache (§3.2). numpy arrays in
         # host memory, which is the device's on vLLM's CPU backend (``_patch_reads``' NOTE); a CUDA port would keep
         # them on the device, where a patch is one launch for the whole batch
-        self.reads = R.ReadTable(compiled=fastpath.available())
+        self.reads = R.ReadTable(compiled=compiled_kernels())  # NOTE: padded with R.PAD, attention's PAD
         self.reading = False  # this step's orders carried read lists: attention reads through them
         # score policies: per-request statistics aligned with the read lists, and this step's rankings to run
         self.scores = DeviceScores(statistics=tuple(statistics)) if scored_layers else None
