@@ -186,14 +186,7 @@ class FastGather:
             for j in np.flatnonzero(codes == K.OK).tolist():
                 r, (_, a, b) = req_ids[j], out[j].tolist()
                 blocks = self.fast.layout.blocks[rows[j]]
-                choice = SourceChoice(tuple(blocks[src[j, :a]].tolist()), b, -(-b // self.S))
-                dsts = self.pool.allocate(choice.num_dst, Purpose.EVACUATION)
-                try:
-                    plan = self.fill(r, choice, dsts)
-                except BaseException:
-                    self.pool.free(dsts)
-                    raise
-                made.append(self._record(r, plan))
+                made.append(self._planned(r, SourceChoice(tuple(blocks[src[j, :a]].tolist()), b, -(-b // self.S))))
         if self.burst and not made and not self.inflight:
             self.burst = False  # nothing left to gain: back to the cadence
         return made
@@ -250,8 +243,10 @@ class FastGather:
         """``ReclamationManager.plan_request`` with the compact planner."""
         self._check_plannable(req_id)
         choice = self.choose(req_id, max_sources, pack, self.destination_budget())
-        if not choice:
-            return self._record(req_id, choice)
+        return self._planned(req_id, choice) if choice else self._record(req_id, choice)
+
+    def _planned(self, req_id, choice: SourceChoice) -> Plan:
+        """The chosen sources' plan: its destinations allocated, its moves filled, recorded in flight."""
         dsts = self.pool.allocate(choice.num_dst, Purpose.EVACUATION)
         try:
             plan = self.fill(req_id, choice, dsts)
