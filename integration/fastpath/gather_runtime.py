@@ -40,10 +40,10 @@ from vtoken.core.policies.streaming_llm import StreamingLLM
 from vtoken.core.reclamation import Ordering, ReclaimConfig
 from vtoken.core.runtime import ReadChanges
 
+from . import read_kernels as RK
 from .commits import NO_COMMITS, StepCommits
 from .gather import COMMITTED, FastGather
 from .layout import M_NUM_LIVE, M_TOTAL_LEN
-from . import read_kernels as RK
 from .reads import StepReads
 from .runtime import FastRuntime
 
