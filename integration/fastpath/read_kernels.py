@@ -12,11 +12,8 @@ import numpy as np
 from numba import njit
 
 from .layout import M_LAYOUT_VERSION, M_TOTAL_LEN, NO_POS
-
-# StepReads.whole: what a row's whole list (when sent) is for
-PATCH, REPLACE, CHECK = 0, 1, 2
-# patch_reads' answers: (code, the row's index in the record, the culprit)
-OK, STALE, MOVED_MISSING, EVICTED_MISSING, EVICTED_TWICE, JOINED_ORDER, LIST_ORDER, NARROW = range(8)
+from .reads import (CHECK, EVICTED_MISSING, EVICTED_TWICE, JOINED_ORDER, LIST_ORDER, MOVED_MISSING, NARROW, OK, PATCH,
+                    REPLACE, STALE)
 
 
 @njit(cache=True, nogil=True)

@@ -27,7 +27,8 @@ import numpy as np
 from vtoken.core.errors import InvariantViolation
 from vtoken.core.runtime import ReadChanges
 
-PATCH, REPLACE, CHECK = 0, 1, 2  # read_kernels' values: what a row's whole list, when sent, is for
+PATCH, REPLACE, CHECK = 0, 1, 2  # StepReads.whole: what a row's whole list, when sent, is for
+# patch_reads' answers (read_kernels, and _patch_numpy): (code, the row's index in the record, the culprit)
 OK, STALE, MOVED_MISSING, EVICTED_MISSING, EVICTED_TWICE, JOINED_ORDER, LIST_ORDER, NARROW = range(8)
 PAD = np.iinfo(np.int64).max  # the id of padding in a batch (gather_attention.PAD: no query attends it)
 
