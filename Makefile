@@ -28,7 +28,8 @@ self-test: $(STAMP)
 
 # Every test on two workers (tests that share an engine or a benchmark run stay together: tests/conftest.py).
 # Every proof obligation of the spec (docs/spec.md) is proved by a test (tests/test_spec_cli.py says which), so
-# `vtoken spec check`, which prints the same obligations as a table, is not run again. TEST_WORKERS=0: one process.
+# `vtoken spec check`, which prints the same obligations as a table, is not run again. TEST_WORKERS=0: one process;
+# VTOKEN_SLOW_TESTS=1: the slow sample too (tests marked `slow`: tests/conftest.py).
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 

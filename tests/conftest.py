@@ -143,3 +143,11 @@ def pytest_collection_modifyitems(config, items):
         # baseid: pytest's own fixtures (tmp_path_factory is session-scoped) have none; ours name their file
         if any(d.scope in _SHARED_SCOPES and d.baseid for ds in defs.values() for d in ds):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    # ``@pytest.mark.slow``: a wider sample of what faster tests check already (another block size, more policies
+    # through the same tensor-parallel path, a second server configuration), kept out of `make test`'s 20 minutes;
+    # VTOKEN_SLOW_TESTS=1 runs it too
+    if not os.environ.get("VTOKEN_SLOW_TESTS"):
+        skip = pytest.mark.skip(reason="slow sample: VTOKEN_SLOW_TESTS=1")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)

@@ -9,7 +9,6 @@ instantiated at every index, so the test ties the proved templates to the code.
 
 from __future__ import annotations
 
-import os
 from array import array
 from functools import lru_cache
 
@@ -148,8 +147,7 @@ def disagreement(model, snap: RequestSnapshot, result: Plan | NoPlan, params: li
 
 SMALL_BOUNDS = [PM.Bound(1, 6), PM.Bound(2, 5), PM.Bound(4, 4), PM.Bound(8, 3)]
 PRODUCTION = PM.Bound(16, 8)  # vLLM's default block size, 8 blocks (128 positions)
-SLOW = pytest.mark.skipif(not os.environ.get("VTOKEN_SLOW_TESTS"), reason="wide-bound sample: VTOKEN_SLOW_TESTS=1")
-DIFF_BOUNDS = [*SMALL_BOUNDS, PRODUCTION, pytest.param(PM.Bound(32, 4), marks=SLOW)]
+DIFF_BOUNDS = [*SMALL_BOUNDS, PRODUCTION, pytest.param(PM.Bound(32, 4), marks=pytest.mark.slow)]
 DIFF = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 
 
