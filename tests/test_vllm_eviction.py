@@ -77,6 +77,24 @@ def test_a_slot_mapping_that_ignores_the_table_is_caught_by_the_slot_audit():
     assert "I2: request" in str(info.value) and "its token table assigned" in str(info.value)
 
 
+def test_a_stale_gap_for_vllms_allocation_is_caught_by_strict_verify(monkeypatch):
+    """Planted bug: the gaps vLLM's allocation hooks read (``SchedulerTokens._gaps``) keep the values of the step
+    before, so densify's rewinds are not seen when vLLM sizes the next step; strict verify's check names B1 and a
+    request whose snapshot and table differ."""
+    from vtoken.integration.vllm.scheduler_tokens import SchedulerTokens
+    real = SchedulerTokens.after_step
+
+    def after_step_keeping_old_gaps(self, *args, **kwargs):
+        old = self._gaps
+        out = real(self, *args, **kwargs)
+        self._gaps = {r: g for r, g in old.items() if r in self.rt}
+        return out
+    monkeypatch.setattr(SchedulerTokens, "after_step", after_step_keeping_old_gaps)
+    with pytest.raises(Exception, match=r"B1: the gaps vLLM's allocation hooks read, against the token tables': "
+                                        r"\{'[^']+': \(0, [1-9]\d*\)"):
+        H.run({"policy": "streaming_llm", "budget": 0.5, "strict_verify": "strict"})
+
+
 def test_an_eviction_cadence_lets_each_request_run_up_to_beta_over_its_budget_and_then_evicts_down_to_it():
     """``evict_every: 4`` at a 24-token budget: each decode step reads 25, 26, 27, 28 live tokens, then 4 leave at
     once; the stock kernel reads exactly those, and densify keeps them dense (ideal blocks every step)."""

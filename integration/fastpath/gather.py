@@ -63,6 +63,8 @@ class FastGather:
         self._f_prev: float | None = None
         self.stats = ReclaimStats()
         self._flags = np.zeros(fast.num_blocks, np.uint8)  # ``movable``'s and ``shared``'s answers, per block id
+        # a pool that shares and caches nothing: every block private (``_shares_nothing``), never written
+        self._everywhere, self._nowhere = np.ones(fast.num_blocks, np.uint8), np.zeros(fast.num_blocks, np.uint8)
 
     # -- the pool's per-block flags (``_movable``, ``_private``, ``_shared_blocks``) and Stage 2's budget --
     # NOTE: the kernels read a flag only for the blocks the row lists (its candidates, dead blocks, densify's tail),
@@ -77,6 +79,8 @@ class FastGather:
         NOTE: set only for the blocks its readers read it for, those wholly before the cursor's block that are not
         full (``compact_candidates``' sources, ``dead_blocks``' dead ones): the pool is asked about a handful of
         blocks, not the whole list (a long request lists about a hundred). The flags of the others are stale."""
+        if self._shares_nothing():
+            return self._everywhere
         lay, flags = self.fast.layout, self._flags
         end = min(lay.meta.item(row, M_WRITE_POS) // self.S, lay.meta.item(row, M_NBLOCKS))
         listed = lay.blocks[row, :end][lay.counts[row, :end] < self.S].tolist()
@@ -86,9 +90,17 @@ class FastGather:
 
     def shared(self, row: int) -> np.ndarray:
         """Per block id of the row's list: another reference (the pool's count > 1)."""
+        if self._shares_nothing():
+            return self._nowhere
         listed, flags = self._listed(row), self._flags
         flags[listed] = [ref > 1 for ref in self._states(listed)[0]]
         return flags
+
+    def _shares_nothing(self) -> bool:
+        """NOTE: a pool that says it shares and caches nothing (vLLM's without prefix caching:
+        ``VllmBlockAllocator.shares_nothing``) is not asked about each block: every block a request lists is private
+        and uncached there, the answer every round would give block by block."""
+        return getattr(self.pool, "shares_nothing", False) is True
 
     def _states(self, listed: list[int]) -> tuple[list[int], list[bool]]:
         states = getattr(self.pool, "block_states", None)
@@ -136,18 +148,24 @@ class FastGather:
                 raise DuplicateRequestError(f"plan_round: request {r!r} listed twice")
             seen.add(r)
         evicted_positions = {} if evicted_positions is None else check_mapping("evicted_positions", evicted_positions)
+        return self.round(req_ids, pack, evicted_positions)
+
+    def round(self, req_ids: list, pack: bool, evicted_positions: Mapping[object, list[int]]) -> list[Plan]:
+        """``plan_round`` unchecked, for the runtime's own call: its every request in admission order, each once."""
         self.stats.rounds += 1
-        idle = [r for r in req_ids if r not in self.inflight]
+        idle = [r for r in req_ids if r not in self.inflight] if self.inflight else req_ids
         made: list[Plan] = []
         if idle:
-            meta = self.fast.layout.meta[self.fast.rows_of(idle)]
+            rows = self.fast.rows_of(idle)
+            meta = self.fast.layout.meta[rows]
             live = meta[:, M_NUM_LIVE]
             excess = meta[:, M_NBLOCKS] - -(-live // self.S)
-            gap = meta[:, M_WRITE_POS] - live if pack else np.zeros_like(live)
-            # NOTE: lexsort is stable: ties keep the given order (the manager's sorted)
-            order = np.lexsort((-gap, -excess))
             if not pack:  # every request with excess, gated in one pass (the loop below, batched)
-                return self._compact_round(idle, order[:int((excess > 0).sum())].tolist())
+                # NOTE: a stable sort: ties keep the given order (the manager's sorted)
+                order = np.argsort(-excess, kind="stable")[:int((excess > 0).sum())]
+                return self._compact_round([idle[k] for k in order.tolist()], rows[order])
+            gap = meta[:, M_WRITE_POS] - live
+            order = np.lexsort((-gap, -excess))  # NOTE: stable, as above
             for k in order.tolist():
                 if len(made) >= self.config.max_plans_per_round:
                     break
@@ -164,26 +182,25 @@ class FastGather:
             self.burst = False  # nothing left to gain: back to the cadence
         return made
 
-    def _compact_round(self, idle: list, ks: list[int]) -> list[Plan]:
-        """``plan_round``'s loop without packing, for ``idle[k]`` of ``ks`` (their round order: all with excess):
-        every request's candidates (``movable`` asked of the pool once for all) and gate, the budget shrinking by
-        each plan's destinations, in two kernel calls; then each chosen request's destinations allocated and its
-        moves filled in that order, as ``plan_compact`` one request at a time."""
+    def _compact_round(self, req_ids: list, rows: np.ndarray) -> list[Plan]:
+        """``plan_round``'s loop without packing, for ``req_ids`` (rows ``rows``) in their round order (all with
+        excess): every request's candidates (``movable`` asked of the pool once for all) and gate, the budget
+        shrinking by each plan's destinations, in two kernel calls; then each chosen request's destinations allocated
+        and its moves filled in that order, as ``plan_compact`` one request at a time."""
         made: list[Plan] = []
-        if ks:
-            req_ids = [idle[k] for k in ks]
-            rows, m, width = self.fast.rows_of(req_ids), len(ks), self.config.max_sources
+        if req_ids:
+            m, width = len(req_ids), self.config.max_sources
             movable = self._movable_rows(rows)
             idx, cnt, n = np.empty((m, width), np.int64), np.empty((m, width), np.int64), np.empty(m, np.int64)
             K.round_candidates(*self.fast._L, rows, width, movable, idx, cnt, n)
             src, out = np.empty((m, width), np.int64), np.empty((m, 3), np.int64)
             gated = K.round_gates(idx, cnt, n, self.S, self.destination_budget(), self.config.max_plans_per_round,
                                    src, out)
-            codes = out[:gated, 0]
-            for code in np.unique(codes).tolist():  # the refused ones counted as ``_record`` counts a NoPlan
+            codes = out[:gated, 0].tolist()
+            for code, times in Counter(codes).items():  # the refused ones counted as ``_record`` counts a NoPlan
                 if code != K.OK:
-                    self.stats.no_plan[_REASONS[code]] += int((codes == code).sum())
-            for j in np.flatnonzero(codes == K.OK).tolist():
+                    self.stats.no_plan[_REASONS[code]] += times
+            for j in [j for j, code in enumerate(codes) if code == K.OK]:
                 r, (_, a, b) = req_ids[j], out[j].tolist()
                 blocks = self.fast.layout.blocks[rows[j]]
                 made.append(self._planned(r, SourceChoice(tuple(blocks[src[j, :a]].tolist()), b, -(-b // self.S))))
@@ -194,6 +211,8 @@ class FastGather:
     def _movable_rows(self, rows: np.ndarray) -> np.ndarray:
         """``movable(row, pack=False)`` of every row of ``rows``: the pool asked once, about all their blocks that
         the kernels read the flag for (``movable``'s NOTE)."""
+        if self._shares_nothing():
+            return self._everywhere
         lay, flags, S = self.fast.layout, self._flags, self.S
         ends = np.minimum(lay.meta[rows, M_WRITE_POS] // S, lay.meta[rows, M_NBLOCKS])
         width = int(ends.max())

@@ -43,7 +43,6 @@ from vtoken.core.runtime import ReadChanges
 from . import read_kernels as RK
 from .commits import NO_COMMITS, StepCommits
 from .gather import COMMITTED, FastGather
-from .layout import M_NUM_LIVE, M_TOTAL_LEN
 from .reads import StepReads
 from .runtime import FastRuntime
 
@@ -81,7 +80,7 @@ class GatherRuntime(FastRuntime):
         ids, rows = self._step_rows(req_ids, attention, key_norms, observed)
         victims: dict[object, list[int]] = {}
         positions: dict[object, list[int]] = {}
-        emptied: set = set()
+        emptied: dict = {}
         if self.policy is not None and ids:
             victims, positions, emptied, flat = self.table.evict_gather_step(rows, self.budget, self.evict_every,
                                                                              self.policy, self._draw_states, ids)
@@ -91,8 +90,7 @@ class GatherRuntime(FastRuntime):
             due = g.should_reclaim(self.iteration)  # first: the adaptive trigger reads F every iteration
             if due or self.pressure:
                 g.stats.pressure_rounds += not due
-                g.plan_round(self.table.request_ids(), pack=bool(self.pressure),
-                             evicted_positions=positions if self.pressure else {})
+                g.round(self.table.request_ids(), bool(self.pressure), positions if self.pressure else {})
         self._release_dead(positions, emptied)
         self._launch_and_commit()
         self.iteration += 1
@@ -114,18 +112,21 @@ class GatherRuntime(FastRuntime):
         return self.table.read_lists(req_id)
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _release_dead(self, positions: Mapping[object, list[int]], emptied: set) -> None:
+    def _release_dead(self, positions: Mapping[object, list[int]], emptied: Mapping) -> None:
         """``VTokenRuntime._release_dead``: Naive-Evict's release of wholly dead private blocks, looked for where this
         step's evictions were in the requests whose evictions emptied a block, and whole in a request deferred by an
-        earlier step's plan; a request with a plan in flight (this step's round) is deferred to the next step."""
+        earlier step's plan; a request with a plan in flight (this step's round) is deferred to the next step.
+        ``emptied``: the requests whose evictions emptied a block, in ``positions``' order (a dict's keys)."""
         S, deferred, g = self.table.block_size, self._release_deferred, self.gather
         self._release_deferred = {}
-        for r in [*positions, *(r for r in deferred if r not in positions)]:
+        # NOTE: the core's order, ``positions``' then the deferred others; a request that lost tokens without
+        # emptying a block (no count reached 0) and was not deferred has no dead block to look for
+        order = emptied if not deferred else [*(r for r in positions if r in emptied or r in deferred),
+                                               *(r for r in deferred if r not in positions)]
+        for r in order:
             if r not in self.table:
                 continue  # left since: its blocks went with it
             among = None if r in deferred else [p // S for p in positions[r]]
-            if among is not None and r not in emptied:
-                continue  # no count reached 0, so no block among these is dead
             if r in g.inflight:
                 self._release_deferred[r] = None
                 continue
@@ -160,14 +161,14 @@ class _ChangeLogs:
     which of its tokens moved (``mv_log``, ``mv_n``) since the previous take, and the layout version and synced
     length at it (``since``: -1 before the first, which says "rebuilt"). Logs of ``limit`` int32 token ids (the
     core's ``CHANGE_LOG_LIMIT`` at construction: a test may lower it after, never raise it). ``take``'s outputs
-    are cut from one buffer, grown to the largest step seen."""
+    are views of one buffer, fresh each step (the record outlives the step: it travels to the workers, or is
+    compared)."""
 
     def __init__(self, rows: int, limit: int) -> None:
         self.limit = limit
         self.ev_n, self.mv_n = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
         self.ev_log, self.mv_log = np.zeros((rows, limit), np.int32), np.zeros((rows, limit), np.int32)
         self.since, self.joined_from = np.full(rows, -1, np.int64), np.zeros(rows, np.int64)
-        self._out = np.zeros(0, np.int64)
 
     def reset(self, row: int) -> None:
         self.ev_n[row] = self.mv_n[row] = self.joined_from[row] = 0
@@ -180,25 +181,18 @@ class _ChangeLogs:
 
     def take(self, table, rows: np.ndarray, req_ids: list, check: bool) -> StepReads:
         meta, R = table.layout.meta, len(rows)
-        ev_n, mv_n = self.ev_n[rows], self.mv_n[rows]
-        rebuilt = (ev_n < 0) | (mv_n < 0) | (self.since[rows] == -1)
-        joined = np.maximum(meta[rows, M_TOTAL_LEN] - self.joined_from[rows], 0).sum()
-        live = meta[rows, M_NUM_LIVE].sum() if check else meta[rows[rebuilt], M_NUM_LIVE].sum()
-        sizes = [R, R, R + 1, int(np.maximum(ev_n, 0).sum()), R + 1, int(np.maximum(mv_n, 0).sum())]
-        sizes += [sizes[5], R + 1, int(joined), int(joined), R + 1, int(live), int(live)]
-        if len(self._out) < sum(sizes):
-            self._out = np.zeros(max(sum(sizes), 2 * len(self._out)), np.int64)
-        parts, at = [], 0
+        ev, mv, jn, live = RK.read_sizes(meta, rows, check, self.ev_n, self.mv_n, self.since, self.joined_from)
+        sizes = (R, R, R + 1, ev, R + 1, mv, mv, R + 1, jn, jn, R + 1, live, live)
+        out, parts, at = np.empty(sum(sizes), np.int64), [], 0
         for size in sizes:
-            parts.append(self._out[at:at + size])
+            parts.append(out[at:at + size])
             at += size
         version, since, ev_at, ev, mv_at, mv, mv_slots, jn_at, jn, jn_slots, ls_at, ls_ids, ls_slots = parts
         whole = np.empty(R, np.int8)
         RK.take_reads(table.layout.tok_pos, table.layout.blocks, meta, table.block_size, rows, check, self.ev_n,
                       self.ev_log, self.mv_n, self.mv_log, self.since, self.joined_from, version, since, whole,
                       ev_at, ev, mv_at, mv, mv_slots, jn_at, jn, jn_slots, ls_at, ls_ids, ls_slots)
-        # NOTE: copies: the record outlives the buffer (it travels to the workers, or is compared)
-        cut = lambda a, starts: a[:starts[R]].copy()  # noqa: E731
-        return StepReads(req_ids, version.copy(), since.copy(), whole, ev_at.copy(), cut(ev, ev_at), mv_at.copy(),
-                         cut(mv, mv_at), cut(mv_slots, mv_at), jn_at.copy(), cut(jn, jn_at), cut(jn_slots, jn_at),
-                         ls_at.copy(), cut(ls_ids, ls_at), cut(ls_slots, ls_at))
+        cut = lambda a, starts: a[:starts.item(R)]  # noqa: E731  (the rows' entries: a bound, not a count)
+        return StepReads(req_ids, version, since, whole, ev_at, cut(ev, ev_at), mv_at, cut(mv, mv_at),
+                         cut(mv_slots, mv_at), jn_at, cut(jn, jn_at), cut(jn_slots, jn_at), ls_at, cut(ls_ids, ls_at),
+                         cut(ls_slots, ls_at))

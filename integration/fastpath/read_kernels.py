@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .layout import M_LAYOUT_VERSION, M_TOTAL_LEN, NO_POS
+from .layout import M_LAYOUT_VERSION, M_NUM_LIVE, M_TOTAL_LEN, NO_POS
 from .reads import (CHECK, EVICTED_MISSING, EVICTED_TWICE, JOINED_ORDER, LIST_ORDER, MOVED_MISSING, NARROW, OK, PATCH,
                     REPLACE, STALE)
 
@@ -31,6 +31,21 @@ def log_append(n, log, rows, starts, ids, limit):
         for j in range(add):
             log[row, have + j] = ids[starts[k] + j]
         n[row] = have + add
+
+
+@njit(cache=True, nogil=True)
+def read_sizes(meta, rows, check, ev_n, mv_n, since, joined_from):
+    """What ``take_reads`` of ``rows`` may write at most: (evicted ids, moved ids, joined ids, whole lists' ids) over
+    all the rows (a rebuilt row, or with ``check`` any row, sends its whole list)."""
+    ev = mv = jn = live = 0
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        ev += max(ev_n[row], 0)
+        mv += max(mv_n[row], 0)
+        jn += max(meta[row, M_TOTAL_LEN] - joined_from[row], 0)
+        if check or ev_n[row] < 0 or mv_n[row] < 0 or since[row] == -1:
+            live += meta[row, M_NUM_LIVE]
+    return ev, mv, jn, live
 
 
 @njit(cache=True, nogil=True)
@@ -183,6 +198,7 @@ def warm_up() -> None:
     log_append(ev_n, log, one, np.array([0, 1], np.int64), np.array([3], np.int64), 4)
     meta = np.zeros((1, META_COLUMNS), np.int64)
     tok_pos, blocks, out = np.full((1, 4), NO_POS, np.int32), np.zeros((1, 2), np.int32), np.zeros(8, np.int64)
+    read_sizes(meta, one, True, ev_n, ev_n, one, one)
     take_reads(tok_pos, blocks, meta, 2, one, True, ev_n, log, ev_n.copy(), log.copy(), one.copy(), one.copy(),
                out[:1], out[:1], np.zeros(1, np.int8), z, out, z.copy(), out, out, z.copy(), out, out, z.copy(), out,
                out)

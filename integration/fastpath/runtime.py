@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from operator import itemgetter
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -114,7 +115,7 @@ class FastRuntime:
         each request's write slots. Besides the table's checks, each new block must be allocated in the pool and, if
         other requests list it (a shared prefix block), referenced there once per holder (the core's messages)."""
         items = list(items)
-        if any(new for _, new, _ in items):
+        if any(map(bool, map(itemgetter(1), items))):
             problem = self._pool_problem(items)
             if problem is not None:
                 # the core checks each item's table before its pool: a table refusal up to that item comes first

@@ -33,6 +33,9 @@ from .layout import (M_EMPTIED, M_IN_USE, M_LAST_SYNC_START, M_LAYOUT_VERSION, M
 from .moves import MoveArray
 
 
+_INT, _LIST = frozenset((int,)), frozenset((list,))  # ``sync_many``'s usual items' classes
+
+
 class FastTable:
     def __init__(self, num_blocks: int, block_size: int, rows: int, tokens: int) -> None:
         self.cap = Capacity(rows=rows, tokens=tokens, num_blocks=num_blocks, block_size=block_size)
@@ -125,7 +128,7 @@ class FastTable:
         earlier one filled in the same call), and a refusal (the core's error for the first bad item) undoes the
         items already synced, so every request is as it was. ``check_only``: the core's checks alone (not the
         layout's capacity), changing nothing; returns []."""
-        ids, news, totals = [r for r, _, _ in items], [new for _, new, _ in items], [t for _, _, t in items]
+        ids, news, totals = map(list, zip(*items)) if items else ([], [], [])
         try:
             rows = self.rows_of(ids)
         except UnknownRequestError:
@@ -135,12 +138,13 @@ class FastTable:
         # NOTE: a step's usual items (int lengths not below the synced ones, lists of new blocks in the pool, mostly
         # empty) are checked in one pass for all (the lengths by the kernel, before it changes anything); any other
         # item sends the step through the core's checks one by one, in its order
-        usual = all(t.__class__ is int for t in totals) and all(new.__class__ is list for new in news) \
-            and (not totals or max(totals) < 2**62) \
-            and all(b.__class__ is int and 0 <= b < self.num_blocks for new in news if new for b in new)
+        # (C-level passes: ``set(map(type, ...))`` is every element's exact class, so a bool is not usual)
+        usual = set(map(type, totals)) <= _INT and set(map(type, news)) <= _LIST and (not totals or max(totals) < 2**62)
+        flat = list(chain.from_iterable(news)) if usual else []
+        usual = usual and (not flat or set(map(type, flat)) <= _INT and min(flat) >= 0 and max(flat) < self.num_blocks)
         code = K.NOT_USUAL
         if usual:
-            code, i, a, b = self._sync_step(rows, ids, totals, news, check_only)
+            code, i, a, b = self._sync_step(rows, ids, totals, news, check_only, flat)
         if code == K.NOT_USUAL:
             news = [self._sync_args(r, before, new, total)
                     for (r, new, total), before in zip(items, self.layout.meta[rows, M_TOTAL_LEN].tolist())]
@@ -160,14 +164,15 @@ class FastTable:
         slots = record[n + 1:]
         return list(map(slots.__getitem__, map(slice, record[:n], record[1:n + 1])))
 
-    def _sync_step(self, rows: np.ndarray, ids: list, totals: list[int], news: list[list[int]], check_only: bool
-                   ) -> tuple[int, int, int, int]:
-        """``K.sync_step`` of the items (checked: int lengths below 2**62, lists of int blocks in the pool), into the
-        kept record buffer, grown when the kernel asks for more."""
+    def _sync_step(self, rows: np.ndarray, ids: list, totals: list[int], news: list[list[int]], check_only: bool,
+                   flat: list[int] | None = None) -> tuple[int, int, int, int]:
+        """``K.sync_step`` of the items (checked: int lengths below 2**62, lists of int blocks in the pool; ``flat``:
+        the new blocks concatenated, if the caller has them), into the kept record buffer, grown when the kernel
+        asks for more."""
         if len(set(ids)) != len(ids):
             raise InvalidArgumentError(f"a request is named twice in one sync: {ids[:8]}")
         totals_, starts = np.array(totals, np.int64), np.array([0, *accumulate(map(len, news))], np.int64)
-        blocks = np.array(list(chain.from_iterable(news)), np.int64)
+        blocks = np.array(list(chain.from_iterable(news)) if flat is None else flat, np.int64)
         while True:
             code, i, a, b = K.sync_step(*self._L, rows, totals_, starts, blocks, self.cap.tokens, self._sync_out,
                                         not check_only)
@@ -319,12 +324,12 @@ class FastTable:
 
     def evict_gather_step(self, rows: np.ndarray, budget: float | int, evict_every: int,
                           policy: StreamingLLM | RandomPolicy, states: np.ndarray | None, req_ids: list
-                          ) -> tuple[dict[object, list[int]], dict[object, list[int]], set, tuple]:
+                          ) -> tuple[dict[object, list[int]], dict[object, list[int]], dict, tuple]:
         """The gather path's eviction step for ``rows`` (``req_ids``' rows, distinct, in use): the rows due by the
         cadence (``K.due_rows``), their victims (nothing protected: the gather path reads any slot) and their
         eviction, in one kernel call (``K.evict_policy_batch``). Returns (victims, the positions they held, by
         request, for the requests that lost tokens, in ``req_ids``' order; the requests whose evictions emptied a
-        block of their list; the victims flat: (due rows, starts, victims), views valid until the next step)."""
+        block of their list, in that order (a dict's keys); the victims flat: (due rows, starts, victims), views valid until the next step)."""
         kind, param = self._policy_args(policy, states)
         buf, meta = self._step, self.layout.meta
         fixed, ratio = (budget, 0.0) if budget.__class__ is int else (0, budget)
@@ -339,13 +344,13 @@ class FastTable:
         n = int(starts[m])
         at, victims, positions = starts.tolist(), buf.victims[:n].tolist(), buf.positions[:n].tolist()
         emptied = (meta[due_rows, M_EMPTIED] != emptied_before).tolist()
-        lost, where, dead = {}, {}, set()
+        lost, where, dead = {}, {}, {}
         for k, i in enumerate(buf.due[:m].tolist()):
             if at[k + 1] > at[k]:
                 r = req_ids[i]
                 lost[r], where[r] = victims[at[k]:at[k + 1]], positions[at[k]:at[k + 1]]
                 if emptied[k]:
-                    dead.add(r)
+                    dead[r] = None
         return lost, where, dead, (due_rows, starts, buf.victims[:n])
 
     def _policy_args(self, policy, states) -> tuple[int, int]:

@@ -66,6 +66,14 @@ class VllmBlockAllocator:
         """vLLM hashed the block (prefix caching on): a later request whose prompt matches may map it."""
         return manager_hooks.is_cached(self.pool, self._block(block_id))
 
+    @property
+    def shares_nothing(self) -> bool:
+        """Whether no block can have a second reference or a prefix-cache hash: vLLM without prefix caching neither
+        shares a block (a second reference is a prefix hit) nor hashes one. The fast path's planners then skip
+        asking about each block (``FastGather._shares_nothing``); strict verify's shadow core asks the pool block by
+        block and compares their plans."""
+        return not self.pool.enable_caching
+
     def block_states(self, block_ids: list[int]) -> tuple[list[int], list[bool]]:
         """``ref_count`` and ``is_cached`` of each of ``block_ids`` (blocks a token table lists: in range, checked
         there), read in one pass: what the fast path's planners ask of a request's blocks every round."""

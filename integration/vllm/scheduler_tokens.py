@@ -286,6 +286,11 @@ class SchedulerTokens:
         self._decoding: set[str] = set()  # requests whose table holds their whole prompt (after_step asks these)
         self._admitted = 0
         self.first_evicted: dict[str, int] = {}
+        # NOTE: each tracked request's gap (> 0 only) as the last ``after_step`` left it, which is what vLLM's
+        # allocation hooks read while it schedules the next step: only a commit changes a gap (``sync`` moves the
+        # length and the cursor together; the drill's relocation keeps the cursor), and commits happen in
+        # ``after_step``. A request admitted since has none. Strict verify's ``check`` compares it with the table's.
+        self._gaps: dict[str, int] = {}
         self._layouts: dict[str, list[int]] = {}  # changed by commits since the last step's orders
         self._forgotten: list[str] = []  # requests forgotten since the last step's orders (the workers drop them)
         self._scheduled: set[str] = set()  # score policies: the requests of the step in flight
@@ -295,7 +300,8 @@ class SchedulerTokens:
 
     # ---- what the manager hooks ask ----------------------------------------------------------
     def gap(self, req_id: str) -> int:
-        return self.rt.gap(req_id) if req_id in self.rt else 0
+        """O(1): vLLM's allocation hooks ask it twice per request and step (``_gaps``' NOTE)."""
+        return self._gaps.get(req_id, 0)
 
     def intact_tokens(self, req_id: str) -> int | None:
         return self.first_evicted.get(req_id)
@@ -310,6 +316,7 @@ class SchedulerTokens:
         self.stats.copies_dropped += self.engine.drop_request(req_id)
         self._layouts.pop(req_id, None)
         self.first_evicted.pop(req_id, None)
+        self._gaps.pop(req_id, None)
 
     def finished(self, req_id: str) -> None:
         self.forget(req_id)
@@ -362,8 +369,9 @@ class SchedulerTokens:
         if not self._decoding.issuperset(ids):  # NOTE: at a steady step every scheduled request is decoding already
             prompt_len = self.prompt_len
             self._decoding.update(r for r, _, total in items if total >= prompt_len[r])
-        gaps = rt.gaps(ids)
-        orders.gaps = dict(compress(zip(ids, gaps), gaps))  # the requests with a gap
+        gaps = self._gaps
+        orders.gaps = {r: gaps[r] for r in ids if r in gaps} if len(gaps) < len(ids) else \
+            {r: g for r in ids if (g := gaps.get(r))}  # the requests with a gap
         if self.settings.strict_verify == "strict":
             # a prefix hit's tokens are not rewritten
             orders.write_slots = {r: slots[len(slots) - scheduled:] for (r, _, scheduled), slots in zip(syncs, synced)}
@@ -453,11 +461,12 @@ class SchedulerTokens:
         if self.ranked is not None:
             self.ranked.victims, self.ranked.sent = {}, {}
         self.stats.attention_rows += scored
-        first = self.first_evicted
-        for r, chosen in victims.items():
-            low = min(chosen)
-            if low < first.get(r, low + 1):
-                first[r] = low
+        if self.allocator.pool.enable_caching:  # NOTE: only vLLM's prefix caching asks (``intact_tokens``)
+            first = self.first_evicted
+            for r, chosen in victims.items():
+                low = min(chosen)
+                if low < first.get(r, low + 1):
+                    first[r] = low
         self.stats.evicted += sum(map(len, victims.values()))
         commits = rt.take_commits()  # EVENT ordering: ORDERED copies commit at once
         self.stats.releases += commits.releases
@@ -471,6 +480,8 @@ class SchedulerTokens:
             self._committed(plan)
         # every abort, whichever path made it (a refused launch, a failed copy, a request that left mid-copy)
         self.stats.plans_aborted = sum(rt.reclaim_stats.plans_aborted.values())
+        gaps = rt.gaps(running)
+        self._gaps = dict(compress(zip(running, gaps), gaps))
         self.stats.seconds += time.perf_counter() - t0
         return victims
 
@@ -584,6 +595,12 @@ class SchedulerTokens:
         ``pool``, also P1 over vLLM's whole pool, O(pool size); with ``requests`` (the scheduler's
         ``requests``: id -> vLLM ``Request``), also B3 over every prefix-cached block a request holds."""
         t, blocks = self.rt, self.allocator.pool.blocks
+        stale = {r: (g, t.gap(r) if r in t else "untracked") for r, g in self._gaps.items()
+                 if r not in t or g != t.gap(r)}
+        stale.update((r, (0, t.gap(r))) for r in t.running() if r not in self._gaps and t.gap(r))
+        if stale:
+            raise InvariantViolation("B1", f"the gaps vLLM's allocation hooks read, against the token tables': "
+                                           f"{dict(list(stale.items())[:8])}")
         for r in t.running():
             held = [b.block_id for b in self.manager.req_to_blocks.get(r, [])]
             if held != t.block_ids(r):

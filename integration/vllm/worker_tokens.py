@@ -303,7 +303,8 @@ class WorkerTokens:
         # NOTE: the index arithmetic in numpy, handed to torch without a copy: a torch call costs several times a
         # numpy one at these sizes, and this runs once per step
         starts_np = r.query_start_loc.np[: n + 1].astype(np.int64)
-        request_np = np.repeat(np.arange(n), np.diff(starts_np))
+        # one query per request (a decode step): the query's index is its request's
+        request_np = np.arange(n) if num_tokens == n else np.repeat(np.arange(n), np.diff(starts_np))
         positions_np = r.positions[:num_tokens].to(torch.int64).numpy()
         prompt_np = batch.num_prompt_tokens[:n].astype(np.int64)[request_np]
         # NOTE: which implementation attends a query depends on the query alone (is it a token of a prompt longer
