@@ -333,38 +333,46 @@ class SchedulerTokens:
         orders = StepOrders(copies=self.engine.take_outbox(), layouts=self._layouts)
         self._layouts = {}
         req_to_blocks = self.manager.req_to_blocks
-        syncs: list[tuple[str, int, int]] = []  # (request, tokens computed before this step, scheduled)
         reads = self.read_path is ReadPath.GATHER or self.settings.policy in SCORE_POLICIES
         check = self.settings.strict_verify == "strict" and self.stats.steps % READ_CHECK_EVERY == 0
         orders.forget, self._forgotten = self._forgotten, []
+        ids, computed = [], []
         for nr in so.scheduled_new_reqs:
             n_prompt = len(nr.prompt_token_ids) if nr.prompt_token_ids is not None else len(nr.prompt_embeds)
             self.prompt_len[nr.req_id] = n_prompt
             self.policy_names[nr.req_id] = self._admitted
             self._admitted += 1
             rt.admit(nr.req_id)
-            syncs.append((nr.req_id, nr.num_computed_tokens, so.num_scheduled_tokens[nr.req_id]))
-        for r, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            ids.append(nr.req_id)
+            computed.append(nr.num_computed_tokens)
+        for r in (cached.req_ids if cached.resumed_req_ids else ()):
             if r in cached.resumed_req_ids:
                 if r in rt:
                     raise InvariantViolation("B1", f"resumed request {r!r} still has a token table")
                 rt.admit(r)
-            syncs.append((r, computed, so.num_scheduled_tokens[r]))
-        items, ids = [], [r for r, _, _ in syncs]
-        for (r, computed, scheduled), total, known, last in zip(syncs, *rt.bridge(ids)):
-            held = req_to_blocks[r]
-            # new and resumed requests start empty: a prefix-cache hit arrives as computed tokens in held blocks
-            if total != computed and total:
-                raise InvariantViolation("B1", f"request {r!r}: vLLM computed {computed} tokens, the token table has "
-                                               f"{total}")
-            # NOTE: vLLM only appends to a running request's list between steps (after a commit ``_mirror`` makes it
-            # the table's), so its last known block pins the prefix in O(1); strict verify's ``check`` compares the
-            # whole lists after every step
-            n = len(held)
-            if n < known or known and held[known - 1].block_id != last:
-                raise InvariantViolation("B1", f"request {r!r}: token table blocks {rt.block_ids(r)} are not a prefix "
-                                               f"of vLLM's {[b.block_id for b in held]}")
-            items.append((r, [b.block_id for b in held[known:]] if n > known else [], computed + scheduled))
+        ids += cached.req_ids
+        computed += cached.num_computed_tokens
+        # NOTE: one pass per check over the step's requests (C-level where it can be); the first request that fails
+        # either is named, with the check it fails
+        totals, known, last = rt.bridge(ids)
+        held = list(map(req_to_blocks.__getitem__, ids))
+        lengths = list(map(len, held))
+        tails = [h[k - 1].block_id if k else -1 for h, k in zip(held, known)]
+        if totals != computed or tails != last or any(map(int.__lt__, lengths, known)):
+            for r, total, c, h, n, k, tail, want in zip(ids, totals, computed, held, lengths, known, tails, last):
+                # new and resumed requests start empty: a prefix-cache hit arrives as computed tokens in held blocks
+                if total != c and total:
+                    raise InvariantViolation("B1", f"request {r!r}: vLLM computed {c} tokens, the token table has "
+                                                   f"{total}")
+                # NOTE: vLLM only appends to a running request's list between steps (after a commit ``_mirror`` makes
+                # it the table's), so its last known block pins the prefix in O(1); strict verify's ``check``
+                # compares the whole lists after every step
+                if n < k or tail != want:
+                    raise InvariantViolation("B1", f"request {r!r}: token table blocks {rt.block_ids(r)} are not a "
+                                                   f"prefix of vLLM's {[b.block_id for b in h]}")
+        ends = map(int.__add__, computed, map(so.num_scheduled_tokens.__getitem__, ids))
+        items = [(r, [b.block_id for b in h[k:]] if n > k else [], end)
+                 for r, h, n, k, end in zip(ids, held, lengths, known, ends)]
         synced = rt.sync_many(items)
         if not self._decoding.issuperset(ids):  # NOTE: at a steady step every scheduled request is decoding already
             prompt_len = self.prompt_len
@@ -374,11 +382,11 @@ class SchedulerTokens:
             {r: g for r in ids if (g := gaps.get(r))}  # the requests with a gap
         if self.settings.strict_verify == "strict":
             # a prefix hit's tokens are not rewritten
-            orders.write_slots = {r: slots[len(slots) - scheduled:] for (r, _, scheduled), slots in zip(syncs, synced)}
+            orders.write_slots = {r: slots[len(slots) - so.num_scheduled_tokens[r]:] for r, slots in zip(ids, synced)}
         if reads:
             orders.reads = rt.read_step(ids, check)
         if self.ranked is not None:
-            self._rank_orders(orders, [r for r, _, _ in syncs])
+            self._rank_orders(orders, ids)
         if self.settings.strict_verify == "strict":
             check_copies_sent(rt, self.engine)
         self.stats.steps += 1
