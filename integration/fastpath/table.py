@@ -128,7 +128,7 @@ class FastTable:
         earlier one filled in the same call), and a refusal (the core's error for the first bad item) undoes the
         items already synced, so every request is as it was. ``check_only``: the core's checks alone (not the
         layout's capacity), changing nothing; returns []."""
-        ids, news, totals = map(list, zip(*items)) if items else ([], [], [])
+        ids, news, totals = [r for r, _, _ in items], [new for _, new, _ in items], [t for _, _, t in items]
         try:
             rows = self.rows_of(ids)
         except UnknownRequestError:

@@ -357,7 +357,7 @@ class SchedulerTokens:
         totals, known, last = rt.bridge(ids)
         held = list(map(req_to_blocks.__getitem__, ids))
         lengths = list(map(len, held))
-        tails = [h[k - 1].block_id if k else -1 for h, k in zip(held, known)]
+        tails = [h[k - 1].block_id if 0 < k <= n else -1 for h, n, k in zip(held, lengths, known)]
         if totals != computed or tails != last or any(map(int.__lt__, lengths, known)):
             for r, total, c, h, n, k, tail, want in zip(ids, totals, computed, held, lengths, known, tails, last):
                 # new and resumed requests start empty: a prefix-cache hit arrives as computed tokens in held blocks
@@ -378,8 +378,7 @@ class SchedulerTokens:
             prompt_len = self.prompt_len
             self._decoding.update(r for r, _, total in items if total >= prompt_len[r])
         gaps = self._gaps
-        orders.gaps = {r: gaps[r] for r in ids if r in gaps} if len(gaps) < len(ids) else \
-            {r: g for r in ids if (g := gaps.get(r))}  # the requests with a gap
+        orders.gaps = {r: gaps[r] for r in ids if r in gaps}  # the requests with a gap
         if self.settings.strict_verify == "strict":
             # a prefix hit's tokens are not rewritten
             orders.write_slots = {r: slots[len(slots) - so.num_scheduled_tokens[r]:] for r, slots in zip(ids, synced)}
