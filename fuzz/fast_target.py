@@ -37,9 +37,11 @@ from vtoken.integration.fastpath import gather_runtime
 from vtoken.integration.fastpath import kernels as K
 from vtoken.integration.fastpath import read_kernels as RK
 from vtoken.integration.fastpath import runtime as fast_runtime
-from vtoken.integration.fastpath.layout import M_LAYOUT_VERSION, M_NBLOCKS, M_RUN_POS, M_TOTAL_LEN, M_WRITE_POS
+from vtoken.integration.fastpath.layout import (M_LAYOUT_VERSION, M_NBLOCKS, M_NUM_LIVE, M_RUN_POS, M_TOTAL_LEN,
+                                               M_WRITE_POS)
 from vtoken.integration.fastpath.reads import REPLACE, ReadTable
 from vtoken.integration.fastpath.shadow import ShadowedRuntime, ShadowEngine
+from vtoken.integration.fastpath.table import FastTable
 
 from .events import EVENTS
 from .planted import PlantedBug
@@ -271,6 +273,15 @@ class FastMachine(RuleBasedStateMachine):
             EVENTS["invariant_checks"] += 1 + self.rt.calls - self._compared  # the recount, and each compared call
             self._compared = self.rt.calls
         EVENTS["machine_steps"] += 1
+
+    @invariant()
+    def the_gauges_are_the_cores(self):
+        """vLLM's stats read the fast path's gauges every step: the core's, computed request by request."""
+        if self.rt is not None:
+            for gauge in ("waste_ratio", "retained_vs_ideal"):
+                want, got = getattr(self.rt.core, gauge)(), getattr(self.rt.fast, gauge)()
+                if want != got:
+                    raise E.InvariantViolation("V6", f"the fast path's {gauge}() is {got!r}, the core's {want!r}")
 
     @invariant()
     def the_pool_holds_what_the_tables_list(self):
@@ -627,6 +638,16 @@ def _patch_skips_the_last_eviction() -> dict:
     return {(RK, "patch_reads"): patch_reads}
 
 
+def _ideal_blocks_floored() -> dict:
+    real = FastTable.retained_vs_ideal
+
+    def retained_vs_ideal(self):  # the ideal footprint rounds live / S down: a partly live block is not needed
+        retained, _ = real(self)
+        meta = self.layout.meta[list(self._rows.values())]
+        return retained, int((meta[:, M_NUM_LIVE] // self.block_size).sum())
+    return {(FastTable, "retained_vs_ideal"): retained_vs_ideal}
+
+
 FAST_BUGS: dict[str, PlantedBug] = {b.name: b for b in (
     PlantedBug("fast_slot_off_by_one", "the batched sync reports the first write slot one past the slot written",
                _slot_off_by_one),
@@ -655,4 +676,6 @@ FAST_BUGS: dict[str, PlantedBug] = {b.name: b for b in (
                "full: the next step lists them again", _evictions_taken_twice),
     PlantedBug("fast_reads_patch_skips_the_last_eviction", "the workers' compiled patch keeps each request's last "
                "evicted token in its read list", _patch_skips_the_last_eviction),
+    PlantedBug("fast_ideal_blocks_floored", "the ideal footprint vLLM's stats read rounds live / S down",
+               _ideal_blocks_floored),
 )}

@@ -339,6 +339,17 @@ def bridge_rows(meta, blocks, rows, out):
 
 
 @njit(cache=True, nogil=True)
+def footprint(meta, S):
+    """(blocks listed, ceil(live / S) summed) over the rows in use: ``retained_vs_ideal``."""
+    held = ideal = 0
+    for row in range(meta.shape[0]):
+        if meta[row, M_IN_USE]:
+            held += meta[row, M_NBLOCKS]
+            ideal += (meta[row, M_NUM_LIVE] + S - 1) // S
+    return held, ideal
+
+
+@njit(cache=True, nogil=True)
 def gap_rows(meta, rows, out):
     """For each of ``rows``: total_len - cursor, into ``out``."""
     for i in range(rows.shape[0]):
@@ -890,3 +901,4 @@ def warm_up() -> None:
     assert step_record(lay.meta, out, out, rows, 0, at, starts, starts, out, np.empty((1, 3), np.int64), starts, out,
                        starts, 4, np.zeros(HEAD + 1, np.int64)) == HEAD + 1
     assert clear_row(*L, 0, out)[0] == OK
+    assert footprint(lay.meta, 4) == (0, 0)  # row 0 cleared: no row in use

@@ -32,7 +32,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from vtoken.core.block_pool import BlockAllocator, blocks_needed
+from vtoken.core.block_pool import BlockAllocator
 from vtoken.core.checks import as_list, check_int, check_mapping, check_request_id
 from vtoken.core.copy_engine import CopyEngine, CopyStatus
 from vtoken.core.errors import (BlockNotOwnedError, ConfigError, DuplicateRequestError, InvalidArgumentError,
@@ -235,9 +235,7 @@ class FastRuntime:
         return waste_ratio(int(self.table.layout.pool[P_LIVE_SLOTS]), self.pool.num_allocated, self.pool.block_size)
 
     def retained_vs_ideal(self) -> tuple[int, int]:
-        ids, S = self.table.request_ids(), self.pool.block_size
-        return (sum(self.table.num_blocks_of(r) for r in ids),
-                sum(blocks_needed(self.table.num_live(r), S) for r in ids))
+        return self.table.retained_vs_ideal()
 
     def copies_in_flight(self) -> set:
         return set()  # every plan commits in the call that makes it

@@ -420,6 +420,11 @@ class FastTable:
     def num_blocks_of(self, req_id: object) -> int:
         return self.layout.meta.item(self._row(req_id), M_NBLOCKS)
 
+    def retained_vs_ideal(self) -> tuple[int, int]:
+        """Blocks the requests list, and ceil(live / S) summed over them: one kernel pass over the rows in use (vLLM
+        asks every step, for its stats)."""
+        return K.footprint(self.layout.meta, self.block_size)
+
     def block_at(self, req_id: object, index: int) -> int:
         """Block ``index`` of the request's list, O(1) (an IndexError outside it, as the core's list gives)."""
         row = self._row(req_id)

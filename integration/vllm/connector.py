@@ -264,7 +264,10 @@ class VTokenConnector(KVConnectorBase_V1):
         if self.tokens is None:
             return None
         from .metrics import VTokenStats
-        return VTokenStats(data=self.tokens.metrics(self.workers))
+        t0 = time.perf_counter()
+        data = self.tokens.metrics(self.workers)
+        self.tokens.stats.seconds += time.perf_counter() - t0  # vtoken's: vLLM asks every step it logs stats
+        return VTokenStats(data=data)
 
     @classmethod
     def build_kv_connector_stats(cls, data=None):

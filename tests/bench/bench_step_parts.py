@@ -29,6 +29,7 @@ if os.environ.get("VTOKEN_TREE"):  # before anything imports vtoken
         finder.MAPPING[name] = path.replace(here, os.environ["VTOKEN_TREE"])
 
 PARTS = {  # module: {class: [methods]}
+    "vtoken.integration.vllm.connector": {"VTokenConnector": ["get_kv_connector_stats"]},
     "vtoken.integration.vllm.scheduler_tokens": {"SchedulerTokens": ["on_schedule", "after_step", "_committed",
                                                                       "on_reports"]},
     "vtoken.integration.vllm.worker_copies": {"ShardReports": ["settle"]},
