@@ -31,7 +31,7 @@ from vtoken.core.densify import plan_densify  # noqa: E402
 from vtoken.core.plan import NoPlanReason  # noqa: E402
 from vtoken.core.policies import RandomPolicy, RequestView, StreamingLLM  # noqa: E402
 from vtoken.core.policies.random_policy import request_state  # noqa: E402
-from vtoken.core.errors import BlockNotOwnedError, ConfigError, VTokenError  # noqa: E402
+from vtoken.core.errors import BlockNotOwnedError, ConfigError, UnknownRequestError, VTokenError  # noqa: E402
 from vtoken.core.token_table import TokenTable  # noqa: E402
 from vtoken.integration.fastpath import kernels as K  # noqa: E402
 from vtoken.integration.fastpath.table import FastTable  # noqa: E402
@@ -568,3 +568,24 @@ def test_densify_plans_as_without_a_hint_when_the_evicted_positions_given_are_wr
         t.evict_tokens("a", [1, 5])
     got, want = tables[0].densify("a", hint), tables[1].densify("a", None)
     assert got == want and tuple(got.moves) == tuple(want.moves) and tables[0].state() == tables[1].state()
+
+
+def test_rows_of_answers_again_only_for_the_same_ids_and_rows():
+    """``rows_of`` keeps its last two answers by the id objects asked for: a request removed and another admitted
+    moves the rows, and the next call must look them up again; a bool never matches a remembered int id."""
+    fast = FastTable(NUM_BLOCKS, S, ROWS, TOKENS)
+    for r in (1, "b", "c"):
+        fast.add_request(r)
+    ids, pair = [1, "b", "c"], [1, "c"]
+    first = fast.rows_of(ids)
+    assert first.tolist() == [0, 1, 2] and fast.rows_of(list(ids)) is first  # the same objects: remembered
+    assert fast.rows_of(pair).tolist() == [0, 2]
+    fast.remove_request(1)
+    fast.add_request("d")  # takes row 0
+    fast.add_request(1)  # row 3 now
+    assert fast.rows_of(pair).tolist() == [3, 2]
+    fast.remove_request("b")
+    with pytest.raises(UnknownRequestError, match="unknown request 'b'"):
+        fast.rows_of(ids)  # "b" left: no remembered answer
+    with pytest.raises(UnknownRequestError, match="unknown request True"):
+        fast.rows_of([True, "c"])  # equal to [1, "c"], but not the same objects

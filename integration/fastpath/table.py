@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from array import array
 from itertools import accumulate, chain
+from operator import is_
 from typing import Sequence
 
 import numpy as np
@@ -44,6 +45,9 @@ class FastTable:
         self._L = self.layout.arrays()
         self._rows: dict[object, int] = {}  # request -> row, in admission order (the core's dict order)
         self._free_rows = list(range(rows - 1, -1, -1))  # popped from the end: lowest row first
+        # ``rows_of``'s last two answers, by the very id objects asked for: a step asks for vLLM's scheduled order and
+        # for the admission order, twice each. NOTE: emptied whenever a row is taken or given back.
+        self._recent: list[tuple[list, np.ndarray]] = []
         self._scratch = np.empty(max(tokens, self.cap.max_positions), np.int64)
         self._moves = np.empty((self.cap.max_positions, 3), np.int64)
         self._no_states = np.zeros(rows, np.uint64)  # StreamingLLM draws nothing
@@ -59,7 +63,7 @@ class FastTable:
             raise ConfigError(f"request {req_id!r}: the fast path's {self.cap.rows} rows are all in use "
                               f"(its capacity is vLLM's max_num_seqs)")
         row = self._free_rows.pop()
-        self._rows[req_id] = row
+        self._rows[req_id], self._recent = row, []
         self.layout.meta[row, M_IN_USE] = 1
 
     def remove_request(self, req_id: object) -> list[int]:
@@ -67,6 +71,7 @@ class FastTable:
         code, nb, _ = K.clear_row(*self._L, row, self._scratch)
         assert code == K.OK
         del self._rows[req_id]
+        self._recent = []
         self._free_rows.append(row)
         self._free_rows.sort(reverse=True)
         return self._scratch[:nb].tolist()
@@ -552,11 +557,20 @@ class FastTable:
     # ---- helpers -----------------------------------------------------------------------
     def rows_of(self, req_ids: Sequence[object]) -> np.ndarray:
         """Each request's row, as an int64 array: one C-level pass over the index for a step's requests (``_row``'s
-        error for the first unknown one). NOTE: a bool is no request id (``_row``), though ``True`` finds the row of
-        a request named 1 in the index: any bool sends the call through ``_row``."""
+        error for the first unknown one), or a recent answer for a list of the same id objects (compared by identity,
+        no id touched). NOTE: a bool is no request id (``_row``), though ``True`` finds the row of a request named 1
+        in the index: any bool sends the call through ``_row``. NOTE: callers read the array, never write it."""
+        if req_ids.__class__ is list:
+            n = len(req_ids)
+            for ids, rows in self._recent:
+                if len(ids) == n and all(map(is_, ids, req_ids)):
+                    return rows
         try:
             if bool not in set(map(type, req_ids)):
-                return np.fromiter(map(self._rows.__getitem__, req_ids), np.int64, len(req_ids))
+                rows = np.fromiter(map(self._rows.__getitem__, req_ids), np.int64, len(req_ids))
+                if req_ids.__class__ is list:
+                    self._recent = [(list(req_ids), rows), *self._recent[:1]]
+                return rows
         except (KeyError, TypeError):
             pass
         return np.array([self._row(r) for r in req_ids], np.int64)
