@@ -538,7 +538,17 @@ def _stale_pack_committed(real):
     return commit_densify
 
 
+def _ties_in_reverse(real):
+    """excess_order: requests of equal excess are ordered last given first."""
+    def excess_order(meta, rows, S_, out):
+        n = real(meta, rows[::-1].copy(), S_, out)
+        out[:n] = rows.shape[0] - 1 - out[:n]
+        return n
+    return excess_order
+
+
 GATHER_KERNEL_BUGS = {  # name: (the gather kernel, the plant: real kernel -> planted one)
+    "ties_in_reverse": ("excess_order", _ties_in_reverse),
     "candidate_above_the_cutoff": ("compact_candidates", _candidate_above_the_cutoff),
     "pops_the_emptiest": ("compact_gate", _pops_the_emptiest),
     "destination_is_a_source": ("compact_fill", _destination_is_a_source),

@@ -65,6 +65,7 @@ class FastGather:
         self._flags = np.zeros(fast.num_blocks, np.uint8)  # ``movable``'s and ``shared``'s answers, per block id
         # a pool that shares and caches nothing: every block private (``_shares_nothing``), never written
         self._everywhere, self._nowhere = np.ones(fast.num_blocks, np.uint8), np.zeros(fast.num_blocks, np.uint8)
+        self._order = np.empty(fast.cap.rows, np.int64)  # a compact round's order (``K.excess_order``)
 
     # -- the pool's per-block flags (``_movable``, ``_private``, ``_shared_blocks``) and Stage 2's budget --
     # NOTE: the kernels read a flag only for the blocks the row lists (its candidates, dead blocks, densify's tail),
@@ -157,13 +158,13 @@ class FastGather:
         made: list[Plan] = []
         if idle:
             rows = self.fast.rows_of(idle)
+            if not pack:  # every request with excess, gated in one pass (the loop below, batched)
+                n = K.excess_order(self.fast.layout.meta, rows, self.S, self._order)
+                order = self._order[:n]
+                return self._compact_round([idle[k] for k in order.tolist()], rows[order] if n else rows[:0])
             meta = self.fast.layout.meta[rows]
             live = meta[:, M_NUM_LIVE]
             excess = meta[:, M_NBLOCKS] - -(-live // self.S)
-            if not pack:  # every request with excess, gated in one pass (the loop below, batched)
-                # NOTE: a stable sort: ties keep the given order (the manager's sorted)
-                order = np.argsort(-excess, kind="stable")[:int((excess > 0).sum())]
-                return self._compact_round([idle[k] for k in order.tolist()], rows[order])
             gap = meta[:, M_WRITE_POS] - live
             order = np.lexsort((-gap, -excess))  # NOTE: stable, as above
             for k in order.tolist():

@@ -178,6 +178,25 @@ def round_candidates(tok_pos, pos_token, blocks, counts, meta, holders, block_li
 
 
 @njit(cache=True, nogil=True)
+def excess_order(meta, rows, S, out):
+    """A compact round's order: the indices k into ``rows`` whose row lists more blocks than ceil(live / S) (its
+    excess), most excess first, ties in the given order (a stable sort, as the manager's ``sorted``), into
+    ``out``. Returns how many."""
+    m = rows.shape[0]
+    excess = np.empty(m, np.int64)
+    for k in range(m):
+        excess[k] = meta[rows[k], M_NBLOCKS] - (meta[rows[k], M_NUM_LIVE] + S - 1) // S
+    order = np.argsort(-excess, kind="mergesort")
+    n = 0
+    for k in order:
+        if excess[k] <= 0:
+            break
+        out[n] = k
+        n += 1
+    return n
+
+
+@njit(cache=True, nogil=True)
 def round_gates(cand_index, cand_count, cand_n, S, budget, max_plans, out_sources, out):
     """``compact_gate`` of each row's candidates (``round_candidates``' answer) in order, at the budget left by the
     plans before it (each takes its ceil(live / S) destinations), until ``max_plans`` plans: row k's answer in
@@ -779,6 +798,7 @@ def warm_up() -> None:
     idx, cnt, src = np.empty(4, np.int64), np.empty(4, np.int64), np.empty(4, np.int64)
     code, n, _ = compact_candidates(*L, 0, 4, movable, idx, cnt)
     code, k, live = compact_gate(idx, cnt, n, 4, 4, src)
+    assert excess_order(lay.meta, np.zeros(1, np.int64), 4, out) == 1  # 3 live tokens in 2 blocks
     round_n, gated = np.zeros(1, np.int64), np.zeros((1, 3), np.int64)
     round_candidates(*L, np.zeros(1, np.int64), 4, movable, idx.reshape(1, -1), cnt.reshape(1, -1), round_n)
     assert round_gates(idx.reshape(1, -1), cnt.reshape(1, -1), round_n, 4, 4, 1, src.reshape(1, -1), gated) == 1
