@@ -39,7 +39,7 @@ from vtoken.integration.fastpath import read_kernels as RK
 from vtoken.integration.fastpath import runtime as fast_runtime
 from vtoken.integration.fastpath.layout import (M_LAYOUT_VERSION, M_NBLOCKS, M_NUM_LIVE, M_RUN_POS, M_TOTAL_LEN,
                                                M_WRITE_POS)
-from vtoken.integration.fastpath.reads import REPLACE, ReadTable
+from vtoken.integration.fastpath.reads import PAD, REPLACE, ReadTable
 from vtoken.integration.fastpath.shadow import ShadowedRuntime, ShadowEngine
 from vtoken.integration.fastpath.table import FastTable
 
@@ -203,7 +203,9 @@ class FastMachine(RuleBasedStateMachine):
         whole lists compared), by the kernel and by its numpy reference: both copies must be the table's read lists."""
         reads = self.rt.read_step(req_ids, check)
         removed = [table.apply(reads) for table in self.reads]
-        assert removed[0].tolist() == removed[1].tolist(), f"evicted positions {removed[0]} against {removed[1]}"
+        if removed[0].tolist() != removed[1].tolist():
+            raise E.InvariantViolation("V2", f"the positions the evicted tokens held: {removed[0].tolist()} "
+                                             f"(compiled) against {removed[1].tolist()} (numpy)")
         for r in req_ids:
             want = self.rt.fast.read_lists(r)
             for table in self.reads:
@@ -212,6 +214,13 @@ class FastMachine(RuleBasedStateMachine):
                     raise E.InvariantViolation("V2", f"request {r!r}: the read list patched by its changes "
                                                      f"({'compiled' if table.compiled else 'numpy'}), ids "
                                                      f"{ids[:8].tolist()}..., is not the table's")
+        batches = [[a.tolist() for a in table.batch(req_ids)] for table in self.reads]  # what attention reads
+        if batches[0] != batches[1]:
+            raise E.InvariantViolation("V2", "the workers' batch: the compiled table's is not numpy's")
+        for r, slots, ids in zip(req_ids, *batches[0]):
+            n = len(self.rt.fast.read_lists(r)[0])
+            if (ids[:n], slots[:n]) != self.rt.fast.read_lists(r) or set(ids[n:]) - {PAD} or set(slots[n:]) - {0}:
+                raise E.InvariantViolation("V2", f"request {r!r}: the workers' batch row is not its read list, padded")
         EVENTS["read_lists_rebuilt"] += int((reads.whole == REPLACE).sum())
         EVENTS["read_lists_patched"] += int((reads.whole != REPLACE).sum())
 
@@ -639,11 +648,11 @@ def _patch_skips_the_last_eviction() -> dict:
 
     def patch_reads(*args):  # the workers' patch keeps each request's last evicted token in its read list
         args = list(args)
-        ev_at, ev = args[8], args[9]
+        ev_at, ev = args[9], args[10]
         keep = np.ones(len(ev), bool)
         keep[ev_at[1:][np.diff(ev_at) > 0] - 1] = False
-        args[8] = np.concatenate(([0], np.cumsum([keep[a:b].sum() for a, b in zip(ev_at[:-1], ev_at[1:])])))
-        args[9], args[20] = ev[keep], args[20][:int(keep.sum())]
+        args[9] = np.concatenate(([0], np.cumsum([keep[a:b].sum() for a, b in zip(ev_at[:-1], ev_at[1:])])))
+        args[10], args[21] = ev[keep], args[21][:int(keep.sum())]
         return real(*args)
     return {(RK, "patch_reads"): patch_reads}
 

@@ -28,7 +28,7 @@ def both() -> tuple[ReadTable, ReadTable]:
 
 
 def snapshot(t: ReadTable) -> tuple:
-    return (dict(t.row_of), t.slots.tolist(), t.ids.tolist(), t.length.tolist(), t.version.tolist())
+    return (dict(t.row_of), t.slots.tolist(), t.ids.tolist(), t.start.tolist(), t.length.tolist(), t.version.tolist())
 
 
 def test_a_record_reads_back_the_changes_it_was_made_of():
@@ -72,6 +72,44 @@ def test_both_tables_patch_grow_and_batch_alike():
     for table in tables:
         table.forget("a")
         assert "a" not in table and table.ids[:, 4:].tolist() == [[PAD] * (table.ids.shape[1] - 4)] * table.ids.shape[0]
+
+
+def test_an_eviction_near_the_head_moves_the_head_and_an_append_past_the_width_moves_the_list_back():
+    """StreamingLLM evicts just past its sinks: the entries before the evicted one move up and the list starts one
+    column later (two evictions: two), not the whole tail down; evictions nearer the end still move the tail. An
+    append that would pass the width moves the list back to column 0. Both tables place every list alike, and the
+    lists, batches and removed positions are the same as without the placement."""
+    tables = ReadTable(compiled=True, rows=2, width=8), ReadTable(compiled=False, rows=2, width=8)
+    ids, slots = list(range(8)), [100 + t for t in range(8)]
+    steps = [
+        (record(("a", ReadChanges(0, -1, True), (ids, slots))), [], 0, ids),
+        (record(("a", ReadChanges(1, 0, False, evicted=(1,)), None)), [1], 1, [0, 2, 3, 4, 5, 6, 7]),
+        (record(("a", ReadChanges(2, 1, False, evicted=(3, 2), moved=(0,), moved_slots=(90,)), None)), [1, 2], 3,
+         [0, 4, 5, 6, 7]),
+        (record(("a", ReadChanges(3, 2, False, evicted=(6,)), None)), [3], 3, [0, 4, 5, 7]),  # nearer the end
+        (record(("a", ReadChanges(4, 3, False, joined=(8,), joined_slots=(108,)), None)), [], 3, [0, 4, 5, 7, 8]),
+        (record(("a", ReadChanges(5, 4, False, joined=(9,), joined_slots=(109,)), None)), [], 0,
+         [0, 4, 5, 7, 8, 9]),  # column 3 + 6 would pass the width
+    ]
+    for table in tables:
+        for k, (reads, removed, start, want) in enumerate(steps):
+            assert table.apply(reads).tolist() == removed
+            got_slots, got_ids = table.lists("a")
+            assert table.start.tolist()[0] == start and got_ids.tolist() == want
+            assert got_slots.tolist() == [90 if t == 0 and k >= 2 else 100 + t for t in want]  # 0 moved at step 2
+            held = table.ids[0] != PAD
+            assert held.sum() == len(want) and (table.slots[0][~held] == 0).all()  # the rest padding
+        batch_slots, batch_ids = table.batch(["a"])
+        assert batch_ids.tolist() == [[0, 4, 5, 7, 8, 9]] and batch_slots.tolist() == [[90, 104, 105, 107, 108, 109]]
+        table.apply(record(("b", ReadChanges(0, -1, True), ([3], [33]))))
+        table.apply(record(("a", ReadChanges(6, 5, False, evicted=(4,)), None)))
+        assert table.start.tolist()[0] == 1
+        batch_slots, batch_ids = table.batch(["b", "a"])
+        assert batch_ids.tolist() == [[3] + [PAD] * 4, [0, 5, 7, 8, 9]]
+        assert batch_slots.tolist() == [[33, 0, 0, 0, 0], [90, 105, 107, 108, 109]]
+        table.forget("a")
+        assert table.ids[0].tolist() == [PAD] * 8 and table.slots[0].tolist() == [0] * 8 and table.start[0] == 0
+    assert snapshot(tables[0]) == snapshot(tables[1])
 
 
 @pytest.mark.parametrize("bad, message", [

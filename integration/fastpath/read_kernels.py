@@ -108,14 +108,40 @@ def _find(ids, n, t):
 
 
 @njit(cache=True, nogil=True)
-def patch_reads(t_slots, t_ids, t_len, t_ver, rows, version, since, whole, ev_at, ev, mv_at, mv, mv_slots,
+def new_start(start, n, removed):
+    """Where a list of ``n`` entries from column ``start`` starts once the entries at ``removed`` (ascending
+    positions in the list) leave: ``start`` plus their number when fewer entries precede the last of them than
+    follow the first (those before it move up), else ``start`` (those after the first move down)."""
+    e = removed.shape[0]
+    if e and removed[e - 1] < n - 1 - removed[0]:
+        return start + e
+    return start
+
+
+@njit(cache=True, nogil=True)
+def batch_rows(t_slots, t_ids, t_start, t_len, rows, pad, out_slots, out_ids):
+    """``ReadTable.batch``: row ``rows[i]``'s list into ``out_*[i]``, padded with ``pad`` ids and slot 0."""
+    for i in range(rows.shape[0]):
+        row, n = rows[i], t_len[rows[i]]
+        start = t_start[row]
+        out_ids[i, :n], out_slots[i, :n] = t_ids[row, start:start + n], t_slots[row, start:start + n]
+        out_ids[i, n:], out_slots[i, n:] = pad, 0
+
+
+@njit(cache=True, nogil=True)
+def patch_reads(t_slots, t_ids, t_start, t_len, t_ver, rows, version, since, whole, ev_at, ev, mv_at, mv, mv_slots,
                 jn_at, jn, jn_slots, ls_at, ls_ids, ls_slots, pad, removed, moved_at):
-    """The workers' table (``ReadTable``: row ``rows[i]`` holds ``t_len`` slots and ids, ids ascending, the rest
-    ``pad`` and slot 0) patched by a step's ``StepReads``: a REPLACE row takes its whole list, any other must be at
-    version ``since[i]``, its moved ids (found by binary search) take their new slots, its evicted ids leave (the
-    positions they held, ascending, into ``removed``), its joined ids are appended, and it is at ``version[i]``.
-    Every row is checked before any changes: (OK, 0, 0), or (code, i, the culprit) and nothing changed; (NARROW, i,
-    the length) where a row's new list would not fit the table's width (``ReadTable`` widens it and asks again)."""
+    """The workers' table (``ReadTable``: row ``rows[i]`` holds ``t_len`` slots and ids from column ``t_start``,
+    ids ascending, the rest ``pad`` and slot 0) patched by a step's ``StepReads``: a REPLACE row takes its whole list,
+    any other must be at version ``since[i]``, its moved ids (found by binary search) take their new slots, its
+    evicted ids leave (the positions they held in the list, ascending, into ``removed``), its joined ids are
+    appended, and it is at ``version[i]``. Every row is checked before any changes: (OK, 0, 0), or (code, i, the
+    culprit) and nothing changed; (NARROW, i, the length) where a row's new list would not fit the table's width
+    (``ReadTable`` widens it and asks again).
+
+    NOTE: an eviction closes its gap from the nearer end (``new_start``): the entries before the last evicted
+    position move up one per eviction (the list starts later) when they are fewer than those after the first, so
+    StreamingLLM's evictions, just past the sinks, move a handful of entries, not the whole list."""
     width, widest, wide_at = t_ids.shape[1], 0, 0
     for i in range(rows.shape[0]):
         row = rows[i]
@@ -130,7 +156,7 @@ def patch_reads(t_slots, t_ids, t_len, t_ver, rows, version, since, whole, ev_at
             continue
         if t_ver[row] != since[i]:
             return STALE, i, t_ver[row]
-        n, ids = t_len[row], t_ids[row]
+        n, ids = t_len[row], t_ids[row, t_start[row]:]
         for k in range(mv_at[i], mv_at[i + 1]):
             moved_at[k] = _find(ids, n, mv[k])
             if moved_at[k] < 0:
@@ -140,7 +166,8 @@ def patch_reads(t_slots, t_ids, t_len, t_ver, rows, version, since, whole, ev_at
             removed[k] = _find(ids, n, ev[k])
             if removed[k] < 0:
                 return EVICTED_MISSING, i, ev[k]
-        removed[a:b] = np.sort(removed[a:b])
+        if b - a > 1:  # NOTE: np.sort allocates; a decode step evicts one token a request
+            removed[a:b] = np.sort(removed[a:b])
         for k in range(a + 1, b):
             if removed[k] == removed[k - 1]:
                 return EVICTED_TWICE, i, ids[removed[k]]
@@ -160,33 +187,43 @@ def patch_reads(t_slots, t_ids, t_len, t_ver, rows, version, since, whole, ev_at
         return NARROW, wide_at, widest
     for i in range(rows.shape[0]):
         row = rows[i]
-        old = t_len[row]
+        start, old = t_start[row], t_len[row]
+        ids, slots = t_ids[row], t_slots[row]
         if whole[i] == REPLACE:
-            n = ls_at[i + 1] - ls_at[i]
-            t_ids[row, :n] = ls_ids[ls_at[i]:ls_at[i + 1]]
-            t_slots[row, :n] = ls_slots[ls_at[i]:ls_at[i + 1]]
+            at, n = 0, ls_at[i + 1] - ls_at[i]
+            ids[:n] = ls_ids[ls_at[i]:ls_at[i + 1]]
+            slots[:n] = ls_slots[ls_at[i]:ls_at[i + 1]]
         else:
             for k in range(mv_at[i], mv_at[i + 1]):
-                t_slots[row, moved_at[k]] = mv_slots[k]
+                slots[start + moved_at[k]] = mv_slots[k]
             a, b = ev_at[i], ev_at[i + 1]
-            n = old
-            if b > a:  # the kept runs between the removed positions, shifted down, one array at a time
-                ids, slots = t_ids[row], t_slots[row]
-                to = removed[a]
+            at = new_start(start, old, removed[a:b])
+            if at > start:  # the kept runs before each removed position moved up, the last run first
+                to = start + removed[b - 1] + 1
+                for k in range(b - 1, a - 1, -1):
+                    for p in range(start + removed[k] - 1, start + (removed[k - 1] if k > a else -1), -1):
+                        to -= 1
+                        ids[to], slots[to] = ids[p], slots[p]
+            elif b > a:  # the kept runs after each removed position moved down, the first run first
+                to = start + removed[a]
                 for k in range(a, b):
-                    start, end = removed[k] + 1, removed[k + 1] if k + 1 < b else old
-                    for p in range(start, end):
-                        ids[to + p - start] = ids[p]
-                    for p in range(start, end):
-                        slots[to + p - start] = slots[p]
-                    to += end - start
-                n = to
+                    end = start + (removed[k + 1] if k + 1 < b else old)
+                    for p in range(start + removed[k] + 1, end):
+                        ids[to], slots[to] = ids[p], slots[p]
+                        to += 1
+            n = old - (b - a)
+            joined = jn_at[i + 1] - jn_at[i]
+            if at + n + joined > width:  # no room after the list: it moves to the row's start (it fits: NARROW)
+                for p in range(n):
+                    ids[p], slots[p] = ids[at + p], slots[at + p]
+                at = 0
             for k in range(jn_at[i], jn_at[i + 1]):
-                t_ids[row, n], t_slots[row, n] = jn[k], jn_slots[k]
+                ids[at + n], slots[at + n] = jn[k], jn_slots[k]
                 n += 1
-        for p in range(n, old):
-            t_ids[row, p], t_slots[row, p] = pad, 0
-        t_len[row], t_ver[row] = n, version[i]
+        for p in range(start, start + old):  # the old list's columns the new one does not hold
+            if p < at or p >= at + n:
+                ids[p], slots[p] = pad, 0
+        t_start[row], t_len[row], t_ver[row] = at, n, version[i]
     return OK, 0, 0
 
 
@@ -203,5 +240,7 @@ def warm_up() -> None:
                out[:1], out[:1], np.zeros(1, np.int8), z, out, z.copy(), out, out, z.copy(), out, out, z.copy(), out,
                out)
     table = np.zeros((1, 4), np.int64)
-    assert patch_reads(table, table.copy(), one.copy(), one.copy(), one, one, one, np.ones(1, np.int8), z, out, z,
-                       out, out, z, out, out, z, out, out, 2**63 - 1, out.copy(), out.copy())[0] == OK
+    assert patch_reads(table, table.copy(), np.zeros(1, np.int64), one.copy(), one.copy(), one, one, one,
+                       np.ones(1, np.int8), z, out, z, out, out, z, out, out, z, out, out, 2**63 - 1, out.copy(),
+                       out.copy())[0] == OK
+    batch_rows(table, table.copy(), np.zeros(1, np.int64), one, one, 2**63 - 1, table.copy(), table.copy())

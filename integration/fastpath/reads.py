@@ -128,8 +128,10 @@ def take_step_reads(rt, req_ids: Sequence[object], check: bool) -> StepReads:
 
 class ReadTable:
     """The workers' copy of every request's read list: row ``row_of[rid]`` holds ``length[row]`` live slots and their
-    ids (ascending: logical order), then ``PAD`` ids and slot 0, at layout version ``version[row]``. Grows (rows and
-    width, doubling) as requests and lists need; a row is freed by ``forget``.
+    ids (ascending: logical order) from column ``start[row]``, every other column ``PAD`` ids and slot 0, at layout
+    version ``version[row]``. Grows (rows and width, doubling) as requests and lists need; a row is freed by
+    ``forget``. NOTE: an eviction closes its gap from the list's nearer end (``read_kernels.new_start``), so a list
+    may start past column 0; it moves back to 0 when an append would pass the width.
 
     ``compiled``: patch with ``read_kernels.patch_reads`` (one call per step), else ``_patch_numpy`` row by row."""
 
@@ -137,6 +139,7 @@ class ReadTable:
         self.compiled = compiled
         self.slots = np.zeros((rows, width), np.int64)
         self.ids = np.full((rows, width), PAD, np.int64)
+        self.start = np.zeros(rows, np.int64)
         self.length = np.zeros(rows, np.int64)
         self.version = np.full(rows, -1, np.int64)
         self.row_of: dict[object, int] = {}
@@ -148,22 +151,32 @@ class ReadTable:
     def forget(self, rid: object) -> None:
         row = self.row_of.pop(rid, None)
         if row is not None:
-            n = self.length[row]
-            self.ids[row, :n], self.slots[row, :n], self.length[row], self.version[row] = PAD, 0, 0, -1
+            a, b = self.start[row], self.start[row] + self.length[row]
+            self.ids[row, a:b], self.slots[row, a:b] = PAD, 0
+            self.start[row], self.length[row], self.version[row] = 0, 0, -1
             self._free.append(row)
 
     def lists(self, rid: object) -> tuple[np.ndarray, np.ndarray]:
         """(slots, ids) of the request's list: views into the table, valid until the next ``apply``."""
         row = self.row_of[rid]
-        n = self.length[row]
-        return self.slots[row, :n], self.ids[row, :n]
+        a, b = self.start[row], self.start[row] + self.length[row]
+        return self.slots[row, a:b], self.ids[row, a:b]
 
     def batch(self, req_ids: Sequence[object]) -> tuple[np.ndarray, np.ndarray]:
         """The requests' lists as one batch: (slots, ids), int64 [R, N] copies, N the longest list, padded with slot
         0 and id ``PAD``."""
         rows = np.fromiter(map(self.row_of.__getitem__, req_ids), np.int64, len(req_ids))
         n = int(self.length[rows].max()) if len(rows) else 0
-        return self.slots[rows, :n], self.ids[rows, :n]
+        if self.compiled:
+            from .read_kernels import batch_rows
+            slots, ids = np.empty((len(rows), n), np.int64), np.empty((len(rows), n), np.int64)
+            batch_rows(self.slots, self.ids, self.start, self.length, rows, PAD, slots, ids)
+            return slots, ids
+        columns = self.start[rows, None] + np.arange(n)
+        held = np.arange(n) < self.length[rows, None]
+        columns[~held] = 0
+        return (np.where(held, self.slots[rows[:, None], columns], 0),
+                np.where(held, self.ids[rows[:, None], columns], PAD))
 
     def apply(self, reads: StepReads) -> np.ndarray:
         """Patch the rows of ``reads``' requests (a new request's must be REPLACE); checked first, nothing changed
@@ -205,6 +218,7 @@ class ReadTable:
             n = len(self.length)
             self.slots = np.concatenate((self.slots, np.zeros_like(self.slots)))
             self.ids = np.concatenate((self.ids, np.full_like(self.ids, PAD)))
+            self.start = np.concatenate((self.start, np.zeros(n, np.int64)))
             self.length = np.concatenate((self.length, np.zeros(n, np.int64)))
             self.version = np.concatenate((self.version, np.full(n, -1, np.int64)))
             self._free = list(range(2 * n - 1, n - 1, -1))
@@ -223,7 +237,8 @@ class ReadTable:
 
 def _patch_compiled(table: ReadTable, rows: np.ndarray, r: StepReads, removed: np.ndarray) -> tuple[int, int, int]:
     from .read_kernels import patch_reads
-    return patch_reads(table.slots, table.ids, table.length, table.version, rows, r.version, r.since, r.whole,
+    return patch_reads(table.slots, table.ids, table.start, table.length, table.version, rows, r.version, r.since,
+                       r.whole,
                        r.evicted_at, r.evicted, r.moved_at, r.moved, r.moved_slots, r.joined_at, r.joined,
                        r.joined_slots, r.lists_at, r.list_ids, r.list_slots, PAD, removed,
                        np.empty(len(r.moved), np.int64))
@@ -246,7 +261,7 @@ def _patch_numpy(table: ReadTable, rows: np.ndarray, r: StepReads, removed: np.n
             continue
         if table.version[row] != r.since[i]:
             return STALE, i, table.version[row]
-        ids = table.ids[row, :table.length[row]]
+        ids = table.ids[row, table.start[row]:table.start[row] + table.length[row]]
         places = []
         for code, part in ((MOVED_MISSING, r.moved[r.moved_at[i]:r.moved_at[i + 1]]),
                            (EVICTED_MISSING, r.evicted[r.evicted_at[i]:r.evicted_at[i + 1]])):
@@ -272,21 +287,27 @@ def _patch_numpy(table: ReadTable, rows: np.ndarray, r: StepReads, removed: np.n
     if widest > table.ids.shape[1]:
         return NARROW, wide_at, widest
     for i, (row, places) in enumerate(zip(rows.tolist(), found)):
-        old = table.length[row]
+        start, old = table.start[row], table.length[row]
         if places is None:
+            at = 0
             ids = r.list_ids[r.lists_at[i]:r.lists_at[i + 1]]
             slots = r.list_slots[r.lists_at[i]:r.lists_at[i + 1]]
         else:
-            slots = table.slots[row, :old].copy()
+            gone, joined = places[1], r.joined_at[i + 1] - r.joined_at[i]
+            # the kernel's placement (``read_kernels.new_start``): the list starts later by the evictions when fewer
+            # entries precede the last than follow the first; back at column 0 if the appends would pass the width
+            at = start + len(gone) if len(gone) and gone[-1] < old - 1 - gone[0] else start
+            at = 0 if at + old - len(gone) + joined > table.ids.shape[1] else at
+            slots = table.slots[row, start:start + old].copy()
             slots[places[0]] = r.moved_slots[r.moved_at[i]:r.moved_at[i + 1]]
-            ids = np.delete(table.ids[row, :old], places[1])
-            slots = np.delete(slots, places[1])
+            ids = np.delete(table.ids[row, start:start + old], gone)
+            slots = np.delete(slots, gone)
             ids = np.concatenate((ids, r.joined[r.joined_at[i]:r.joined_at[i + 1]]))
             slots = np.concatenate((slots, r.joined_slots[r.joined_at[i]:r.joined_at[i + 1]]))
         n = len(ids)
-        table.ids[row, :n], table.slots[row, :n] = ids, slots
-        table.ids[row, n:old], table.slots[row, n:old] = PAD, 0
-        table.length[row], table.version[row] = n, r.version[i]
+        table.ids[row, start:start + old], table.slots[row, start:start + old] = PAD, 0
+        table.ids[row, at:at + n], table.slots[row, at:at + n] = ids, slots
+        table.start[row], table.length[row], table.version[row] = at, n, r.version[i]
     return OK, 0, 0
 
 
