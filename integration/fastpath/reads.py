@@ -238,8 +238,7 @@ class ReadTable:
 def _patch_compiled(table: ReadTable, rows: np.ndarray, r: StepReads, removed: np.ndarray) -> tuple[int, int, int]:
     from .read_kernels import patch_reads
     return patch_reads(table.slots, table.ids, table.start, table.length, table.version, rows, r.version, r.since,
-                       r.whole,
-                       r.evicted_at, r.evicted, r.moved_at, r.moved, r.moved_slots, r.joined_at, r.joined,
+                       r.whole, r.evicted_at, r.evicted, r.moved_at, r.moved, r.moved_slots, r.joined_at, r.joined,
                        r.joined_slots, r.lists_at, r.list_ids, r.list_slots, PAD, removed,
                        np.empty(len(r.moved), np.int64))
 
