@@ -5,12 +5,12 @@ prefix-cache hit (full blocks of a running request, or blocks an earlier request
 full blocks prefix-cached, syncs a step's tokens for a batch of requests in one call, evicts and reclaims for the
 decoding ones (StreamingLLM or Random, at a ratio or a count budget, a cadence of 1 or 3, or nothing evicted) under
 the pressure the engine reports, and frees what a leaving request held. On the dense path the runtime densifies; on
-the gather path (issue #46) it compacts (at a drawn theta_f, sources per plan and headroom: the pressure round's
-pack included) or only releases wholly dead blocks (Naive-Evict), and each scheduled request's read-list change is
-taken every step and patched into a copy of its read list, as vLLM's workers keep one. The runtime is a
-``ShadowedRuntime``: the core's ``VTokenRuntime`` beside the fast one on a replay of the same pool, compared after
-every call (answers, plans in order, copies submitted, blocks freed and allocated, counters, read-list changes, the
-whole table state). After every rule the fast tables' maintained views are recounted (``FastTable.check_views``),
+the gather path (issue #46) it compacts (at a drawn theta_f, sources per plan, plans per round and headroom: the
+pressure round's pack included) or only releases wholly dead blocks (Naive-Evict), and each scheduled request's
+read-list change is taken every step and patched into a copy of its read list, as vLLM's workers keep one. The runtime
+is a ``ShadowedRuntime``: the core's ``VTokenRuntime`` beside the fast one on a replay of the same pool, compared
+after every call (answers, plans in order, copies submitted, blocks freed and allocated, counters, read-list changes,
+the whole table state). After every rule the fast tables' maintained views are recounted (``FastTable.check_views``),
 the pool must hold exactly what the tables list, and each patched read list must be the table's. Calls the core
 refuses must be refused alike and change nothing.
 
@@ -67,12 +67,13 @@ class FastMachine(RuleBasedStateMachine):
                 path=st.sampled_from(["dense", "dense", "gather", "gather", "naive_evict"]),
                 theta_f=st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.9]), max_sources=st.sampled_from([1, 2, 4, 8, 8]),
                 headroom=st.sampled_from([0, 1, 1, 2, 6]), check_every=st.sampled_from([1, 1, 3]),
-                burst_df=st.sampled_from([None, None, 0.05]))
+                burst_df=st.sampled_from([None, None, 0.05]), max_plans=st.sampled_from([16, 16, 1]))
     def build(self, policy, budget, param, evict_every, seed, path, theta_f, max_sources, headroom, check_every,
-              burst_df):
+              burst_df, max_plans):
         """``param``: StreamingLLM's sinks, or Random's newest tokens kept (Random draws by each request's name,
         given at admission as vLLM's plugin gives its arrival order). ``path``: the dense path, the gather path
-        compacting (the ``ReclaimConfig`` of the rest), or the gather path releasing dead blocks only."""
+        compacting (the ``ReclaimConfig`` of the rest), or the gather path releasing dead blocks only. ``max_plans``
+        per round: at 1 a round's order (ties included) decides which request is compacted."""
         chosen = StreamingLLM(sinks=param) if policy == "streaming_llm" else \
             RandomPolicy(keep_recent=param) if policy == "random" else None
         self.names: dict = {}
@@ -81,7 +82,7 @@ class FastMachine(RuleBasedStateMachine):
         if path == "gather":
             self.pool = BlockPool(NUM_BLOCKS, S, headroom=headroom)
             config = ReclaimConfig(PlanKind.COMPACT, theta_f=theta_f, max_sources=max_sources, check_every=check_every,
-                                   burst_df=burst_df, ordering=Ordering.EVENT)
+                                   burst_df=burst_df, ordering=Ordering.EVENT, max_plans_per_round=max_plans)
         self.rt = ShadowedRuntime(self.pool, ShadowEngine(), chosen, budget, ROWS, TOKENS, evict_every=evict_every,
                                   seed=seed, names=self.names,
                                   read_path=ReadPath.DENSE if path == "dense" else ReadPath.GATHER, config=config)

@@ -159,7 +159,7 @@ def test_a_planted_fast_path_bug_is_caught(bug):
     """V6 for the scheduler's side; the workers' patch of their read lists, which no shadow runs, is caught by its
     own check against the table's lists (V2)."""
     with planted(bug), pytest.raises(InvariantViolation, match="V2" if "patch" in bug else "V6"):
-        run_state_machine_as_test(FastMachine, settings=settings(max_examples=200, stateful_step_count=100,
+        run_state_machine_as_test(FastMachine, settings=settings(max_examples=300, stateful_step_count=100,
                                                                  suppress_health_check=list(HealthCheck),
                                                                  phases=(Phase.generate,)))  # found, not shrunk
 
