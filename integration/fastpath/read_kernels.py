@@ -13,7 +13,7 @@ from numba import njit
 
 from .layout import M_LAYOUT_VERSION, M_NUM_LIVE, M_TOTAL_LEN, NO_POS
 from .reads import (CHECK, EVICTED_MISSING, EVICTED_TWICE, JOINED_ORDER, LIST_ORDER, MOVED_MISSING, NARROW, OK, PATCH,
-                    REPLACE, STALE)
+                    REPLACE, STALE, list_start)
 
 
 @njit(cache=True, nogil=True)
@@ -107,15 +107,7 @@ def _find(ids, n, t):
     return p if p < n and ids[p] == t else -1
 
 
-@njit(cache=True, nogil=True)
-def new_start(start, n, removed):
-    """Where a list of ``n`` entries from column ``start`` starts once the entries at ``removed`` (ascending
-    positions in the list) leave: ``start`` plus their number when fewer entries precede the last of them than
-    follow the first (those before it move up), else ``start`` (those after the first move down)."""
-    e = removed.shape[0]
-    if e and removed[e - 1] < n - 1 - removed[0]:
-        return start + e
-    return start
+_list_start = njit(cache=True, nogil=True)(list_start)  # the one placement rule, compiled
 
 
 @njit(cache=True, nogil=True)
@@ -139,7 +131,7 @@ def patch_reads(t_slots, t_ids, t_start, t_len, t_ver, rows, version, since, who
     culprit) and nothing changed; (NARROW, i, the length) where a row's new list would not fit the table's width
     (``ReadTable`` widens it and asks again).
 
-    NOTE: an eviction closes its gap from the nearer end (``new_start``): the entries before the last evicted
+    NOTE: an eviction closes its gap from the nearer end (``reads.list_start``): the entries before the last evicted
     position move up one per eviction (the list starts later) when they are fewer than those after the first, so
     StreamingLLM's evictions, just past the sinks, move a handful of entries, not the whole list."""
     width, widest, wide_at = t_ids.shape[1], 0, 0
@@ -197,8 +189,10 @@ def patch_reads(t_slots, t_ids, t_start, t_len, t_ver, rows, version, since, who
             for k in range(mv_at[i], mv_at[i + 1]):
                 slots[start + moved_at[k]] = mv_slots[k]
             a, b = ev_at[i], ev_at[i + 1]
-            at = new_start(start, old, removed[a:b])
-            if at > start:  # the kept runs before each removed position moved up, the last run first
+            joined = jn_at[i + 1] - jn_at[i]
+            kept, at = _list_start(start, old, removed[a] if b > a else 0, removed[b - 1] if b > a else 0, b - a,
+                                   joined, width)
+            if kept > start:  # the kept runs before each removed position moved up, the last run first
                 to = start + removed[b - 1] + 1
                 for k in range(b - 1, a - 1, -1):
                     for p in range(start + removed[k] - 1, start + (removed[k - 1] if k > a else -1), -1):
@@ -212,11 +206,9 @@ def patch_reads(t_slots, t_ids, t_start, t_len, t_ver, rows, version, since, who
                         ids[to], slots[to] = ids[p], slots[p]
                         to += 1
             n = old - (b - a)
-            joined = jn_at[i + 1] - jn_at[i]
-            if at + n + joined > width:  # no room after the list: it moves to the row's start (it fits: NARROW)
+            if at != kept:  # no room after the list: it moves to the row's start (it fits: NARROW)
                 for p in range(n):
-                    ids[p], slots[p] = ids[at + p], slots[at + p]
-                at = 0
+                    ids[p], slots[p] = ids[kept + p], slots[kept + p]
             for k in range(jn_at[i], jn_at[i + 1]):
                 ids[at + n], slots[at + n] = jn[k], jn_slots[k]
                 n += 1

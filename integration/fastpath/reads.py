@@ -126,12 +126,22 @@ def take_step_reads(rt, req_ids: Sequence[object], check: bool) -> StepReads:
     return StepReads.of_changes(req_ids, changes, lists, check)
 
 
+def list_start(start: int, n: int, first: int, last: int, evicted: int, joined: int, width: int) -> tuple[int, int]:
+    """Where a row's list of ``n`` entries from column ``start`` lies once ``evicted`` of them leave (the first at
+    position ``first``, the last at ``last``), and where it starts once ``joined`` are appended. The kept entries
+    start at ``start`` plus ``evicted`` when fewer precede the last than follow the first (those before it move up),
+    else at ``start`` (those after the first move down); the list moves to column 0 when the appends would pass
+    ``width``. One rule for the kernel (``read_kernels``, compiled from this function) and its numpy reference."""
+    kept = start + evicted if evicted and last < n - 1 - first else start
+    return kept, 0 if kept + n - evicted + joined > width else kept
+
+
 class ReadTable:
     """The workers' copy of every request's read list: row ``row_of[rid]`` holds ``length[row]`` live slots and their
     ids (ascending: logical order) from column ``start[row]``, every other column ``PAD`` ids and slot 0, at layout
     version ``version[row]``. Grows (rows and width, doubling) as requests and lists need; a row is freed by
-    ``forget``. NOTE: an eviction closes its gap from the list's nearer end (``read_kernels.new_start``), so a list
-    may start past column 0; it moves back to 0 when an append would pass the width.
+    ``forget``. NOTE: an eviction closes its gap from the list's nearer end (``list_start``), so a list may start
+    past column 0; it moves back to 0 when an append would pass the width.
 
     ``compiled``: patch with ``read_kernels.patch_reads`` (one call per step), else ``_patch_numpy`` row by row."""
 
@@ -292,11 +302,9 @@ def _patch_numpy(table: ReadTable, rows: np.ndarray, r: StepReads, removed: np.n
             ids = r.list_ids[r.lists_at[i]:r.lists_at[i + 1]]
             slots = r.list_slots[r.lists_at[i]:r.lists_at[i + 1]]
         else:
-            gone, joined = places[1], r.joined_at[i + 1] - r.joined_at[i]
-            # the kernel's placement (``read_kernels.new_start``): the list starts later by the evictions when fewer
-            # entries precede the last than follow the first; back at column 0 if the appends would pass the width
-            at = start + len(gone) if len(gone) and gone[-1] < old - 1 - gone[0] else start
-            at = 0 if at + old - len(gone) + joined > table.ids.shape[1] else at
+            gone = places[1]
+            _, at = list_start(start, old, gone[0] if len(gone) else 0, gone[-1] if len(gone) else 0, len(gone),
+                               r.joined_at[i + 1] - r.joined_at[i], table.ids.shape[1])
             slots = table.slots[row, start:start + old].copy()
             slots[places[0]] = r.moved_slots[r.moved_at[i]:r.moved_at[i + 1]]
             ids = np.delete(table.ids[row, start:start + old], gone)
