@@ -1,8 +1,9 @@
-"""A mutation run over the fast path's numba kernels (issue #45): mutmut's mutants of
-``integration/fastpath/kernels.py``, each run against the kernels' killer tests, then the fast fuzzer.
+"""A mutation run over the fast path's numba kernels (issues #45, #46): mutmut's mutants of one kernel file
+(``TARGETS``: ``integration/fastpath/{kernels,gather_kernels,read_kernels}.py``), each run against that file's
+killer tests, then the fast fuzzer.
 
-    python -m vtoken.fuzz.mutation_kernels prepare --work /tmp/mutk        # every mutant -> WORK/mutants.json
-    python -m vtoken.fuzz.mutation_kernels run --seed 45 --n 60 --work /tmp/mutk --out fuzz/mutation_kernels.json
+    python -m vtoken.fuzz.mutation_kernels prepare --file kernels --work /tmp/mutk    # every mutant -> WORK/mutants.json
+    python -m vtoken.fuzz.mutation_kernels run --file kernels --seed 45 --n 60 --work /tmp/mutk  # -> fuzz/mutation_kernels.json
 
 Why not ``mutmut run``: its trampolines are Python code that numba cannot compile, and mutmut's generator skips
 decorated functions (every ``@njit`` kernel). So, as ``fuzz/mutation.py`` does for the core, the mutants are
@@ -13,8 +14,8 @@ mutated function back in place of the original, decorators and all.
 Each mutant runs with ``NUMBA_DISABLE_JIT=1``: the kernels run as plain Python (numpy scalars and arrays), so no
 mutant costs a compile. The killers, in that order, stopping at the first that kills:
 
-1. ``pytest -x`` on tests/test_fastpath_table.py and tests/test_fastpath_runtime.py (a per-mutant timeout; a
-   timeout counts apart, as killed by timeout), less ``DESELECTED`` (see there why);
+1. ``pytest -x`` on the file's killer tests (``Target.killers``; a per-mutant timeout; a timeout counts apart, as
+   killed by timeout), less ``DESELECTED`` (see there why);
 2. for a survivor of pytest, ``vtoken fuzz --target fast --time SECONDS --workers 1 --seed 0``;
 3. with ``--jit-check``, for a survivor of both, pytest again with the JIT on (a scratch numba cache): what plain
    Python accepts and numba refuses to compile, or what compiles to different arithmetic, is killed there;
@@ -22,11 +23,12 @@ mutant costs a compile. The killers, in that order, stopping at the first that k
    types every branch): a mutant numba refuses (``blocks[row, n / S]``: a float index) is killed by
    ``numba-compile``, as the killers with the JIT on would kill it.
 
-The scratch tree: ``WORK/runs/<mutant>/vtoken/{core,fuzz,integration}`` (``mutation.build_package_tree`` plus
+One ``--work`` folder per file (its ``mutants.json`` is that file's). The scratch tree:
+``WORK/runs/<mutant>/vtoken/{core,fuzz,integration}`` (``mutation.build_package_tree`` plus
 integration/), its own ``tests/`` (the conftest with Hypothesis's shrinking off: ``NO_SHRINK``) and
 ``pyproject.toml``, run with ``PYTHONPATH`` set to it and it as the working
 directory. ``vtoken/__init__.py`` makes the copy a regular package, so ``vtoken.integration.fastpath.kernels`` is
-imported from the copy and not through the editable install's finder; ``run`` checks that on the unmutated tree
+imported from the copy and not through the editable install's finder (and the file's own module likewise); ``run`` checks that on the unmutated tree
 first (and that the killers pass there) and stops if not.
 
 Verdicts on the survivors are human (``SURVIVORS`` below, each with its reason): equivalent, defensive (a check
@@ -51,10 +53,41 @@ from pathlib import Path
 from .mutation import (MUTMUT_VERSION, REPO, Mutant, MutationError, _copy_package, _find_function,
                        _import_mutmut, _read_report, _safe, apply_diff, build_package_tree, draw_sample, file_diff)
 
-KERNELS = "integration/fastpath/kernels.py"
-#: the module name mutmut gives it (as if under src/, like mutation.py's scratch tree)
-MUTMUT_PATH = Path("src/vtoken/integration/fastpath/kernels.py")
-KILLER_TESTS = ("tests/test_fastpath_table.py", "tests/test_fastpath_runtime.py")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One kernel file and the tests that run its kernels (pytest's killers, before the fuzzer)."""
+    file: str
+    killers: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return Path(self.file).stem
+
+    @property
+    def module(self) -> str:
+        return "vtoken." + self.file.removesuffix(".py").replace("/", ".")
+
+    @property
+    def mutmut_path(self) -> Path:
+        """The path mutmut's generator is told (as if under src/, like mutation.py's scratch tree): it names the
+        mutants ``<module>.x_<function>__mutmut_<k>``."""
+        return Path("src/vtoken") / self.file
+
+    @property
+    def report(self) -> Path:
+        return REPO / "fuzz" / f"mutation_{self.name}.json"
+
+
+#: NOTE: the dense runtime's and the gather runtime's locksteps (test_fastpath_runtime.py) run every kernel file;
+#: each file's own tests come first, as they fail fastest on its mutants.
+TARGETS = {t.name: t for t in (
+    Target("integration/fastpath/kernels.py", ("tests/test_fastpath_table.py", "tests/test_fastpath_runtime.py")),
+    Target("integration/fastpath/gather_kernels.py",
+           ("tests/test_fastpath_gather.py", "tests/test_fastpath_runtime.py")),
+    Target("integration/fastpath/read_kernels.py", ("tests/test_reads.py", "tests/test_fastpath_runtime.py")),
+)}
 TEST_HELPERS = ("conftest.py",)
 #: test id -> why it is left out of the runs with the JIT off (the JIT check runs it)
 DESELECTED = {
@@ -73,6 +106,8 @@ from hypothesis import Phase as _Phase  # noqa: E402
 settings.register_profile("mutation", settings.default, phases=(_Phase.explicit, _Phase.reuse, _Phase.generate))
 settings.load_profile("mutation")
 """
+#: why a file's plain functions are left out of its population, beyond warm_up
+PLAIN_FUNCTIONS = {"kernels": "; _keep_vllms_kernel_scan_working is a patch of llvmlite's wrapper"}
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider", "-p", "no:xdist")
 
 #: mutant name -> (verdict, reason): the human classification of every survivor of the sample.
@@ -130,9 +165,9 @@ SURVIVORS: dict[str, tuple[str, str]] = {
 
 
 # ---- mutants ----------------------------------------------------------------------------------------------
-def mutants_of_kernels(source: str) -> list[Mutant]:
-    """mutmut's mutants of kernels.py's source, the decorators hidden from its generator, each as a whole-file diff
-    against ``KERNELS`` (the mutated function spliced back with its decorators)."""
+def mutants_of_kernels(target: Target, source: str) -> list[Mutant]:
+    """mutmut's mutants of ``target``'s source, the decorators hidden from its generator, each as a whole-file diff
+    against ``target.file`` (the mutated function spliced back with its decorators)."""
     import libcst as cst
 
     mutate_file_contents = _import_mutmut()
@@ -141,24 +176,24 @@ def mutants_of_kernels(source: str) -> list[Mutant]:
     original = cst.parse_module(source)
     undecorated = original.with_changes(body=[
         n.with_changes(decorators=[]) if isinstance(n, cst.FunctionDef) else n for n in original.body])
-    mutated_file = mutate_file_contents(str(MUTMUT_PATH), undecorated.code)
+    mutated_file = mutate_file_contents(str(target.mutmut_path), undecorated.code)
     generated = cst.parse_module(mutated_file.code)
     mutants = []
     for key in mutated_file.mutant_names:
-        name = get_mutant_name(MUTMUT_PATH, key)
+        name = get_mutant_name(target.mutmut_path, key)
         fn, cls = orig_function_and_class_names_from_key(name)
         if cls:
-            raise MutationError(f"{name}: kernels.py has no classes")
-        target, mutated = _find_function(original, fn), _find_function(generated, key)
-        if target is None or mutated is None:
+            raise MutationError(f"{name}: {target.file} has no classes")
+        kernel, mutated = _find_function(original, fn), _find_function(generated, key)
+        if kernel is None or mutated is None:
             raise MutationError(f"{name}: cannot find the function in the source or in mutmut's output")
-        new = original.deep_replace(target, mutated.with_changes(name=cst.Name(fn), decorators=target.decorators,
-                                                                 leading_lines=target.leading_lines)).code
-        diff = file_diff(KERNELS, source, new)
+        new = original.deep_replace(kernel, mutated.with_changes(name=cst.Name(fn), decorators=kernel.decorators,
+                                                                 leading_lines=kernel.leading_lines)).code
+        diff = file_diff(target.file, source, new)
         if not diff or apply_diff(source, diff) != new:
             raise MutationError(f"{name}: its diff is empty or does not reproduce the mutated file")
-        compile(new, KERNELS, "exec")
-        mutants.append(Mutant(name, KERNELS, diff))
+        compile(new, target.file, "exec")
+        mutants.append(Mutant(name, target.file, diff))
     return mutants
 
 
@@ -166,7 +201,7 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def prepare(source: Path, work: Path) -> dict:
+def prepare(target: Target, source: Path, work: Path) -> dict:
     """Every mutant into ``WORK/mutants.json``. mutmut's generator reads its configuration from
     ./pyproject.toml (``source_paths``), so it runs in ``work`` with a section that names nothing else."""
     _import_mutmut()
@@ -178,11 +213,11 @@ def prepare(source: Path, work: Path) -> dict:
     os.chdir(work)
     reset_config()
     try:
-        mutants = mutants_of_kernels((source / KERNELS).read_text())
+        mutants = mutants_of_kernels(target, (source / target.file).read_text())
     finally:
         os.chdir(cwd)
         reset_config()
-    data = {"mutmut_version": MUTMUT_VERSION, "file": KERNELS, "sha256": digest(source / KERNELS),
+    data = {"mutmut_version": MUTMUT_VERSION, "file": target.file, "sha256": digest(source / target.file),
             "mutants": [asdict(m) for m in mutants]}
     (work / "mutants.json").write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     return data
@@ -193,14 +228,14 @@ def function_of(name: str) -> str:
 
 
 # ---- the scratch tree and the runs ------------------------------------------------------------------------
-def build_tree(source: Path, root: Path, mutant: dict | None) -> Path:
+def build_tree(target: Target, source: Path, root: Path, mutant: dict | None) -> Path:
     """``root``: the package (core, fuzz, integration), the killers and pytest's options, the mutant applied."""
     if root.exists():
         shutil.rmtree(root)
     build_package_tree(source, root)
     _copy_package(source / "integration", root / "vtoken" / "integration")
     (root / "tests").mkdir()
-    for t in KILLER_TESTS:
+    for t in target.killers:
         shutil.copy2(source / t, root / t)
     for h in TEST_HELPERS:
         shutil.copy2(source / "tests" / h, root / "tests" / h)
@@ -253,10 +288,10 @@ def _run_group(cmd: list[str], root: Path, env: dict, timeout: float, log: Path)
 _FAILED = re.compile(r"^(FAILED|ERROR) (\S+)(?: - (.*))?$", re.M)
 
 
-def run_pytest(root: Path, timeout: float, jit: bool = False) -> Run:
-    cmd = [sys.executable, "-m", "pytest", *PYTEST_ARGS, *KILLER_TESTS]
+def run_pytest(target: Target, root: Path, timeout: float, jit: bool = False) -> Run:
+    cmd = [sys.executable, "-m", "pytest", *PYTEST_ARGS, *target.killers]
     if not jit:
-        cmd += [a for d in DESELECTED for a in ("--deselect", d)]
+        cmd += [a for d in DESELECTED if d.partition("::")[0] in target.killers for a in ("--deselect", d)]
     r = _run_group(cmd, root, _env(root, jit), timeout, root / ("pytest-jit.log" if jit else "pytest.log"))
     text = (root / ("pytest-jit.log" if jit else "pytest.log")).read_text(errors="replace")
     m = _FAILED.search(text)
@@ -295,14 +330,15 @@ class Result:
     reason: str = ""
 
 
-def run_one(source: Path, mutant: dict, work: Path, njit: set[str], pytest_timeout: float, fuzz_seconds: float,
-            jit_check: bool, keep: bool) -> Result:
-    root = build_tree(source, work / "runs" / _safe(mutant["name"]), mutant)
+def run_one(target: Target, source: Path, mutant: dict, work: Path, njit: set[str], pytest_timeout: float,
+            fuzz_seconds: float, jit_check: bool, keep: bool) -> Result:
+    root = build_tree(target, source, work / "runs" / _safe(mutant["name"]), mutant)
     fn = function_of(mutant["name"])
     res = Result(mutant["name"], fn, fn in njit, mutant["diff"], "survived", "")
-    stages = [("pytest", lambda: run_pytest(root, pytest_timeout)), ("fuzz", lambda: run_fuzz(root, fuzz_seconds))]
+    stages = [("pytest", lambda: run_pytest(target, root, pytest_timeout)),
+              ("fuzz", lambda: run_fuzz(root, fuzz_seconds))]
     if jit_check:
-        stages.append(("pytest-jit", lambda: run_pytest(root, 900, jit=True)))
+        stages.append(("pytest-jit", lambda: run_pytest(target, root, 900, jit=True)))
     for killer, stage in stages:
         r = stage()
         res.runs[killer] = asdict(r)
@@ -325,17 +361,24 @@ def run_one(source: Path, mutant: dict, work: Path, njit: set[str], pytest_timeo
     return res
 
 
-COMPILE = ("from vtoken.integration.fastpath import unavailable\n"
-           "why = unavailable()\n"
-           "print(why or 'compiled')\n"
-           "raise SystemExit(1 if why else 0)\n")
+def compile_script(target: Target) -> str:
+    """Compiles every kernel of the file (its ``warm_up`` calls each once; numba types a function's whole body,
+    branches never taken included); exit 1 with the error's line if one does not compile. For kernels.py and
+    read_kernels.py that is ``fastpath.unavailable()``'s answer: the fast path would not start."""
+    return (f"import {target.module} as k\n"
+            "try:\n"
+            "    k.warm_up()\n"
+            "except Exception as e:\n"
+            "    print(f'{type(e).__name__}: {e}'.splitlines()[0])\n"
+            "    raise SystemExit(1)\n"
+            "print('compiled')\n")
 
 
-def run_compile(root: Path, timeout: float = 600) -> Run:
-    """numba compiles every kernel of the tree (``fastpath.unavailable()``: ``warm_up`` calls each once; numba
-    types a function's whole body, branches never taken included), in a fresh cache."""
+def run_compile(target: Target, root: Path, timeout: float = 600) -> Run:
+    """numba compiles every kernel of ``target`` in the tree (``compile_script``), in a fresh cache."""
     shutil.rmtree(root / "numba-cache", ignore_errors=True)
-    r = _run_group([sys.executable, "-c", COMPILE], root, _env(root, True), timeout, root / "compile.log")
+    r = _run_group([sys.executable, "-c", compile_script(target)], root, _env(root, True), timeout,
+                   root / "compile.log")
     if r.rc not in (0, None):
         r.failure = " | ".join((root / "compile.log").read_text(errors="replace").strip().splitlines()[-2:])[-400:]
     return r
@@ -344,16 +387,16 @@ def run_compile(root: Path, timeout: float = 600) -> Run:
 def compile_check(a) -> dict:
     """The survivors of ``--out`` (or ``--only`` these) compiled with the JIT on; one numba refuses is killed by
     ``numba-compile``: with the JIT on (as the fast path runs) the killers fail on it, and ``available()`` is False."""
-    source, work = a.source.resolve(), a.work.resolve()
+    target, source, work = TARGETS[a.file], a.source.resolve(), a.work.resolve()
     report = json.loads(a.out.read_text())
     results = [Result(**r) for r in report["results"]]
     todo = [r for r in results if (r.name in a.only if a.only else r.verdict == "survived")]
-    base = run_compile(build_tree(source, work / "runs" / "_unmutated", None))
+    base = run_compile(target, build_tree(target, source, work / "runs" / "_unmutated", None))
     if base.rc != 0:
         raise MutationError(f"the unmutated tree's kernels do not compile: {base.failure}")
     for i, r in enumerate(todo, 1):
-        root = build_tree(source, work / "runs" / _safe(r.name), {"file": KERNELS, "diff": r.diff})
-        c = run_compile(root)
+        root = build_tree(target, source, work / "runs" / _safe(r.name), {"file": target.file, "diff": r.diff})
+        c = run_compile(target, root)
         r.runs["numba-compile"] = asdict(c)
         if c.rc is None:
             r.verdict, r.killer, r.detail = "timeout", "numba-compile", f"still compiling after {c.wall_s:g} s"
@@ -363,10 +406,10 @@ def compile_check(a) -> dict:
               flush=True)
     header = {k: v for k, v in report.items() if k not in ("finished", "wall_s", "summary", "results")}
     header["killers"]["numba-compile"] = ("the survivors of pytest and fuzz compiled with the JIT on: "
-                                          "python -c 'from vtoken.integration.fastpath import unavailable; ...'")
+                                          f"python -c 'import {target.module} as k; k.warm_up()'")
     header["compile_check"] = {"unmutated_compile_s": base.wall_s, "checked": len(todo),
                                "command": "python -m vtoken.fuzz.mutation_kernels compile-check "
-                                          f"--work {a.work} --out {a.out}"}
+                                          f"--file {a.file} --work {a.work} --out {_shown(a.out)}"}
     for r in results:  # the verdicts on the survivors of pytest and the fuzzer, whatever the compile check found
         r.classification, r.reason = SURVIVORS.get(r.name, ("", ""))
     out = {**header, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -377,16 +420,16 @@ def compile_check(a) -> dict:
     return out
 
 
-def check_baseline(source: Path, work: Path, pytest_timeout: float) -> dict:
+def check_baseline(target: Target, source: Path, work: Path, pytest_timeout: float) -> dict:
     """The unmutated scratch tree: its kernels are the ones imported, and the killers pass there without the JIT."""
-    root = build_tree(source, work / "runs" / "_unmutated", None)
-    probe = subprocess.run([sys.executable, "-c", "import vtoken.integration.fastpath.kernels as k, vtoken.core as c,"
+    root = build_tree(target, source, work / "runs" / "_unmutated", None)
+    probe = subprocess.run([sys.executable, "-c", f"import {target.module} as k, vtoken.core as c,"
                             " vtoken.fuzz as f; print(k.__file__); print(c.__file__); print(f.__file__)"],
                            cwd=root, env=_env(root, False), capture_output=True, text=True, timeout=120)
     files = probe.stdout.split()
     if probe.returncode != 0 or len(files) != 3 or not all(Path(f).is_relative_to(root) for f in files):
         raise MutationError(f"the scratch tree's package is not the one imported: {probe.stdout} {probe.stderr}")
-    r = run_pytest(root, max(pytest_timeout, 600))
+    r = run_pytest(target, root, max(pytest_timeout, 600))
     if r.rc != 0:
         raise MutationError(f"the unmutated tree fails the killers with NUMBA_DISABLE_JIT=1 ({r.failure}); "
                             f"see {root / 'pytest.log'}")
@@ -430,16 +473,18 @@ def write_report(path: Path, header: dict, results: list[Result]) -> dict:
 
 
 def run(a) -> dict:
-    source, work = a.source.resolve(), a.work.resolve()
+    target, source, work = TARGETS[a.file], a.source.resolve(), a.work.resolve()
     t0 = time.time()
     cached = work / "mutants.json"  # prepare takes minutes (a libcst splice per mutant): reused while current
     population = json.loads(cached.read_text()) if cached.exists() else None
-    if population is None or population["sha256"] != digest(source / KERNELS) \
-            or population["mutmut_version"] != MUTMUT_VERSION:
-        population = prepare(source, work)
+    if population is None or population["file"] != target.file \
+            or population["sha256"] != digest(source / target.file) or population["mutmut_version"] != MUTMUT_VERSION:
+        population = prepare(target, source, work)
     import libcst as cst
-    njit = {node.name.value for node in cst.parse_module((source / KERNELS).read_text()).body
-            if isinstance(node, cst.FunctionDef) and node.decorators}
+    functions = [node for node in cst.parse_module((source / target.file).read_text()).body
+                 if isinstance(node, cst.FunctionDef)]
+    njit = {node.name.value for node in functions if node.decorators}
+    plain = [node.name.value for node in functions if not node.decorators]
     by_name = {m["name"]: m for m in population["mutants"]
                if a.all_functions or function_of(m["name"]) in njit}
     n = min(a.n, len(by_name))
@@ -452,33 +497,36 @@ def run(a) -> dict:
     if a.resume and a.out.exists():
         done = {r["name"]: Result(**r) for r in json.loads(a.out.read_text())["results"]}
     header = {
-        "issue": 45, "file": KERNELS, "sha256": population["sha256"], "mutmut_version": MUTMUT_VERSION,
+        "issue": 45 if target.name == "kernels" else 46, "file": target.file, "sha256": population["sha256"],
+        "mutmut_version": MUTMUT_VERSION,
         "population": len(by_name), "mutants_of_the_file": len(population["mutants"]),
         "population_is": "every mutant of the file" if a.all_functions else
-        "the mutants of the @njit kernels; not of the file's two plain functions (warm_up, which only calls each "
-        "kernel once to compile it, and _keep_vllms_kernel_scan_working, a patch of llvmlite's wrapper)",
+        f"the mutants of the @njit kernels; not of the file's plain functions ({', '.join(plain)}: warm_up only "
+        f"calls each kernel once to compile it{PLAIN_FUNCTIONS.get(target.name, '')})",
         "seed": a.seed, "n": n,
-        "command": f"python -m vtoken.fuzz.mutation_kernels run --seed {a.seed} --n {a.n} --work {a.work} "
-                   f"--out {a.out} --pytest-timeout {a.pytest_timeout:g} --fuzz-seconds {a.fuzz_seconds:g}"
+        "command": f"python -m vtoken.fuzz.mutation_kernels run --file {a.file} --seed {a.seed} --n {a.n} "
+                   f"--work {a.work} --out {_shown(a.out)} --pytest-timeout {a.pytest_timeout:g} "
+                   f"--fuzz-seconds {a.fuzz_seconds:g}"
                    + (" --jit-check" if a.jit_check else "") + (" --all-functions" if a.all_functions else ""),
         "env": "NUMBA_DISABLE_JIT=1 for pytest and the fuzzer (the kernels as plain Python); the JIT on for "
                "pytest-jit (--jit-check) and numba-compile (compile-check)",
-        "killers": {"pytest": f"pytest {' '.join(PYTEST_ARGS)} {' '.join(KILLER_TESTS)}, timeout "
+        "killers": {"pytest": f"pytest {' '.join(PYTEST_ARGS)} {' '.join(target.killers)}, timeout "
                               f"{a.pytest_timeout:g} s",
                     "fuzz": f"vtoken fuzz --target fast --time {a.fuzz_seconds:g} --workers 1 --seed 0 "
                             f"(pytest's survivors only)",
                     **({"pytest-jit": "the same pytest, the JIT on, nothing deselected (survivors of both)"}
                        if a.jit_check else {})},
         "hypothesis": "the scratch conftest loads the ci profile less the shrink phase (NO_SHRINK)",
-        "deselected": DESELECTED, "machine": f"{os.cpu_count()} cores, shared",
+        "deselected": {d: why for d, why in DESELECTED.items() if d.partition("::")[0] in target.killers},
+        "machine": f"{os.cpu_count()} cores, shared",
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "_t0": t0,
     }
-    header["baseline"] = check_baseline(source, work, a.pytest_timeout)
+    header["baseline"] = check_baseline(target, source, work, a.pytest_timeout)
     print(f"baseline: {header['baseline']}", file=sys.stderr, flush=True)
     todo = [x for x in (a.only or chosen) if x not in done]
     for i, name in enumerate(todo, 1):
-        r = done[name] = run_one(source, by_name[name], work, njit, a.pytest_timeout, a.fuzz_seconds, a.jit_check,
-                                 a.keep)
+        r = done[name] = run_one(target, source, by_name[name], work, njit, a.pytest_timeout, a.fuzz_seconds,
+                                 a.jit_check, a.keep)
         took = sum(v["wall_s"] for v in r.runs.values())
         print(f"[{i}/{len(todo)}] {r.verdict:8} {r.killer:10} {took:6.1f} s  {name}  {r.detail[:100]}",
               file=sys.stderr, flush=True)
@@ -486,18 +534,24 @@ def run(a) -> dict:
     return write_report(a.out, header, [done[x] for x in chosen if x in done])
 
 
+def _shown(path: Path) -> str:
+    """``path`` as the command to repeat it would name it: relative to the repository when inside it."""
+    path = Path(path)
+    return str(path.resolve().relative_to(REPO)) if path.resolve().is_relative_to(REPO) else str(path)
+
+
 # ---- command line -------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m vtoken.fuzz.mutation_kernels", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    pr = sub.add_parser("prepare", help="every mutant of kernels.py as a diff, into WORK/mutants.json (nothing run)")
+    pr = sub.add_parser("prepare", help="every mutant of the file as a diff, into WORK/mutants.json (nothing run)")
     pr.add_argument("--work", required=True, type=Path)
     pr.add_argument("--source", type=Path, default=REPO)
     ru = sub.add_parser("run", help="a seeded sample of the mutants against the killers, one scratch tree each")
     ru.add_argument("--seed", type=int, required=True)
     ru.add_argument("--n", type=int, required=True, help="mutants drawn (all of them if fewer)")
     ru.add_argument("--work", required=True, type=Path)
-    ru.add_argument("--out", type=Path, default=REPO / "fuzz" / "mutation_kernels.json")
+    ru.add_argument("--out", type=Path, default=None, help="the report (default: fuzz/mutation_<file>.json)")
     ru.add_argument("--source", type=Path, default=REPO, help="the tree to mutate (default: this checkout)")
     ru.add_argument("--pytest-timeout", type=float, default=300.0, help="seconds per mutant's pytest run")
     ru.add_argument("--fuzz-seconds", type=float, default=60.0, help="vtoken fuzz --time for pytest's survivors")
@@ -509,21 +563,26 @@ def _parser() -> argparse.ArgumentParser:
     ru.add_argument("--keep", action="store_true", help="keep the scratch trees of killed mutants too")
     cc = sub.add_parser("compile-check", help="compile the survivors in --out with the JIT on (numba-compile)")
     cc.add_argument("--work", required=True, type=Path)
-    cc.add_argument("--out", type=Path, default=REPO / "fuzz" / "mutation_kernels.json")
+    cc.add_argument("--out", type=Path, default=None, help="the report (default: fuzz/mutation_<file>.json)")
     cc.add_argument("--source", type=Path, default=REPO)
     cc.add_argument("--only", nargs="+", default=[], metavar="NAME",
                     help="these mutants of --out, whatever their verdict")
+    for sp in (pr, ru, cc):
+        sp.add_argument("--file", choices=list(TARGETS), default="kernels",
+                        help="which kernel file (integration/fastpath/FILE.py; default: kernels)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    if a.cmd != "prepare" and a.out is None:
+        a.out = TARGETS[a.file].report
     try:
         if a.cmd == "prepare":
-            data = prepare(a.source.resolve(), a.work.resolve())
+            data = prepare(TARGETS[a.file], a.source.resolve(), a.work.resolve())
             for m in data["mutants"]:
                 print(m["name"])
-            print(f"{len(data['mutants'])} mutants of {KERNELS}", file=sys.stderr)
+            print(f"{len(data['mutants'])} mutants of {data['file']}", file=sys.stderr)
             return 0
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the runs' process groups are killed
         report = run(a) if a.cmd == "run" else compile_check(a)

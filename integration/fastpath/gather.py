@@ -239,8 +239,8 @@ class FastGather:
         src = np.empty(max_sources, np.int64)
         code, a, b = K.compact_gate(idx, cnt, n, self.S, budget, src)
         if code != K.OK:
-            return _no_plan(req_id, code, a, b, self.S)
-        blocks = self.fast.layout.blocks[row]
+            return _no_plan(req_id, code, int(a), int(b), self.S)
+        blocks, b = self.fast.layout.blocks[row], int(b)
         return SourceChoice(tuple(blocks[src[:a]].tolist()), b, -(-b // self.S))
 
     def fill(self, req_id, choice: SourceChoice, dst_blocks: list[int]) -> Plan:
@@ -435,6 +435,7 @@ class FastGather:
         blocks = self.fast.block_ids(req_id)
         if code == K.OK:
             return out[:a].tolist()
+        a, b = int(a), int(b)  # NOTE: numpy scalars when the kernels run as plain Python (NUMBA_DISABLE_JIT)
         if code == K.BAD_INDICES:
             raise BlockListTooShortError(f"request {req_id!r}: block indices {list(indices)} are not ascending, "
                                          f"distinct indices of its {b} blocks")
@@ -455,6 +456,7 @@ class FastGather:
 
     def _refuse_densify(self, code: int, a: int, b: int, req_id, plan: Plan) -> None:
         """``commit_densify``'s refusal as ``_check_densify_commit``'s (or ``slots_of``'s) error."""
+        a, b = int(a), int(b)  # NOTE: numpy scalars when the kernels run as plain Python (NUMBA_DISABLE_JIT)
         if code == K.TOKEN_OUT_OF_RANGE:
             raise TokenOutOfRangeError(f"request {req_id!r}: token {a!r} outside its synced tokens [0, {b})")
         moves = [Move(*map(int, m)) for m in plan.moves]
@@ -479,6 +481,7 @@ class FastGather:
         self._fail(req_id, message(), "densify")
 
     def _refuse(self, code: int, a: int, b: int, req_id, row: int, plan: Plan) -> None:
+        a, b = int(a), int(b)  # NOTE: numpy scalars when the kernels run as plain Python (NUMBA_DISABLE_JIT)
         if code == K.TOKEN_OUT_OF_RANGE:
             raise TokenOutOfRangeError(f"request {req_id!r}: token {a!r} outside its synced tokens [0, {b})")
         moves = [Move(*map(int, m)) for m in plan.moves]

@@ -496,7 +496,10 @@ def _check_compact_commit(tok_pos, pos_token, blocks, counts, meta, holders, lis
         b = blocks[row, src_at[j]]
         live = counts[row, src_at[j]]
         for q in range(m):
-            live += (moves[keep[q], 3] == b) - (src_slot[q] // S == b)
+            if moves[keep[q], 3] == b:
+                live += 1
+            if src_slot[q] // S == b:
+                live -= 1
         if live:
             return SOURCE_LIVE, src_blocks[j], 0
     for f in range(final_pos // S, length):  # the final list from the cursor's block on (usually 1 or 2 blocks)
