@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	# numba compiles the fast path's kernels here, once, into its cache beside them (half a minute): no run pays it
 	$(PY) -c "from vtoken.integration import fastpath as f; why = f.unavailable(); \
-	  why or [__import__(f'vtoken.integration.fastpath.{m}', fromlist=['_']).warm_up() for m in ('relocate', 'gather_kernels')]; \
+	  why or __import__('vtoken.integration.fastpath.relocate', fromlist=['_']).warm_up(); \
 	  print(why or 'fast path compiled')"
 	touch $(STAMP)
 

@@ -481,6 +481,23 @@ def test_without_numba_the_fast_path_says_why_in_one_line():
     assert ok == "False" and why.startswith("the fast path needs numba and numpy (") and "numba" in why[30:]
 
 
+def test_a_gather_kernel_that_fails_to_compile_leaves_the_core_path_with_its_reason():
+    """``unavailable()`` compiles every kernel file, the gather path's too: a gather kernel numba refuses (here a
+    float index, as a typo would make) is named at start-up, where the caller runs the core, not inside a step."""
+    code = ("import numpy as np\n"
+            "from numba import njit\n"
+            "from vtoken.integration.fastpath import available, gather_kernels, unavailable\n"
+            "@njit\n"
+            "def broken(meta, rows, S, out):\n"
+            "    return out[rows[0] / S]\n"
+            "gather_kernels.excess_order = broken\n"
+            "print(available()); print(unavailable())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ok, why = proc.stdout.splitlines()[:2]
+    assert ok == "False" and why.startswith("the fast path's kernels failed to compile: TypingError: "), why
+
+
 def test_the_layout_reports_its_footprint():
     from vtoken.integration.fastpath.layout import Capacity, FastLayout
     cap = Capacity(rows=64, tokens=2048, num_blocks=8192, block_size=16)

@@ -34,9 +34,12 @@ def unavailable() -> str | None:
     except ImportError as e:
         return f"the fast path needs numba and numpy ({e})"
     try:
-        from . import kernels, read_kernels
+        from . import gather_kernels, kernels, read_kernels
+        # NOTE: every kernel, the gather path's too: one that compiled lazily would compile (about 10 s) inside a
+        # serving step, and one that failed to would fail it rather than leave the core path to run
         kernels.warm_up()
         read_kernels.warm_up()
+        gather_kernels.warm_up()
     except Exception as e:  # a compile error of any kind: the core runs instead
         return f"the fast path's kernels failed to compile: {type(e).__name__}: {e}"
     return None
