@@ -141,6 +141,19 @@ def test_a_refused_patch_names_the_request_and_token_and_changes_nothing(bad, me
         assert snapshot(table) == before, table.compiled
 
 
+def test_a_row_that_loses_every_entry_orders_its_joined_ids_by_nothing_kept():
+    """Joined ids must be newer than the ids the row keeps; a row that keeps none takes any ascending ids (the
+    search for its newest kept id runs down to position 0 and past it). Found by the read kernels' mutation run
+    (fuzz/mutation_read_kernels.json): a search that stopped at position 0 took the evicted first id for a kept one.
+    """
+    for table in both():
+        table.apply(record(("a", ReadChanges(0, -1, True), ([1, 2, 4], [5, 6, 7]))))
+        assert table.apply(record(("a", ReadChanges(1, 0, False, evicted=(4, 1, 2), joined=(0, 3),
+                                                    joined_slots=(8, 9)), None))).tolist() == [0, 1, 2]
+        slots, ids = table.lists("a")
+        assert ids.tolist() == [0, 3] and slots.tolist() == [8, 9]
+
+
 def test_a_checked_list_that_differs_is_v2():
     for table in both():
         table.apply(record(("a", ReadChanges(0, -1, True), ([1, 2], [5, 6]))))

@@ -37,14 +37,15 @@ class StepCommits:
         self.relists, self.plan_of = relists, plan_of
 
     @classmethod
-    def of_plans(cls, plans: Sequence[Plan], kept: Callable[[Plan], int]) -> StepCommits:
-        """From committed plans (the core's): ``kept(plan)`` counts the plan's destinations its request lists after
-        the commit (they are not released blocks)."""
+    def of_plans(cls, plans: Sequence[Plan], kept: Sequence[int]) -> StepCommits:
+        """From committed plans (the core's, or the fast gather path's): ``kept[i]`` counts plan i's destinations
+        its request lists after the commit (they are not released blocks)."""
         plans = list(plans)
+        assert len(kept) == len(plans), (len(kept), len(plans))
         releases = sum(p.kind is PlanKind.RELEASE for p in plans)
         return cls(len(plans) - releases, releases, sum(p.kind is PlanKind.DENSIFY for p in plans),
                    sum(len(p.moves) for p in plans),
-                   sum(len(p.src_blocks) - (kept(p) if p.dst_blocks else 0) for p in plans),
+                   sum(len(p.src_blocks) - (d if p.dst_blocks else 0) for p, d in zip(plans, kept)),
                    [p.kind is not PlanKind.DENSIFY or bool(p.src_blocks) for p in plans], plans.__getitem__)
 
     def __len__(self) -> int:
@@ -62,3 +63,8 @@ class StepCommits:
 
 
 NO_COMMITS = StepCommits(0, 0, 0, 0, 0, (), lambda i: None)  # a step that committed nothing
+
+
+def kept_destinations(table, plan: Plan) -> int:
+    """How many of committed ``plan``'s destinations its request lists (``table.block_ids``) after the commit."""
+    return len(set(plan.dst_blocks) & set(table.block_ids(plan.req_id))) if plan.dst_blocks else 0

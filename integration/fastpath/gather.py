@@ -348,16 +348,21 @@ class FastGather:
     def commit(self, req_id) -> str:
         """``ReclamationManager._commit`` of the request's plan in flight: COMMITTED, ABORTED (stale), or the core's
         error, nothing changed."""
+        return self.commit_counted(req_id)[0]
+
+    def commit_counted(self, req_id) -> tuple[str, int]:
+        """``commit``, and how many of the plan's destinations its request lists after it (0 unless COMMITTED):
+        the kernel's count, which ``StepCommits`` needs and would otherwise recount from the block list."""
         plan, row = self.inflight[req_id], self.fast._row(req_id)
         moves = _move_rows(plan.moves)
         if plan.kind is PlanKind.DENSIFY:
-            return self._commit_densify(req_id, row, plan, moves)
+            return self._commit_densify(req_id, row, plan, moves), 0
         src, dst = np.asarray(plan.src_blocks, np.int64), np.asarray(plan.dst_blocks, np.int64)
         out = np.empty(len(src) + len(dst), np.int64)
         args = (*self.fast._L, row, plan.version[0], src, dst, moves)
         code, a, b = K.commit_compact(*args, False, out)
         if code == K.STALE:
-            return self._abort(req_id, plan)
+            return self._abort(req_id, plan), 0
         if code != K.OK:
             self._refuse(code, a, b, req_id, row, plan)
         to_free = out[:a].tolist()
@@ -378,7 +383,7 @@ class FastGather:
         st.moves_dropped += len(moves) - kept
         st.moves_committed += kept
         st.blocks_released += len(plan.src_blocks) - d
-        return COMMITTED
+        return COMMITTED, d
 
     def _commit_densify(self, req_id, row: int, plan: Plan, moves: np.ndarray) -> str:
         """The manager's ``_commit`` of a DENSIFY plan (``_commit_densify``): aborted when stale (the layout changed,

@@ -144,16 +144,27 @@ class GatherRuntime(FastRuntime):
         copies = [(p.moves, p.req_id) for p in plans if p.moves]
         if copies:
             self._submit_ordered(copies)
-        committed = []
-        for p in plans:
-            if g.commit(p.req_id) == COMMITTED:
-                committed.append(p)
-                if p.moves:  # a MoveArray's token ids
-                    moved = np.frombuffer(p.moves.fields, np.int64)[0::5]
-                    self.reads.log(self.reads.mv_n, self.reads.mv_log, self.table.rows_of([p.req_id]),
-                                   np.array([0, len(moved)], np.int64), moved)
-        t = self.table
-        self._commits = StepCommits.of_plans(committed, lambda p: len(set(p.dst_blocks) & set(t.block_ids(p.req_id))))
+        committed, kept, moved_by = [], [], []
+        try:
+            for p in plans:
+                status, d = g.commit_counted(p.req_id)
+                if status == COMMITTED:
+                    committed.append(p)
+                    kept.append(d)
+                    if p.moves:
+                        moved_by.append(p)
+        finally:  # NOTE: what committed before a refusal is logged too: the workers' lists must follow the table
+            self._log_moves(moved_by)
+        self._commits = StepCommits.of_plans(committed, kept)
+
+    def _log_moves(self, plans: list[Plan]) -> None:
+        """Each committed plan's moved token ids (a ``MoveArray``'s first field) into its row's log, in one call."""
+        if not plans:
+            return
+        ids = np.frombuffer(b"".join(p.moves.fields for p in plans), np.int64)[0::5]
+        starts = np.zeros(len(plans) + 1, np.int64)
+        np.cumsum([len(p.moves) for p in plans], out=starts[1:])
+        self.reads.log(self.reads.mv_n, self.reads.mv_log, self.table.rows_of([p.req_id for p in plans]), starts, ids)
 
 
 class _ChangeLogs:

@@ -28,7 +28,7 @@ from vtoken.core.policies.base import RenamedRequests
 from vtoken.core.reclamation import Ordering, PlanState, ReclaimConfig, ReclaimStats
 from vtoken.core.runtime import ReadPath, VTokenRuntime
 
-from .commits import NO_COMMITS, StepCommits
+from .commits import NO_COMMITS, StepCommits, kept_destinations
 from .gather_runtime import GatherRuntime
 from .moves import copy_pairs
 from .reads import StepReads, take_step_reads
@@ -209,7 +209,7 @@ class ShadowedRuntime:
             # and their counts as the scheduler reads them
             if rt is self.core:
                 plans = [rec.plan for rec in rt.settle() if rec.state is PlanState.COMMITTED]
-                commits = StepCommits.of_plans(plans, lambda p: len(set(p.dst_blocks) & set(rt.block_ids(p.req_id))))
+                commits = StepCommits.of_plans(plans, [kept_destinations(rt, p) for p in plans])
             else:
                 commits = self._commits = rt.take_commits()
                 plans = commits.all_plans()

@@ -44,7 +44,7 @@ from vtoken.core.runtime import ReadPath, VTokenRuntime
 from vtoken.core.token_table import Move
 
 from ..device.copy_engine import packed
-from ..fastpath.commits import StepCommits
+from ..fastpath.commits import StepCommits, kept_destinations
 from ..fastpath.reads import StepReads, take_step_reads
 from . import manager_hooks
 from .allocator import VllmBlockAllocator
@@ -135,7 +135,7 @@ class CoreDriver(VTokenRuntime):
     def take_commits(self) -> StepCommits:
         """``settle``'s committed plans as ``StepCommits`` (the fast path's answer; the drill reads ``settle``)."""
         plans = [rec.plan for rec in self.settle() if rec.state is PlanState.COMMITTED]
-        return StepCommits.of_plans(plans, lambda p: len(set(p.dst_blocks) & set(self.block_ids(p.req_id))))
+        return StepCommits.of_plans(plans, [kept_destinations(self, p) for p in plans])
 
 
 @dataclass
