@@ -661,9 +661,10 @@ class ReclamationManager:
         unused = [b for b in plan.dst_blocks if b not in dsts]
         pos, live_before = t.write_pos(req), t.num_live(req)
         src_at = [t.index_in_list(req, b) for b in plan.src_blocks]
-        want = plan.final_layout(t.block_ids(req), pos, S, dsts) if self.verify_fast_paths else None
         final_pos = plan.compact_cursor(pos, S, dsts)
         self._check_compact_commit(rec, moves, src_at, dsts, final_pos, list(plan.src_blocks) + unused)
+        # NOTE: after the checks: final_layout assumes the sources are in the list
+        want = plan.final_layout(t.block_ids(req), pos, S, dsts) if self.verify_fast_paths else None
         # -- checked; mutate --
         self.stats.moves_dropped += len(plan.moves) - len(moves)
         if dsts:

@@ -1,5 +1,5 @@
 """A mutation run over the fast path's numba kernels (issues #45, #46): mutmut's mutants of one kernel file
-(``TARGETS``: ``integration/fastpath/{kernels,gather_kernels,read_kernels}.py``), each run against that file's
+(``TARGETS``: ``integration/fastpath/{kernels,gather_kernels,read_kernels,relocate}.py``), each run against that file's
 killer tests, then the fast fuzzer.
 
     python -m vtoken.fuzz.mutation_kernels prepare --file kernels --work /tmp/mutk    # every mutant -> WORK/mutants.json
@@ -57,9 +57,11 @@ from .mutation import (MUTMUT_VERSION, REPO, Mutant, MutationError, _copy_packag
 
 @dataclass(frozen=True)
 class Target:
-    """One kernel file and the tests that run its kernels (pytest's killers, before the fuzzer)."""
+    """One kernel file and the tests that run its kernels (pytest's killers, before the fuzzer), with the test
+    modules they import (``helpers``, copied beside them)."""
     file: str
     killers: tuple[str, ...]
+    helpers: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -87,6 +89,7 @@ TARGETS = {t.name: t for t in (
     Target("integration/fastpath/gather_kernels.py",
            ("tests/test_fastpath_gather.py", "tests/test_fastpath_runtime.py")),
     Target("integration/fastpath/read_kernels.py", ("tests/test_reads.py", "tests/test_fastpath_runtime.py")),
+    Target("integration/fastpath/relocate.py", ("tests/test_fastpath_relocate.py",), ("test_device_layer.py",)),
 )}
 TEST_HELPERS = ("conftest.py",)
 #: test id -> why it is left out of the runs with the JIT off (the JIT check runs it)
@@ -107,7 +110,8 @@ settings.register_profile("mutation", settings.default, phases=(_Phase.explicit,
 settings.load_profile("mutation")
 """
 #: why a file's plain functions are left out of its population, beyond warm_up
-PLAIN_FUNCTIONS = {"kernels": "; _keep_vllms_kernel_scan_working is a patch of llvmlite's wrapper"}
+PLAIN_FUNCTIONS = {"kernels": "; _keep_vllms_kernel_scan_working is a patch of llvmlite's wrapper",
+                   "relocate": "; host_mover picks the cache's layout; HostMover's methods are not mutated at all"}
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider", "-p", "no:xdist")
 
 #: mutant name -> (verdict, reason): the human classification of every survivor of the sample.
@@ -161,6 +165,75 @@ SURVIVORS: dict[str, tuple[str, str]] = {
         "`order[j] = order[j - 1]` -> `order[j] = None`: the same never-reached shift of the insertion sort as "
         "x_step_record__mutmut_39 (None into an int64 array: numba does not compile it, killed by numba-compile; "
         "numpy would raise TypeError). The same out-of-admission-order step kills it with the JIT off."),
+    # ---- read_kernels.py (seed 46) ----
+    "vtoken.integration.fastpath.read_kernels.x_patch_reads__mutmut_91": (
+        "gap",
+        "`while p >= 0 and ...` -> `while p > 0 and ...` in patch_reads' search for the newest id a row keeps: when "
+        "the row loses every entry the search stops at position 0 and takes the evicted first id for a kept one, so "
+        "a joined id older than it is refused (JOINED_ORDER) where the numpy reference, which orders joined ids "
+        "after the kept ones only, accepts it. A real record never joins an id older than one it evicts (new "
+        "tokens have the newest ids), so neither the locksteps nor the fuzzer reach it. Test: a row [1, 2, 4] "
+        "evicts all three and joins (0, 3): both tables accept, the list is [0, 3]. Since written: "
+        "tests/test_reads.py::test_a_row_that_loses_every_entry_orders_its_joined_ids_by_nothing_kept (fails on "
+        "the mutant, checked)."),
+    "vtoken.integration.fastpath.read_kernels.x_patch_reads__mutmut_68": (
+        "equivalent",
+        "`if b - a > 1:` -> `if b + a > 1:` before np.sort of a row's removed positions: it sorts rows with zero or "
+        "one eviction too, which leaves them as they are. Only slower (an allocation per row): with the JIT off "
+        "the killers took 256 s, past the first run's 150 s timeout."),
+    "vtoken.integration.fastpath.read_kernels.x_log_append__mutmut_15": (
+        "gap",
+        "`have + add > limit` -> `have + add >= limit` in log_append: a change log of exactly CHANGE_LOG_LIMIT "
+        "entries is dropped (the row says rebuilt) where the core's lists it (it drops past the bound). The test of "
+        "the bound (limit 2) went from 1 entry to 3, never exactly 2. Test: the same test, then 2 evictions "
+        "between takes: both sides list them. Since written: tests/test_fastpath_runtime.py::"
+        "test_read_changes_past_the_change_logs_bound_say_rebuilt_on_both_sides (its last step; the shadow "
+        "raises V6 on the mutant, checked)."),
+    # ---- gather_kernels.py (seed 46) ----
+    "vtoken.integration.fastpath.gather_kernels.x__check_compact_commit__mutmut_24": (
+        "gap",
+        "`0 <= b < NB and listed[b] > 0` -> `0 <= b <= NB and ...` in the check of a compact plan's sources: a "
+        "source that is the first id past the pool reads `listed[NB]`, out of bounds (numpy raises IndexError; "
+        "compiled without bounds checks it reads past the array). No test handed a commit a source outside the "
+        "pool. Test: the example plan with a source NUM_BLOCKS (and one with -1): both sides refuse it, 'are not in "
+        "its block list, in order'. Since written: tests/test_fastpath_gather.py::"
+        "test_a_changed_compact_plan_commits_as_the_cores['a source past the pool'] (fails on the mutant with the "
+        "JIT off, checked), and the lockstep's tamper src_outside_pool, which found that the core's own commit "
+        "raised ValueError there under verify_fast_paths (Plan.final_layout ran before the checks; fixed)."),
+    "vtoken.integration.fastpath.gather_kernels.x__check_compact_commit__mutmut_158": (
+        "equivalent",
+        "`listed[b] > 0` -> `listed[b] >= 0` before looking a move's destination up in the row's list: the count is "
+        "a shortcut (a block no row lists is not in this row's list either); without it `_listed_by` searches and "
+        "answers -1 alike. Only slower."),
+    "vtoken.integration.fastpath.gather_kernels.x__check_compact_commit__mutmut_270": (
+        "defensive",
+        "`lo = max(0, final_pos - f * S)` -> `max(0, final_pos + f * S)` in the check that nothing live lies at or "
+        "after the final cursor: the scan starts past the block, so it checks nothing. Only a table already broken "
+        "reaches a refusal there: a move that writes at or after the staged cursor is refused before it "
+        "(MOVE_OUTSIDE), and the sources' slots past the cursor are emptied by the commit. The core keeps the same "
+        "check (its LIVE_AFTER_CURSOR), as an assertion of I1 over the final layout."),
+    "vtoken.integration.fastpath.gather_kernels.x_commit_compact__mutmut_25": (
+        "equivalent",
+        "`np.zeros(nd, np.bool_)` -> `np.zeros(nd, )` for the kept-destination flags: float64 zeros, set to 1.0 "
+        "and read as truth values alike. numba compiles it (compile-check)."),
+    "vtoken.integration.fastpath.gather_kernels.x_commit_compact__mutmut_23": (
+        "equivalent",
+        "`np.zeros(nd, np.bool_)` -> `np.zeros(nd, None)`: float64 zeros, as x_commit_compact__mutmut_25."),
+    # ---- relocate.py (seed 46) ----
+    "vtoken.integration.fastpath.relocate.x_split_waves__mutmut_39": (
+        "equivalent",
+        "`return j, 0` -> `return j, 1` where split_waves declines a batch (a move outside the cache): the caller "
+        "reads only the first value then (bad >= 0: the Python checks run) and never the wave count."),
+    "vtoken.integration.fastpath.relocate.x_split_waves__mutmut_63": (
+        "gap",
+        "`wave + 1` -> `wave + 2` when a copy starts a new wave: a batch's stamps run past the len(copies) + 1 its "
+        "caller adds to the stamp, so the next batch's first wave stamp equals a block's stamp from the last "
+        "wave of this one, and a copy reading that block is split into a wave of its own where the reference "
+        "(copy_engine.waves) keeps one wave. Only slower (an extra wave orders more, never less), but the answer "
+        "differs from the reference it is tested against; the 300 random batches never chained enough waves. "
+        "Test: three chained copies (three waves), then two independent copies, one reading the block the last "
+        "wave wrote: one wave. Since written: tests/test_fastpath_relocate.py::"
+        "test_a_batch_after_one_of_many_waves_splits_only_on_its_own_writes (fails on the mutant, checked)."),
 }
 
 
@@ -182,8 +255,8 @@ def mutants_of_kernels(target: Target, source: str) -> list[Mutant]:
     for key in mutated_file.mutant_names:
         name = get_mutant_name(target.mutmut_path, key)
         fn, cls = orig_function_and_class_names_from_key(name)
-        if cls:
-            raise MutationError(f"{name}: {target.file} has no classes")
+        if cls:  # a method (relocate.py's HostMover): plain Python around the kernels, not in any population
+            continue
         kernel, mutated = _find_function(original, fn), _find_function(generated, key)
         if kernel is None or mutated is None:
             raise MutationError(f"{name}: cannot find the function in the source or in mutmut's output")
@@ -237,7 +310,7 @@ def build_tree(target: Target, source: Path, root: Path, mutant: dict | None) ->
     (root / "tests").mkdir()
     for t in target.killers:
         shutil.copy2(source / t, root / t)
-    for h in TEST_HELPERS:
+    for h in TEST_HELPERS + target.helpers:
         shutil.copy2(source / "tests" / h, root / "tests" / h)
     shutil.copy2(source / "pyproject.toml", root / "pyproject.toml")  # pytest's options (addopts, filterwarnings)
     with open(root / "tests" / "conftest.py", "a") as f:
@@ -495,7 +568,8 @@ def run(a) -> dict:
             raise MutationError(f"--only names a mutant not in the sample: {missing[0]}")
     done: dict[str, Result] = {}
     if a.resume and a.out.exists():
-        done = {r["name"]: Result(**r) for r in json.loads(a.out.read_text())["results"]}
+        done = {r["name"]: Result(**r) for r in json.loads(a.out.read_text())["results"]
+                if not (a.retry_timeouts and r["verdict"] == "timeout")}
     header = {
         "issue": 45 if target.name == "kernels" else 46, "file": target.file, "sha256": population["sha256"],
         "mutmut_version": MUTMUT_VERSION,
@@ -506,7 +580,8 @@ def run(a) -> dict:
         "seed": a.seed, "n": n,
         "command": f"python -m vtoken.fuzz.mutation_kernels run --file {a.file} --seed {a.seed} --n {a.n} "
                    f"--work {a.work} --out {_shown(a.out)} --pytest-timeout {a.pytest_timeout:g} "
-                   f"--fuzz-seconds {a.fuzz_seconds:g}"
+                   f"--fuzz-seconds {a.fuzz_seconds:g}" + (" --resume" if a.resume else "")
+                   + (" --retry-timeouts" if a.retry_timeouts else "")
                    + (" --jit-check" if a.jit_check else "") + (" --all-functions" if a.all_functions else ""),
         "env": "NUMBA_DISABLE_JIT=1 for pytest and the fuzzer (the kernels as plain Python); the JIT on for "
                "pytest-jit (--jit-check) and numba-compile (compile-check)",
@@ -557,6 +632,8 @@ def _parser() -> argparse.ArgumentParser:
     ru.add_argument("--fuzz-seconds", type=float, default=60.0, help="vtoken fuzz --time for pytest's survivors")
     ru.add_argument("--jit-check", action="store_true", help="pytest with the JIT on for the survivors of both")
     ru.add_argument("--resume", action="store_true", help="keep the results already in --out")
+    ru.add_argument("--retry-timeouts", action="store_true",
+                    help="with --resume, run the mutants that timed out again (a loaded machine, a longer timeout)")
     ru.add_argument("--only", nargs="+", default=[], metavar="NAME", help="just these mutants of the sample")
     ru.add_argument("--all-functions", action="store_true",
                     help="draw from every mutant of the file, the plain functions' too (default: the kernels')")

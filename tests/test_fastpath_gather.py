@@ -79,7 +79,7 @@ THEN = ("settle", "settle", "tamper", "wait")
 # NOTE: "stale" twice: a densify plan goes stale two ways (its layout version, or its length: an append)
 TAMPERS = ("stale", "stale", "src_offset", "drop_move", "dup_dst", "dst_is_source", "reversed_sources",
            "token_out_of_range", "dst_of_another", "move_twice", "dst_past_cursor", "dst_in_own_block",
-           "release_a_live_block", "cursor", "swap_dsts")
+           "release_a_live_block", "cursor", "swap_dsts", "src_outside_pool")
 TARGETS = ("any", "any", "plan", "pack")  # which request an append or an eviction goes to (``Lockstep.busy``)
 
 
@@ -437,6 +437,13 @@ class Lockstep(RuleBasedStateMachine):
                 return None
             src = sorted(plan.src_blocks + (data.draw(st.sampled_from(live)),), key=blocks.index)
             return change(plan, src_blocks=tuple(src))
+        if kind == "src_outside_pool":  # the first id past the pool, or -1 (the gather kernels' mutation run)
+            if not plan.src_blocks:
+                return None
+            j = data.draw(st.integers(0, len(plan.src_blocks) - 1), label="source")
+            src = list(plan.src_blocks)
+            src[j] = data.draw(st.sampled_from([NUM_BLOCKS, -1]), label="block")
+            return change(plan, src_blocks=tuple(src))
         if kind == "reversed_sources":
             return change(plan, src_blocks=plan.src_blocks[::-1]) if len(plan.src_blocks) > 1 else None
         if not moves:
@@ -614,6 +621,9 @@ COMPACT_CASES = {  # a change of the plan -> what the core answers (a fragment o
     "stale": (lambda p: _change(p, version=(p.version[0] + 1, p.version[1])), ABORTED),
     "token out of range": (lambda p: _change(p, moves=_moves(p, 1, token_id=18)), "outside its synced tokens"),
     "sources out of order": (lambda p: _change(p, src_blocks=(1, 0, 2)), "are not in its block list, in order"),
+    # the first id past the pool, and -1 (the gather kernels' mutation run: a bound check of ``listed``)
+    "a source past the pool": (lambda p: _change(p, src_blocks=(0, 1, NUM_BLOCKS)), "are not in its block list"),
+    "a source below the pool": (lambda p: _change(p, src_blocks=(-1, 1, 2)), "are not in its block list"),
     "a destination listed here": (lambda p: _change(p, moves=tuple(m._replace(dst_block=0) for m in p.moves),
                                                     dst_blocks=(0,)), "repeats a block or names one outside"),
     "a destination listed by another": (lambda p: dataclasses.replace(

@@ -165,3 +165,18 @@ def test_the_movers_compiled_split_is_the_python_check_and_split_or_declines():
         assert [(a, b, list(f)) for a, b, f in got] == [(a, b, list(f)) for a, b, f in want], f"case {case}"
     assert 30 <= declined <= 200  # and at least 100 batches compared
     assert mover.waves([([Move(0, 1, 0, 2, 0)], "a")]) is None  # not packed: the Python checks run
+
+
+def test_a_batch_after_one_of_many_waves_splits_only_on_its_own_writes():
+    """``split_waves`` stamps the blocks a wave writes and never resets them: a batch must not read the previous
+    batch's stamps as its own. Three chained copies (three waves), then two independent copies, one reading the block
+    the last wave wrote: one wave, as the reference splits it. Found by the relocation kernels' mutation run
+    (fuzz/mutation_relocate.json): a wave stamp stepping by 2 reached past the batch's stamps into the next one."""
+    cache, _ = mixed_cache()
+    mover = host_mover(cache)
+    packed = lambda moves: [(MoveArray(array("q", [f for m in ms for f in m])), r) for ms, r in moves]  # noqa: E731
+    chained = packed([([Move(0, 1, 0, 2, 0)], "a"), ([Move(1, 2, 1, 3, 0)], "b"), ([Move(2, 3, 1, 4, 0)], "c")])
+    apart = packed([([Move(3, 5, 0, 6, 0)], "d"), ([Move(4, 4, 1, 7, 0)], "e")])
+    for copies, n in ((chained, 3), (apart, 1)):
+        got, want = mover.waves(copies), list(waves(check_copies(copies, NB, S)))
+        assert len(want) == n and [(a, b, list(f)) for a, b, f in got] == [(a, b, list(f)) for a, b, f in want]

@@ -139,6 +139,10 @@ def test_read_changes_past_the_change_logs_bound_say_rebuilt_on_both_sides(monke
     rt.evict_and_reclaim(["a"])  # 1 evicted, 1 joined
     c = rt.read_changes("a")
     assert (c.rebuilt, c.evicted, c.joined) == (False, (3,), (7,))
+    rt.sync_many([("a", pool.allocate(1, Purpose.ADMISSION), 10)])
+    rt.evict_and_reclaim(["a"])  # 2 evicted: at the bound, still listed (the read kernels' mutation run)
+    c = rt.read_changes("a")
+    assert (c.rebuilt, c.evicted, c.joined) == (False, (4, 5), (8, 9))
 
 
 def test_the_shadow_engines_submit_ordered_is_its_three_calls_and_refuses_what_is_no_pair():
