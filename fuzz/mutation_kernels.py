@@ -2,8 +2,8 @@
 (``TARGETS``: ``integration/fastpath/{kernels,gather_kernels,read_kernels,relocate}.py``), each run against that file's
 killer tests, then the fast fuzzer.
 
-    python -m vtoken.fuzz.mutation_kernels prepare --file kernels --work /tmp/mutk    # every mutant -> WORK/mutants.json
-    python -m vtoken.fuzz.mutation_kernels run --file kernels --seed 45 --n 60 --work /tmp/mutk  # -> fuzz/mutation_kernels.json
+    python -m vtoken.fuzz.mutation_kernels prepare --file kernels --work /tmp/mutk      # every mutant -> mutants.json
+    python -m vtoken.fuzz.mutation_kernels run --file kernels --seed 45 --n 60 --work /tmp/mutk    # -> its report
 
 Why not ``mutmut run``: its trampolines are Python code that numba cannot compile, and mutmut's generator skips
 decorated functions (every ``@njit`` kernel). So, as ``fuzz/mutation.py`` does for the core, the mutants are
