@@ -4,6 +4,7 @@ killer tests, then the fast fuzzer.
 
     python -m vtoken.fuzz.mutation_kernels prepare --file kernels --work /tmp/mutk      # every mutant -> mutants.json
     python -m vtoken.fuzz.mutation_kernels run --file kernels --seed 45 --n 60 --work /tmp/mutk    # -> its report
+    python -m vtoken.fuzz.mutation_kernels judge --file kernels      # SURVIVORS' verdicts into the report, nothing run
 
 Why not ``mutmut run``: its trampolines are Python code that numba cannot compile, and mutmut's generator skips
 decorated functions (every ``@njit`` kernel). So, as ``fuzz/mutation.py`` does for the core, the mutants are
@@ -28,7 +29,8 @@ One ``--work`` folder per file (its ``mutants.json`` is that file's). The scratc
 integration/), its own ``tests/`` (the conftest with Hypothesis's shrinking off: ``NO_SHRINK``) and
 ``pyproject.toml``, run with ``PYTHONPATH`` set to it and it as the working
 directory. ``vtoken/__init__.py`` makes the copy a regular package, so ``vtoken.integration.fastpath.kernels`` is
-imported from the copy and not through the editable install's finder (and the file's own module likewise); ``run`` checks that on the unmutated tree
+imported from the copy and not through the editable install's finder (the file's own module likewise); ``run``
+checks that on the unmutated tree
 first (and that the killers pass there) and stops if not.
 
 Verdicts on the survivors are human (``SURVIVORS`` below, each with its reason): equivalent, defensive (a check
@@ -436,8 +438,9 @@ def run_one(target: Target, source: Path, mutant: dict, work: Path, njit: set[st
 
 def compile_script(target: Target) -> str:
     """Compiles every kernel of the file (its ``warm_up`` calls each once; numba types a function's whole body,
-    branches never taken included); exit 1 with the error's line if one does not compile. For kernels.py and
-    read_kernels.py that is ``fastpath.unavailable()``'s answer: the fast path would not start."""
+    branches never taken included); exit 1 with the error's line if one does not compile. For every file but
+    relocate.py (its kernels compile per dtype, at a worker's start) that is ``fastpath.unavailable()``'s answer: the
+    fast path would not start."""
     return (f"import {target.module} as k\n"
             "try:\n"
             "    k.warm_up()\n"
@@ -483,12 +486,29 @@ def compile_check(a) -> dict:
     header["compile_check"] = {"unmutated_compile_s": base.wall_s, "checked": len(todo),
                                "command": "python -m vtoken.fuzz.mutation_kernels compile-check "
                                           f"--file {a.file} --work {a.work} --out {_shown(a.out)}"}
-    for r in results:  # the verdicts on the survivors of pytest and the fuzzer, whatever the compile check found
-        r.classification, r.reason = SURVIVORS.get(r.name, ("", ""))
+    judge(results)  # the verdicts on the survivors of pytest and the fuzzer, whatever the compile check found
     out = {**header, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
            "wall_s": round(report["wall_s"] + sum(r.runs.get("numba-compile", {}).get("wall_s", 0) for r in todo)
                            + base.wall_s, 1),
            "summary": summarize(results), "results": [asdict(r) for r in results]}
+    a.out.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
+    return out
+
+
+def judge(results: list[Result]) -> None:
+    """The human verdicts (``SURVIVORS``) onto ``results``, by name."""
+    for r in results:
+        r.classification, r.reason = SURVIVORS.get(r.name, ("", ""))
+
+
+def judge_report(a) -> dict:
+    """``--out``'s results judged again from ``SURVIVORS`` (verdicts written after the run), nothing run; with
+    ``--note``, the report's ``notes`` (how it was run, when that took more than its one command)."""
+    report = json.loads(a.out.read_text())
+    results = [Result(**r) for r in report["results"]]
+    judge(results)
+    out = {**report, **({"notes": a.note} if a.note else {}), "summary": summarize(results),
+           "results": [asdict(r) for r in results]}
     a.out.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
     return out
 
@@ -644,7 +664,10 @@ def _parser() -> argparse.ArgumentParser:
     cc.add_argument("--source", type=Path, default=REPO)
     cc.add_argument("--only", nargs="+", default=[], metavar="NAME",
                     help="these mutants of --out, whatever their verdict")
-    for sp in (pr, ru, cc):
+    ju = sub.add_parser("judge", help="apply SURVIVORS' verdicts to --out's results again (nothing run)")
+    ju.add_argument("--out", type=Path, default=None, help="the report (default: fuzz/mutation_<file>.json)")
+    ju.add_argument("--note", default="", help="the report's notes: how it was run, if not by its one command")
+    for sp in (pr, ru, cc, ju):
         sp.add_argument("--file", choices=list(TARGETS), default="kernels",
                         help="which kernel file (integration/fastpath/FILE.py; default: kernels)")
     return p
@@ -662,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(data['mutants'])} mutants of {data['file']}", file=sys.stderr)
             return 0
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the runs' process groups are killed
-        report = run(a) if a.cmd == "run" else compile_check(a)
+        report = {"run": run, "compile-check": compile_check, "judge": judge_report}[a.cmd](a)
         s = report["summary"]
         print(f"killed by pytest {s['killed_by_pytest']} / by fuzz {s['killed_by_fuzz']} / by pytest-jit "
               f"{s['killed_by_pytest_jit']} / by numba-compile {s['killed_by_numba_compile']} / timeout "
